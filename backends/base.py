@@ -1,0 +1,157 @@
+"""The Backend protocol: what the one training loop asks of a framework.
+
+A backend owns a model, its adapters and its optimizer on one framework (torch or mlx). It
+never owns the loop, the metrics schema or logging: it contributes numbers, not semantics.
+This module imports neither torch nor mlx.
+
+Loss convention (both backends, so an adapted run equals an unadapted one): for a batch the
+backend computes the *sum* of per-token cross-entropy over target positions whose mask is 1
+(targets are ``input_ids[:, 1:]``, mask ``loss_mask[:, 1:]``), multiplies it by
+``loss_scale`` (the loop passes 1 / label tokens of the whole optimizer step) before
+backward, and returns the unscaled sum. Gradients accumulate across calls until
+``optimizer_step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+PhaseHook = Callable[[str], None]
+"""Called by a backend inside forward_backward with "forward" (after the forward pass, before
+backward) and "backward" (after backward), where the framework lets the two be separated."""
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch. Arrays are numpy; the backend moves them to its device."""
+
+    input_ids: np.ndarray  # [B, T] int32, right-padded with pad_id
+    loss_mask: np.ndarray  # [B, T] int8: 1 where the token is a target that counts in the loss
+    lengths: np.ndarray  # [B] int32 real (unpadded) lengths
+    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # dataset ids
+
+    @property
+    def tokens(self) -> int:
+        """Real (non-pad) tokens in the batch."""
+        return int(self.lengths.sum())
+
+    @property
+    def label_tokens(self) -> int:
+        """Target positions that count in the loss."""
+        return int(self.loss_mask[:, 1:].sum())
+
+    def split(self, micro: int) -> list[Batch]:
+        """Split into consecutive micro-batches of at most ``micro`` samples, each trimmed to
+        its own longest sample so no padding column is computed."""
+        out = []
+        for i in range(0, len(self.lengths), micro):
+            lens = self.lengths[i : i + micro]
+            t = int(lens.max())
+            out.append(
+                Batch(
+                    self.input_ids[i : i + micro, :t],
+                    self.loss_mask[i : i + micro, :t],
+                    lens,
+                    self.indices[i : i + micro] if len(self.indices) else self.indices,
+                )
+            )
+        return out
+
+
+@dataclass
+class ModelInfo:
+    """What a backend reports after setup()."""
+
+    params_total: int  # every parameter of the model (adapters included), counted by element
+    params_trainable: int  # parameters the optimizer updates
+    device: str  # e.g. "cuda:0", "cpu", "mlx:gpu", "mlx:cpu"
+    dtype: str  # weight dtype of the base model, e.g. "float32", "bfloat16", "nf4"
+    model_path: str  # resolved local directory of the base model
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class OutOfMemory(Exception):
+    """Raised by a backend when the framework reports an allocation failure it survived
+    (e.g. torch.cuda.OutOfMemoryError). The loop's governor may retry with a smaller
+    micro-batch."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "cuda" | "mlx"
+
+    def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
+        """Load the base model from the HF-format ``model_dir``, apply the method (lora, dora,
+        qlora, full), precision and gradient checkpointing, build the optimizer. ``cfg`` is
+        the composed finetune.config.Config. Raise finetune.config.UserError for a choice the
+        backend cannot run (naming the ones it can)."""
+        ...
+
+    def forward_backward(self, batch: Batch, loss_scale: float, on_phase: PhaseHook | None = None) -> float:
+        """Accumulate gradients of ``loss_sum * loss_scale``; return loss_sum (float).
+        Raise OutOfMemory on a survivable allocation failure (grads of this call undone)."""
+        ...
+
+    def optimizer_step(self, lr: float) -> float | None:
+        """Clip (optim.max_grad_norm), step with learning rate ``lr``, zero the gradients.
+        Return the pre-clip gradient norm, or None if not computed."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the loop redoes a step after an OutOfMemory)."""
+        ...
+
+    def eval_loss(self, batch: Batch) -> float:
+        """Sum of per-token loss over the batch's target positions, no gradients."""
+        ...
+
+    def save_adapter(self, path: Path) -> None:
+        """Write the trained adapter (PEFT format on cuda, mlx-lm format on mlx) or, for
+        method=full, the full weights (HF format on cuda, mlx-lm safetensors on mlx) into the
+        existing empty directory ``path``."""
+        ...
+
+    def save_state(self, path: Path) -> None:
+        """Write everything needed to resume (trainable weights, optimizer state, framework
+        RNG) into the existing empty directory ``path``."""
+        ...
+
+    def load_state(self, path: Path) -> None:
+        """Restore what save_state wrote (after setup())."""
+        ...
+
+    def memory(self) -> dict[str, int | None]:
+        """Allocator figures in bytes, None where unmeasurable. Keys: allocated, reserved,
+        peak_allocated, peak_reserved (since the last reset_peak), device_total, and any
+        backend-specific extras (cuda: inactive_split, alloc_retries, num_ooms, per-device
+        lists; mlx: mlx_active, mlx_cache, mlx_peak, mlx_memory_limit, mlx_cache_limit,
+        mlx_wired_limit, mlx_recommended_working_set)."""
+        ...
+
+    def reset_peak(self) -> None:
+        """Reset the allocator's peak counters."""
+        ...
+
+    def census(self) -> dict[str, int]:
+        """Bytes by category, from the live objects: frozen_weights, trainable_weights, grads,
+        optimizer_state (allocator-held), optimizer_state_paged (outside the allocator, e.g.
+        bitsandbytes paged/unified memory), quant_buffers."""
+        ...
+
+    def release_cache(self) -> None:
+        """Return cached, unused allocator blocks to the system (torch empty_cache /
+        mx.clear_cache)."""
+        ...
+
+    def set_memory_limits(self, budget_bytes: int) -> dict[str, Any]:
+        """Apply a memory budget where the framework lets us (mlx: memory/cache/wired limits;
+        cuda: per-process memory fraction). Return what was set, for the event log."""
+        ...
+
+    def set_grad_checkpointing(self, enabled: bool) -> None:
+        """Turn activation recomputation on or off for the following steps."""
+        ...

@@ -1,0 +1,215 @@
+"""Data pipeline: records -> token ids with a loss mask -> length-grouped, deterministic batches.
+
+Formats a record may take (jsonl or a hub data set):
+  {"text": ...}                                   every token counts in the loss
+  {"prompt": ..., "completion": ...}              only completion tokens count (data.mask_prompt)
+  {"question": ..., "answer": ...}                as prompt/completion (GSM8K's shape)
+  {"messages": [{"role": ..., "content": ...}]}   rendered with the tokenizer's chat template;
+                                                  only assistant turns count
+
+The order of samples is a pure function of (seed, effective batch size, step), never of the
+micro-batch, so the governor can split an optimizer step differently without changing which
+samples it trains on or in what order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.base import Batch
+from finetune.config import UserError
+
+log = logging.getLogger("finetune")
+
+GROUP_STEPS = 16  # effective batches sorted together by length: less padding, still shuffled
+
+
+@dataclass
+class Tokenized:
+    ids: list[np.ndarray]  # int32 token ids per sample
+    masks: list[np.ndarray]  # int8, 1 where the token counts as a target
+    truncated: int
+    dropped_no_target: int
+    longest: int
+
+
+def load_records(data_cfg: Any, seed: int) -> list[dict[str, Any]]:
+    """Read the configured source into a list of dict records."""
+    if data_cfg.name == "synthetic":
+        from finetune.synthetic import generate
+
+        return generate(data_cfg.num_samples, seed=seed)
+    if data_cfg.name == "jsonl":
+        path = Path(data_cfg.path).expanduser()
+        if not path.is_file():
+            raise UserError(f"data.path={data_cfg.path} does not exist; point it at a .jsonl file")
+        records = []
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{n} is not valid JSON ({e.msg}); fix or remove that line") from None
+                if data_cfg.max_samples and len(records) >= data_cfg.max_samples:
+                    break
+        if not records:
+            raise UserError(f"{path} holds no records; it needs one JSON object a line")
+        return records
+    if data_cfg.name == "hf":
+        try:
+            import datasets
+        except ImportError:
+            raise UserError("data=hf needs the datasets package: pip install 'finetune[hf]'") from None
+        ds = datasets.load_dataset(data_cfg.hf_name, data_cfg.hf_config, split=data_cfg.hf_split)
+        if data_cfg.max_samples:
+            ds = ds.select(range(min(data_cfg.max_samples, len(ds))))
+        return [dict(r) for r in ds]
+    raise UserError(f"data={data_cfg.name} is not valid; choose one of: synthetic, jsonl, hf")
+
+
+def _render(record: dict[str, Any], tokenizer: Any, mask_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+    """Return (text, character spans that count in the loss)."""
+    if "messages" in record:
+        msgs = record["messages"]
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise UserError("data has chat 'messages' but the model's tokenizer has no chat template; "
+                            "use {'prompt','completion'} records or a chat model")
+        text = tokenizer.apply_chat_template(msgs, tokenize=False)
+        if not mask_prompt:
+            return text, [(0, len(text))]
+        spans = []
+        for i, m in enumerate(msgs):
+            if m.get("role") == "assistant":
+                start = len(tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)) if i else 0
+                end = len(tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False))
+                spans.append((start, end))
+        return text, spans
+    if "prompt" in record and "completion" in record:
+        p, c = str(record["prompt"]), str(record["completion"])
+    elif "question" in record and "answer" in record:
+        p, c = f"Question: {record['question']}\nAnswer: ", str(record["answer"])
+    elif "text" in record:
+        t = str(record["text"])
+        return t, [(0, len(t))]
+    else:
+        raise UserError(f"record with keys {sorted(record)} has no known format; use text, prompt+completion, "
+                        "question+answer or messages")
+    text = p + c
+    return text, [(len(p) if mask_prompt else 0, len(text))]
+
+
+def tokenize(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool) -> Tokenized:
+    """Tokenize records (EOS appended, counted in the loss), truncate to ``seq_len``."""
+    rendered = [_render(r, tokenizer, mask_prompt) for r in records]
+    enc = tokenizer([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    eos = tokenizer.eos_token_id
+    ids_out, masks_out, truncated, dropped, longest = [], [], 0, 0, 0
+    for (_, spans), ids, offs in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+        starts = np.array([o[0] for o in offs], dtype=np.int64)
+        mask = np.zeros(len(ids), np.int8)
+        for a, b in spans:
+            mask |= ((starts >= a) & (starts < b)).astype(np.int8)
+        ids = list(ids)
+        if eos is not None:
+            ids.append(eos)
+            mask = np.append(mask, np.int8(1 if spans else 0))
+        longest = max(longest, len(ids))
+        if len(ids) > seq_len:
+            truncated += 1
+            ids, mask = ids[:seq_len], mask[:seq_len]
+        if mask[1:].sum() == 0:  # nothing to learn from (e.g. the prompt alone fills seq_len)
+            dropped += 1
+            continue
+        ids_out.append(np.asarray(ids, np.int32))
+        masks_out.append(mask)
+    return Tokenized(ids_out, masks_out, truncated, dropped, longest)
+
+
+def collate(ids: list[np.ndarray], masks: list[np.ndarray], indices: np.ndarray, pad_id: int) -> Batch:
+    lengths = np.array([len(x) for x in ids], np.int32)
+    t = int(lengths.max())
+    arr = np.full((len(ids), t), pad_id, np.int32)
+    m = np.zeros((len(ids), t), np.int8)
+    for i, (x, y) in enumerate(zip(ids, masks)):
+        arr[i, : len(x)] = x
+        m[i, : len(y)] = y
+    return Batch(arr, m, lengths, np.asarray(indices, np.int64))
+
+
+class DataSource:
+    """Train/validation split and the deterministic step -> samples schedule."""
+
+    def __init__(self, tok: Tokenized, pad_id: int, effective_batch: int, seed: int,
+                 val_fraction: float, max_val: int):
+        n = len(tok.ids)
+        perm = np.random.default_rng(seed).permutation(n)
+        n_val = min(max_val, int(round(val_fraction * n))) if val_fraction > 0 else 0
+        if val_fraction > 0 and n_val == 0 and n > 1:
+            n_val = 1
+        self.val_idx = np.sort(perm[:n_val])
+        self.train_idx = np.sort(perm[n_val:])
+        if len(self.train_idx) < effective_batch:
+            raise UserError(
+                f"only {len(self.train_idx)} training samples for an effective batch of {effective_batch} "
+                "(train.batch_size * train.grad_accum); add data or lower the batch")
+        self.tok, self.pad_id, self.E, self.seed = tok, pad_id, effective_batch, seed
+        self.steps_per_epoch = len(self.train_idx) // effective_batch
+        self._epoch_cache: dict[int, list[np.ndarray]] = {}
+
+    def _epoch(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._epoch_cache:
+            rng = np.random.default_rng([self.seed, epoch])
+            order = self.train_idx[rng.permutation(len(self.train_idx))]
+            order = order[: self.steps_per_epoch * self.E]  # drop the ragged tail of an epoch
+            lens = np.array([len(self.tok.ids[i]) for i in order])
+            batches = []
+            chunk = self.E * GROUP_STEPS
+            for c in range(0, len(order), chunk):
+                o, ln = order[c : c + chunk], lens[c : c + chunk]
+                o = o[np.argsort(-ln, kind="stable")]  # longest first within the chunk
+                group = [o[i : i + self.E] for i in range(0, len(o), self.E)]
+                batches += [group[j] for j in rng.permutation(len(group))]
+            self._epoch_cache = {epoch: batches}  # keep one epoch: memory stays flat
+        return self._epoch_cache[epoch]
+
+    def train_batch(self, step_index: int) -> Batch:
+        """Effective batch for 0-based optimizer step ``step_index`` (the same for any micro-batch)."""
+        idx = self._epoch(step_index // self.steps_per_epoch)[step_index % self.steps_per_epoch]
+        return collate([self.tok.ids[i] for i in idx], [self.tok.masks[i] for i in idx], idx, self.pad_id)
+
+    def val_batches(self, batch_size: int, max_batches: int) -> list[Batch]:
+        idx = sorted(self.val_idx, key=lambda i: -len(self.tok.ids[i]))
+        out = []
+        for i in range(0, len(idx), batch_size):
+            sel = idx[i : i + batch_size]
+            out.append(collate([self.tok.ids[j] for j in sel], [self.tok.masks[j] for j in sel], np.array(sel), self.pad_id))
+        return out[:max_batches] if max_batches > 0 else out
+
+
+def build(cfg: Any, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
+    """Load, tokenize and split the configured data. Returns the source and its stats."""
+    records = load_records(cfg.data, cfg.train.seed)
+    tok = tokenize(records, tokenizer, cfg.train.seq_len, cfg.data.mask_prompt)
+    if not tok.ids:
+        raise UserError("no sample has any target token after tokenizing; check the data format or train.seq_len")
+    if tok.truncated:
+        log.warning("%d of %d samples were longer than train.seq_len=%d and were truncated (longest %d tokens); "
+                    "raise train.seq_len to keep them whole", tok.truncated, len(records), cfg.train.seq_len, tok.longest)
+    if tok.dropped_no_target:
+        log.warning("%d samples had no target token within train.seq_len and were dropped", tok.dropped_no_target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    src = DataSource(tok, int(pad), cfg.train.batch_size * cfg.train.grad_accum, cfg.train.seed,
+                     cfg.data.val_fraction, cfg.data.max_val_samples)
+    lens = np.array([len(x) for x in tok.ids])
+    stats = {"records": len(records), "samples": len(tok.ids), "train_samples": len(src.train_idx),
+             "val_samples": len(src.val_idx), "truncated": tok.truncated, "dropped_no_target": tok.dropped_no_target,
+             "mean_tokens": float(lens.mean()), "max_tokens": int(lens.max())}
+    return src, stats

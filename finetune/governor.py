@@ -1,0 +1,178 @@
+"""The governor: given the plan, the samples and the budget, what do we change?
+
+Every change keeps the math: the micro-batch only ever moves to a smaller divisor of the
+effective batch (gradient accumulation rises to match), gradient checkpointing recomputes
+rather than approximates, and releasing cached blocks changes no number. Each action is an
+event ``{step, trigger, action, before, after}`` handed to ``emit``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from finetune.config import UserError
+
+log = logging.getLogger("finetune")
+
+SWAP_GROWTH_BYTES = 256 << 20  # swap grown this much since the run started: we are paging
+PSI_SOME_AVG10 = 20.0  # % of the last 10 s some task stalled on memory (Linux PSI)
+FRAGMENTED_FRACTION = 0.25  # inactive split blocks / reserved
+FRAGMENTED_MIN_BYTES = 512 << 20
+
+
+def smaller_divisor(n: int, below: int) -> int | None:
+    """Largest divisor of ``n`` that is at most ``below // 2`` (halve, staying exact)."""
+    for d in range(max(1, below // 2), 0, -1):
+        if n % d == 0:
+            return d
+    return None
+
+
+def device_total_bytes(backend_name: str) -> int | None:
+    """Memory the run's device has: GPU total, Apple's recommended working set, or RAM."""
+    import sys
+
+    import psutil
+
+    if backend_name == "mlx":
+        if sys.platform == "darwin":
+            try:
+                import mlx.core as mx
+
+                info = mx.metal.device_info() if hasattr(mx, "metal") else mx.device_info()
+                return int(info["max_recommended_working_set_size"])
+            except Exception:  # no Metal device: fall back to RAM
+                pass
+        return int(psutil.virtual_memory().total)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except ImportError:
+        pass
+    return int(psutil.virtual_memory().total)
+
+
+def _measured_peak(sample: dict[str, Any]) -> int | None:
+    """The step's peak as the allocator saw it; RSS where no allocator is measured."""
+    for key in ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "peak_allocated"):
+        v = sample.get(key)
+        if v is not None:
+            return int(v)
+    return None
+
+
+class Governor:
+    def __init__(self, cfg: Any, backend_name: str, emit: Callable[[dict[str, Any]], None]):
+        from finetune.planner import parse_budget
+
+        self.cfg, self.backend_name, self.emit = cfg, backend_name, emit
+        self.effective = cfg.train.batch_size * cfg.train.grad_accum
+        self.micro = cfg.train.batch_size
+        self.grad_checkpointing = bool(cfg.train.grad_checkpointing)
+        self.adapt = bool(cfg.memory.adapt)
+        self.backend: Any = None
+        total = device_total_bytes(backend_name)
+        self.budget_bytes = parse_budget(cfg.memory.budget, total) if cfg.memory.budget is not None else total
+        self._swap_base: int | None = None
+        self._swap_acted_at: int | None = None
+
+    def _act(self, step: int, trigger: str, action: str, before: dict[str, Any], after: dict[str, Any]) -> None:
+        self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after})
+
+    def _lower_micro(self, step: int, trigger: str) -> bool:
+        new = smaller_divisor(self.effective, self.micro)
+        if new is None or new >= self.micro:
+            return False
+        before = {"batch_size": self.micro, "grad_accum": self.effective // self.micro}
+        self.micro = new
+        self._act(step, trigger, "lower_micro_batch", before, {"batch_size": new, "grad_accum": self.effective // new})
+        return True
+
+    # -- before any weight is loaded ---------------------------------------------------------
+    def before_load(self) -> None:
+        """Fit the plan to the budget: smaller micro-batch, then checkpointing; else stop."""
+        if self.cfg.memory.budget is None:
+            return  # the device's own size: only an explicit budget changes a run before it starts
+        from finetune import planner
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.merge(self.cfg, {"backend": {"name": self.backend_name}})
+        res = planner.fit_to_budget(cfg, self.budget_bytes)
+        if not res.events and res.fits:
+            return
+        if not self.adapt:
+            log.warning("plan: %s does not fit memory.budget; memory.adapt=false so nothing changes",
+                        planner.format_table(res.plan).splitlines()[0] if res.plan else "the run")
+            return
+        if not res.fits:
+            raise UserError(f"does not fit memory.budget={self.cfg.memory.budget} even at micro-batch 1 with "
+                            f"gradient checkpointing; would fit: {', '.join(res.suggestions) or 'a larger budget'} "
+                            "(see: finetune mode=plan ...)")
+        for ev in res.events:
+            self.emit({"step": 0, **ev})
+        self.micro = res.batch_size
+        self.grad_checkpointing = res.grad_checkpointing
+
+    def attach(self, backend: Any) -> None:
+        """Apply framework limits from the budget (MLX: memory, cache and wired limits)."""
+        self.backend = backend
+        if self.backend_name == "mlx" and self.adapt and self.budget_bytes:
+            got = backend.set_memory_limits(self.budget_bytes)
+            if got:
+                self._act(0, "budget", "set_mlx_limits", {k: v.get("previous") if isinstance(v, dict) else None for k, v in got.items()},
+                          {k: v.get("set") if isinstance(v, dict) else v for k, v in got.items()})
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.micro = int(state.get("micro_batch", self.micro))
+        if state.get("grad_checkpointing") and not self.grad_checkpointing and self.backend is not None:
+            self.backend.set_grad_checkpointing(True)
+        self.grad_checkpointing = bool(state.get("grad_checkpointing", self.grad_checkpointing))
+
+    # -- while training ----------------------------------------------------------------------
+    def on_oom(self, step: int, exc: Exception) -> None:
+        """An allocation failed mid-step: lower the micro-batch so the loop redoes the step."""
+        if not self.adapt:
+            raise UserError(f"out of memory at step {step} with micro-batch {self.micro} and memory.adapt=false; "
+                            "set memory.adapt=true or lower train.batch_size (raise train.grad_accum to keep the batch)")
+        if not self._lower_micro(step, "oom"):
+            if not self.grad_checkpointing:
+                self.grad_checkpointing = True
+                self.backend.set_grad_checkpointing(True)
+                self._act(step, "oom", "enable_grad_checkpointing", {"grad_checkpointing": False}, {"grad_checkpointing": True})
+                return
+            raise UserError(f"out of memory at step {step} even at micro-batch 1 with gradient checkpointing; "
+                            "try method=qlora, fewer method.lora.num_layers, a lower train.seq_len, or a larger device "
+                            "(finetune mode=plan shows what fits)")
+
+    def after_step(self, step: int, sample: dict[str, Any] | None) -> None:
+        """React to measured peak above budget, swap growth, memory pressure, fragmentation."""
+        if sample is None:
+            return
+        peak = _measured_peak(sample)
+        if self.budget_bytes and peak is not None and peak > self.budget_bytes and self.cfg.memory.budget is not None:
+            if not self.adapt or not self._lower_micro(step, "peak_above_budget"):
+                log.warning("step %d: measured peak %d B is above memory.budget %d B", step, peak, self.budget_bytes)
+        swap = sample.get("swap_used")
+        if swap is not None:
+            if self._swap_base is None:
+                self._swap_base = int(swap)
+            grown = int(swap) - self._swap_base
+            if grown > SWAP_GROWTH_BYTES and (self._swap_acted_at is None or step - self._swap_acted_at > 5):
+                self._swap_acted_at = step
+                if self.adapt and self.backend is not None:
+                    self.backend.release_cache()
+                if not self.adapt or not self._lower_micro(step, "swap_growth"):
+                    log.warning("step %d: system swap grew %d B since the run started; steps will be slow", step, grown)
+                self._swap_base = int(swap)
+        psi = sample.get("psi_some_avg10")
+        if psi is not None and psi > PSI_SOME_AVG10 and self.adapt and (self._swap_acted_at is None or step - self._swap_acted_at > 5):
+            self._swap_acted_at = step
+            self._lower_micro(step, "memory_pressure")
+        split, reserved = sample.get("inactive_split"), sample.get("reserved")
+        if split and reserved and split > FRAGMENTED_MIN_BYTES and split > FRAGMENTED_FRACTION * reserved and self.adapt:
+            self.backend.release_cache()
+            self._act(step, "fragmentation", "release_cache", {"inactive_split": split, "reserved": reserved},
+                      {"reserved": None})

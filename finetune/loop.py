@@ -1,0 +1,286 @@
+"""The one training loop. Both backends run through it; a backend contributes numbers only.
+
+Per optimizer step: take the step's effective batch (fixed by seed and step), split it into
+micro-batches of the governor's current size, accumulate gradients with the loss scaled by
+1 / (label tokens of the whole step), step the optimizer, sample memory, log one metrics line.
+Because the scale is global to the step, the split does not change the math: an adapted run
+trains the same samples in the same order to the same losses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from backends import OutOfMemory, get_backend, resolve_backend_name
+from finetune.config import UserError, validate
+from finetune.io import atomic_dir, atomic_write_json, atomic_write_text
+
+log = logging.getLogger("finetune")
+
+
+def lr_at(step: int, cfg: Any) -> float:
+    """Learning rate for 1-based optimizer ``step``: linear warmup, then the schedule."""
+    base, total, warm = cfg.optim.lr, cfg.train.steps, cfg.train.warmup_steps
+    if warm and step <= warm:
+        return base * step / warm
+    if cfg.train.schedule == "constant" or total <= warm:
+        return base
+    frac = (step - warm) / max(1, total - warm)
+    if cfg.train.schedule == "linear":
+        return base * (1.0 - frac)
+    return base * 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine to 0 at the last step
+
+
+def _latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    return ckpts[-1] if ckpts else None
+
+
+class Trainer:
+    """Owns one run: setup, the step loop, evaluation, checkpoints and the run directory."""
+
+    def __init__(self, cfg: Any):
+        validate(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events: list[dict[str, Any]] = []
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from finetune import data as data_mod
+        from finetune.accounting import Accountant
+        from finetune.governor import Governor
+        from finetune.model_source import resolve_model_dir
+
+        cfg = self.cfg
+        self.backend_name, reason = resolve_backend_name(cfg.backend.name)
+        print(reason, file=sys.stderr)
+        self.model_dir = resolve_model_dir(cfg.model, seed=0)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.data, self.data_stats = data_mod.build(cfg, self.tokenizer)
+        self.backend = get_backend(self.backend_name)
+        self.governor = Governor(cfg, self.backend_name, self._event)
+        self.governor.before_load()  # may lower the micro-batch / turn on checkpointing
+        self.info = self.backend.setup(cfg, self.model_dir)
+        if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
+            self.backend.set_grad_checkpointing(True)
+        self.governor.attach(self.backend)
+        self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every)
+        self.acct.sample(0, "load")
+
+    def _event(self, ev: dict[str, Any]) -> None:
+        self.events.append(ev)
+        print(f"[governor] step {ev['step']}: {ev['trigger']} -> {ev['action']} "
+              f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})", file=sys.stderr)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"event": ev}) + "\n")
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> None:
+        with atomic_dir(self.run_dir / "checkpoints" / f"step_{step:07d}") as tmp:
+            (tmp / "backend").mkdir()
+            self.backend.save_state(tmp / "backend")
+            atomic_write_json(tmp / "trainer_state.json", {
+                "step": step, "micro_batch": self.governor.micro,
+                "grad_checkpointing": self.governor.grad_checkpointing,
+                "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
+                "tokens": self.tokens, "samples": self.samples})
+        for old in sorted((self.run_dir / "checkpoints").glob("step_*"))[:-2]:  # keep the last two
+            shutil.rmtree(old, ignore_errors=True)
+
+    def maybe_resume(self) -> int:
+        if not self.cfg.train.resume:
+            return 0
+        ckpt = _latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise UserError(f"train.resume=true but {self.run_dir}/checkpoints holds no checkpoint; "
+                            "point hydra.run.dir at the run to continue, or set train.save_every")
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        eff = self.cfg.train.batch_size * self.cfg.train.grad_accum
+        if state["effective_batch"] != eff:
+            raise UserError(f"checkpoint was trained with effective batch {state['effective_batch']}, this run has {eff}; "
+                            "keep train.batch_size * train.grad_accum equal to resume")
+        self.backend.load_state(ckpt / "backend")
+        self.governor.restore(state)
+        self.tokens, self.samples = state["tokens"], state["samples"]
+        # metrics after the checkpoint belong to the abandoned future: drop them
+        if self.metrics_path.exists():
+            keep = [ln for ln in self.metrics_path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= state["step"] and "event" not in json.loads(ln)]
+            atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
+        print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
+        return int(state["step"])
+
+    # -- one step ----------------------------------------------------------------------------
+    def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
+        """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
+        batch = self.data.train_batch(step - 1)
+        scale = 1.0 / batch.label_tokens
+        def hook(phase: str) -> None:
+            self.acct.sample(step, phase)
+
+        while True:
+            try:
+                loss_sum = 0.0
+                for micro in batch.split(self.governor.micro):
+                    loss_sum += self.backend.forward_backward(micro, scale, hook)
+                break
+            except OutOfMemory as e:
+                self.backend.zero_grad()
+                self.backend.release_cache()
+                self.governor.on_oom(step, e)  # lowers the micro-batch or raises UserError
+        grad_norm = self.backend.optimizer_step(lr_at(step, self.cfg))
+        return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
+
+    def evaluate(self) -> float | None:
+        if self.cfg.train.eval_every <= 0:
+            return None
+        batches = self.data.val_batches(self.governor.micro, self.cfg.train.eval_batches)
+        if not batches:
+            return None
+        total = sum(self.backend.eval_loss(b) for b in batches)
+        return total / sum(b.label_tokens for b in batches)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.tokens = self.samples = 0
+        start = self.maybe_resume()
+        if start == 0:
+            self.metrics_path.unlink(missing_ok=True)
+            for ev in self.events:  # governor decisions made before loading
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps({"event": ev}) + "\n")
+        bar = _progress(cfg, start)
+        losses: list[float] = []
+        val_loss = None
+        step_seconds = 0.0
+        first_opt_census = None
+        t_run = time.perf_counter()
+        for step in range(start + 1, cfg.train.steps + 1):
+            self.acct.start_step(step)
+            t0 = time.perf_counter()
+            loss, ntok, nsamp, gnorm = self._train_step(step)
+            dt = time.perf_counter() - t0
+            step_seconds += dt
+            self.tokens += ntok
+            self.samples += nsamp
+            losses.append(loss)
+            sample = self.acct.sample(step, "optimizer")
+            if step == 1 and sample is not None:
+                first_opt_census = self._calibrate()
+            self.governor.after_step(step, sample)
+            rec = {"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": gnorm, "tokens": ntok,
+                   "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
+                   "tokens_per_sec": ntok / dt if dt > 0 else None}
+            if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                val_loss = self.evaluate()
+                rec["val_loss"] = val_loss
+            rec.update(self.acct.metrics_fields() if sample is not None else {})
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss:.4f} | {rec['tokens_per_sec'] or 0:,.0f} tok/s | {self.acct.progress_text()}",
+                                    refresh=False)
+                bar.update(1)
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+                self.save_checkpoint(step)
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t_run
+        with atomic_dir(self.run_dir / "adapter") as tmp:
+            self.backend.save_adapter(tmp)
+        if cfg.train.save_every:
+            self.save_checkpoint(cfg.train.steps)
+        summary = self._summary(losses, val_loss, wall, step_seconds, first_opt_census)
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        try:
+            self.acct.write_plot(self.run_dir / "memory.png")
+        except Exception as e:  # a plot must never cost the run its results
+            log.warning("memory.png not written: %s", e)
+        print(self.acct.table(), file=sys.stderr)
+        for ex in summary["memory"].get("explanations", []):
+            print(f"[memory] {ex['text']}", file=sys.stderr)
+        print(f"run dir: {self.run_dir}", file=sys.stderr)
+        return summary
+
+    def _calibrate(self) -> dict[str, Any] | None:
+        """After the first optimizer step: compare the plan to the census and measurement."""
+        try:
+            from finetune import planner
+
+            self.plan = planner.plan(self.cfg_for_plan())
+            self.plan_error = planner.plan_error(self.plan, self.backend.census(), self.acct.samples[-1])
+        except Exception as e:  # calibration is a report, never a reason to stop training
+            log.warning("plan calibration skipped: %s", e)
+            self.plan, self.plan_error = None, None
+        return self.backend.census()
+
+    def cfg_for_plan(self) -> Any:
+        c = OmegaConf.merge(self.cfg, {"train": {"batch_size": self.governor.micro,
+                                                 "grad_checkpointing": self.governor.grad_checkpointing},
+                                       "backend": {"name": self.backend_name}})
+        return c
+
+    def _summary(self, losses: list[float], val_loss: float | None, wall: float, step_seconds: float,
+                 first_census: dict[str, Any] | None) -> dict[str, Any]:
+        tail = losses[-min(10, len(losses)):] if losses else []
+        return {
+            "backend": self.backend_name,
+            "device": self.info.device,
+            "model": self.cfg.model.name,
+            "model_path": str(self.info.model_path),
+            "method": self.cfg.method.name,
+            "optim": self.cfg.optim.name,
+            "precision": self.cfg.precision.name,
+            "dtype": self.info.dtype,
+            "params_total": self.info.params_total,
+            "params_trainable": self.info.params_trainable,
+            "steps": self.cfg.train.steps,
+            "steps_this_run": len(losses),
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "tokens_per_sec": self.tokens / step_seconds if step_seconds > 0 and losses else None,
+            "wall_s": wall,
+            "first_loss": losses[0] if losses else None,
+            "final_train_loss": sum(tail) / len(tail) if tail else None,
+            "last_step_loss": losses[-1] if losses else None,
+            "final_val_loss": val_loss,
+            "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
+            "micro_batch": self.governor.micro,
+            "data": self.data_stats,
+            "memory": self.acct.summary(step_seconds),
+            "census_after_first_step": first_census,
+            "plan_error": getattr(self, "plan_error", None),
+            "adaptations": self.events,
+            "budget_bytes": self.governor.budget_bytes,
+        }
+
+
+def _progress(cfg: Any, start: int) -> Any:
+    if not cfg.train.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start, desc="train", file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5)
+
+
+def train(cfg: Any) -> dict[str, Any]:
+    """Run a training job for a composed config; return the summary (also in summary.json)."""
+    trainer = Trainer(cfg)
+    trainer.setup()
+    return trainer.train()

@@ -1,0 +1,75 @@
+"""The CLI surface: every group option composes, bad input is one line, --help is light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from finetune.cli import group_options
+from finetune.config import GROUPS, UserError, validate
+
+from conftest import make_cfg
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_option_composes_and_validates(group, tmp_path):
+    options = group_options(group)
+    assert options, f"conf/{group} has no options"
+    for opt in options:
+        cfg = make_cfg(tmp_path, f"{group}={opt}")
+        validate(cfg) if group not in ("data",) or opt == "synthetic" else None
+        name = getattr(cfg, group).get("name", opt)
+        if group in ("backend", "method", "optim", "precision", "data", "model"):
+            assert name == opt, f"{group}={opt} composed name {name}"
+
+
+def test_data_groups_need_their_source(tmp_path):
+    with pytest.raises(UserError, match="data.path="):
+        validate(make_cfg(tmp_path, "data=jsonl"))
+    with pytest.raises(UserError, match="data.hf_name="):
+        validate(make_cfg(tmp_path, "data=hf"))
+
+
+def test_model_presets_carry_architecture(tmp_path):
+    for name in group_options("model"):
+        m = make_cfg(tmp_path, f"model={name}").model
+        assert m.hidden_size % m.num_heads == 0 and m.num_heads % m.num_kv_heads == 0
+        assert (m.path is None) == (name == "tiny")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["model=nope"], "model=nope is not an option; choose one of: llama2-7b, llama3-8b, qwen2-0.5b"),
+    (["optim=adam8"], "optim=adam8 is not an option; choose one of: adafactor, adam, adamw"),
+    (["-m", "optim=adamw,bogus"], "optim=bogus is not an option"),
+    (["train.steps=0"], "train.steps=0 must be >= 1"),
+    (["data=jsonl", "data.path=/nonexistent.jsonl"], "data.path=/nonexistent.jsonl does not exist"),
+    (["model.path=/no/such/dir"], "model.path=/no/such/dir does not exist"),
+])
+def test_bad_input_is_one_line_nonzero_no_traceback(args, needle, tmp_path):
+    r = _run(*args, f"hydra.run.dir={tmp_path}/r", "train.progress=false")
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    err_lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err_lines) == 1, r.stderr
+
+
+def test_help_is_fast_and_imports_no_framework():
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "finetune.cli", "--help"],
+                       capture_output=True, text=True, timeout=30)
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 0
+    for g in GROUPS:
+        assert f"{g}:" in r.stdout
+    imported = {ln.split("|")[-1].strip().split(".")[0] for ln in r.stderr.splitlines() if ln.startswith("import time:")}
+    assert not imported & {"torch", "mlx", "transformers", "mlx_lm"}, imported & {"torch", "mlx", "transformers"}
+    # Budget 1 s on a quiet machine; -X importtime adds its own cost, so allow a little over.
+    assert elapsed < 2.0, f"--help took {elapsed:.2f}s"
