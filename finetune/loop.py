@@ -118,8 +118,11 @@ class Trainer:
         self.tokens, self.samples = state["tokens"], state["samples"]
         # metrics after the checkpoint belong to the abandoned future: drop them
         if self.metrics_path.exists():
-            keep = [ln for ln in self.metrics_path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= state["step"] and "event" not in json.loads(ln)]
+            def step_of(line: str) -> int:
+                rec = json.loads(line)
+                return int(rec["event"]["step"] if "event" in rec else rec["step"])
+
+            keep = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip() and step_of(ln) <= state["step"]]
             atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
         print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
         return int(state["step"])
@@ -170,7 +173,14 @@ class Trainer:
         step_seconds = 0.0
         first_opt_census = None
         t_run = time.perf_counter()
+        stop = _StopOnSignal()
         for step in range(start + 1, cfg.train.steps + 1):
+            if stop.requested:
+                self.save_checkpoint(step - 1)
+                print(f"stopped by {stop.requested} after step {step - 1}; checkpoint saved: continue with "
+                      f"train.resume=true hydra.run.dir={self.run_dir}", file=sys.stderr)
+                stop.close()
+                raise SystemExit(143)
             self.acct.start_step(step)
             t0 = time.perf_counter()
             loss, ntok, nsamp, gnorm = self._train_step(step)
@@ -198,6 +208,7 @@ class Trainer:
                 bar.update(1)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 self.save_checkpoint(step)
+        stop.close()
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - t_run
@@ -268,6 +279,30 @@ class Trainer:
             "adaptations": self.events,
             "budget_bytes": self.governor.budget_bytes,
         }
+
+
+class _StopOnSignal:
+    """SIGTERM (a scheduler's preemption) or SIGINT: finish the step in flight, checkpoint, exit."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.requested: str | None = None
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+
+    def close(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        import signal
+
+        self.requested = signal.Signals(signum).name
 
 
 def _progress(cfg: Any, start: int) -> Any:

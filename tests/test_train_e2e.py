@@ -1,0 +1,112 @@
+"""End to end: the one loop trains the tiny model on both real backends and writes the run dir."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.loop import train
+
+from conftest import GSM8K, needs_gsm8k, needs_mlx, needs_torch
+
+FAST = ("train.steps=30", "train.eval_every=15", "train.progress=false", "data.num_samples=400",
+        "train.warmup_steps=2", "optim.lr=3e-3")
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in ln[:9]]
+
+
+def _check_run_dir(run: Path, summary: dict, backend: str) -> None:
+    assert summary["backend"] == backend
+    s = json.loads((run / "summary.json").read_text())
+    for key in ("backend", "device", "model_path", "params_total", "params_trainable", "steps", "samples", "tokens",
+                "tokens_per_sec", "wall_s", "final_train_loss", "final_val_loss", "memory"):
+        assert key in s, key
+    assert Path(s["model_path"], "config.json").is_file()
+    assert s["tokens"] > 0 and s["tokens_per_sec"] > 0 and 0 < s["params_trainable"] <= s["params_total"]
+    m = _metrics(run)
+    assert [r["step"] for r in m] == list(range(1, s["steps"] + 1))
+    assert all(r["tokens"] > 0 and r["tokens_per_sec"] > 0 for r in m)
+    assert any(run.joinpath("adapter").iterdir())
+    assert not list(run.glob(".*.tmp")), "a temporary file was left behind"
+
+
+def _loss_fell(run: Path) -> None:
+    m = _metrics(run)
+    first = sum(r["loss"] for r in m[:5]) / 5
+    last = sum(r["loss"] for r in m[-5:]) / 5
+    assert last < first * 0.9, (first, last)
+
+
+@needs_torch
+@pytest.mark.parametrize("overrides", [
+    ("method=lora",), ("method=dora",), ("method=full", "optim=adamw_8bit"), ("method=full", "optim=paged_adamw_8bit"),
+    ("method=qlora",), ("method=lora", "optim=adafactor"), ("method=lora", "precision=bf16-mixed"),
+], ids=lambda o: "+".join(x.split("=")[1] for x in o))
+def test_cuda_backend_trains_tiny_on_cpu(cfg_factory, tmp_path, overrides):
+    cfg = cfg_factory("backend=cuda", *FAST, *overrides)
+    summary = train(cfg)
+    run = Path(cfg.run_dir)
+    _check_run_dir(run, summary, "cuda")
+    _loss_fell(run)
+    if "method=full" not in overrides:
+        assert (run / "adapter" / "adapter_config.json").is_file()  # PEFT format
+
+
+@needs_mlx
+@pytest.mark.parametrize("method", ["lora", "dora", "full"])
+def test_mlx_backend_trains_tiny(cfg_factory, method):
+    cfg = cfg_factory("backend=mlx", f"method={method}", *FAST)
+    summary = train(cfg)
+    run = Path(cfg.run_dir)
+    _check_run_dir(run, summary, "mlx")
+    _loss_fell(run)
+    if method != "full":
+        assert (run / "adapter" / "adapters.safetensors").is_file()  # mlx-lm format
+
+
+@needs_torch
+@needs_gsm8k
+def test_cuda_trains_on_real_text(cfg_factory):
+    cfg = cfg_factory("backend=cuda", "data=jsonl", f"data.path={GSM8K}", "data.max_samples=600",
+                      "train.seq_len=192", *FAST)
+    summary = train(cfg)
+    assert summary["data"]["records"] == 600
+    _loss_fell(Path(cfg.run_dir))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs_torch), pytest.param("mlx", marks=needs_mlx)])
+def test_resume_equals_uninterrupted(cfg_factory, tmp_path, backend):
+    common = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "method.lora.dropout=0.1",
+              f"backend={backend}", "train.steps=8", "train.save_every=4")
+    straight = train(cfg_factory(*common, run_dir=tmp_path / "a"))
+    # The same job, then rewound to its step-4 checkpoint as if killed after step 4; the resumed
+    # run rebuilds the backend from scratch and loads only what the checkpoint holds.
+    train(cfg_factory(*common, run_dir=tmp_path / "b"))
+    import shutil
+
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_0000008")
+    resumed = train(cfg_factory(*common, "train.resume=true", run_dir=tmp_path / "b"))
+    assert resumed["steps_this_run"] == 4
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    tol = 1e-5 if backend == "cuda" else 1e-4
+    for ra, rb in zip(a, b):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=tol), (ra["step"], ra["loss"], rb["loss"])
+    assert resumed["tokens"] == straight["tokens"] and resumed["samples"] == straight["samples"]
+
+
+def test_cli_default_job_end_to_end(tmp_path):
+    """`finetune` with no group overrides, as a newcomer runs it (steps shortened for the suite)."""
+    r = subprocess.run([sys.executable, "-m", "finetune.cli", f"hydra.run.dir={tmp_path}/run", "train.steps=20",
+                        "train.progress=false"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "backend=auto chose" in r.stderr
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["steps"] == 20 and (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "adapter").is_dir() and (tmp_path / "run" / "memory.png").is_file()
