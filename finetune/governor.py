@@ -126,7 +126,8 @@ class Governor:
                           {k: v.get("set") if isinstance(v, dict) else v for k, v in got.items()})
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.micro = int(state.get("micro_batch", self.micro))
+        # a supervisor restart may have lowered train.batch_size below the checkpoint's micro
+        self.micro = min(int(state.get("micro_batch", self.micro)), self.micro)
         if state.get("grad_checkpointing") and not self.grad_checkpointing and self.backend is not None:
             self.backend.set_grad_checkpointing(True)
         self.grad_checkpointing = bool(state.get("grad_checkpointing", self.grad_checkpointing))

@@ -130,6 +130,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
+        _fault_injection(step, self.governor.micro)
         batch = self.data.train_batch(step - 1)
         scale = 1.0 / batch.label_tokens
         def hook(phase: str) -> None:
@@ -279,6 +280,21 @@ class Trainer:
             "adaptations": self.events,
             "budget_bytes": self.governor.budget_bytes,
         }
+
+
+def _fault_injection(step: int, micro: int) -> None:
+    """Test-only stand-in for an allocation failure that kills the process (MLX on Metal
+    aborts; nothing can catch it): FINETUNE_FAULT_ABORT=STEP:MICRO aborts at optimizer step
+    STEP while the micro-batch is above MICRO. Used to test memory.supervise on any machine."""
+    import os
+
+    spec = os.environ.get("FINETUNE_FAULT_ABORT")
+    if spec:
+        at, above = (int(x) for x in spec.split(":"))
+        if step >= at and micro > above:
+            print(f"fault injection: abort at step {step} (micro-batch {micro} > {above})", file=sys.stderr)
+            sys.stderr.flush()
+            os.abort()
 
 
 class _StopOnSignal:

@@ -1,0 +1,127 @@
+"""The governor adapts to memory without changing the math: same samples, order, effective
+batch, tokens and losses as an unadapted run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import finetune.loop as loop_mod
+from finetune.config import UserError
+from finetune.governor import smaller_divisor
+from finetune.loop import train
+
+from conftest import needs_mlx, needs_torch
+
+COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=6", "train.warmup_steps=1")
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.startswith('{"step"')]
+
+
+def test_smaller_divisor_keeps_effective_batch():
+    assert smaller_divisor(8, 8) == 4 and smaller_divisor(8, 4) == 2 and smaller_divisor(8, 1) is None
+    assert smaller_divisor(12, 12) == 6 and smaller_divisor(6, 6) == 3 and smaller_divisor(6, 3) == 1
+
+
+@needs_torch
+def test_cuda_oom_lowers_micro_batch_and_redoes_the_step(cfg_factory, tmp_path, monkeypatch):
+    """A backend whose model raises torch's real OutOfMemoryError for micro-batches above 2
+    rows from step 3 on: the loop redoes step 3 at micro-batch 2 and the run equals one that
+    used micro-batch 2 from the start."""
+    import torch
+
+    from backends.cuda import CudaBackend
+
+    class OomAboveTwoRows(CudaBackend):
+        steps_done = 0
+
+        def setup(self, cfg, model_dir):
+            info = super().setup(cfg, model_dir)
+
+            def pre_hook(module, args, kwargs):
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if self.steps_done >= 2 and ids.shape[0] > 2:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
+
+            self.model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+            return info
+
+        def optimizer_step(self, lr):
+            self.steps_done += 1
+            return super().optimizer_step(lr)
+
+    monkeypatch.setattr(loop_mod, "get_backend", lambda name: OomAboveTwoRows())
+    adapted = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=8", run_dir=tmp_path / "oom"))
+    monkeypatch.undo()
+    plain = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=4", run_dir=tmp_path / "plain"))
+    ev = adapted["adaptations"]
+    assert [(e["step"], e["trigger"], e["before"]["batch_size"], e["after"]["batch_size"]) for e in ev] == \
+        [(3, "oom", 8, 4), (3, "oom", 4, 2)]
+    assert adapted["micro_batch"] == 2 and adapted["tokens"] == plain["tokens"]
+    assert _losses(tmp_path / "oom") == pytest.approx(_losses(tmp_path / "plain"), abs=1e-5)
+
+
+@needs_torch
+def test_oom_with_adapt_off_is_a_clear_error(cfg_factory, tmp_path, monkeypatch):
+    import torch
+
+    from backends.cuda import CudaBackend
+
+    class AlwaysOom(CudaBackend):
+        def forward_backward(self, batch, loss_scale, on_phase=None):
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+            except torch.OutOfMemoryError:
+                from backends.base import OutOfMemory
+
+                raise OutOfMemory("test") from None
+
+    monkeypatch.setattr(loop_mod, "get_backend", lambda name: AlwaysOom())
+    with pytest.raises(UserError, match="memory.adapt=false"):
+        train(cfg_factory("backend=cuda", *COMMON, "memory.adapt=false", run_dir=tmp_path / "x"))
+
+
+@needs_mlx
+def test_mlx_budget_below_need_adapts_with_equal_losses(cfg_factory, tmp_path):
+    """Measure the peak at micro-batch 8 and 4, set the budget between them: the adapted run
+    must finish with the tokens and losses of the run whose micro-batch fits."""
+    big = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", run_dir=tmp_path / "big"))
+    small = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=4", "train.grad_accum=2", run_dir=tmp_path / "small"))
+    p_big, p_small = big["memory"]["peak_allocated"], small["memory"]["peak_allocated"]
+    assert p_big > p_small, (p_big, p_small)
+    budget = (p_big + p_small) // 2
+    adapted = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", f"memory.budget={budget}",
+                                run_dir=tmp_path / "adapted"))
+    assert adapted["adaptations"], "nothing adapted"
+    assert adapted["micro_batch"] < 8 and adapted["effective_batch"] == 8
+    assert adapted["tokens"] == big["tokens"] == small["tokens"]
+    assert _losses(tmp_path / "adapted") == pytest.approx(_losses(tmp_path / "big"), abs=2e-4)
+
+
+@needs_mlx
+def test_supervisor_restarts_an_aborted_run_from_its_checkpoint(tmp_path):
+    """The child aborts (as MLX does on a Metal allocation failure) at step 4 while the
+    micro-batch is above 2; the supervisor restarts it from the step-2 checkpoint at micro 2,
+    and the losses equal an uninterrupted run's."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["backend=mlx", *COMMON, "train.batch_size=4", "train.save_every=2"]
+    env = {**os.environ, "FINETUNE_FAULT_ABORT": "4:2"}
+    r = subprocess.run([sys.executable, "-m", "finetune.cli", *args, "memory.supervise=true",
+                        f"hydra.run.dir={tmp_path}/sup"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[supervisor] child died" in r.stderr
+    s = json.loads((tmp_path / "sup" / "summary.json").read_text())
+    assert s["micro_batch"] == 2 and s["effective_batch"] == 4
+    events = [json.loads(ln)["event"] for ln in (tmp_path / "sup" / "metrics.jsonl").read_text().splitlines() if '"event"' in ln]
+    assert any(e["trigger"] == "process_died" and e["after"]["resume_from_step"] == 2 for e in events)
+    plain = subprocess.run([sys.executable, "-m", "finetune.cli", *args, f"hydra.run.dir={tmp_path}/plain"],
+                           capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert _losses(tmp_path / "sup") == pytest.approx(_losses(tmp_path / "plain"), abs=2e-4)
