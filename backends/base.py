@@ -93,7 +93,8 @@ class Backend(Protocol):
 
     def forward_backward(self, batch: Batch, loss_scale: float, on_phase: PhaseHook | None = None) -> float:
         """Accumulate gradients of ``loss_sum * loss_scale``; return loss_sum (float).
-        Raise OutOfMemory on a survivable allocation failure (grads of this call undone)."""
+        Raise OutOfMemory on a survivable allocation failure; every gradient accumulated since the
+        last optimizer_step is then dropped and the loop redoes the whole step."""
         ...
 
     def optimizer_step(self, lr: float) -> float | None:
@@ -124,7 +125,7 @@ class Backend(Protocol):
         """Restore what save_state wrote (after setup())."""
         ...
 
-    def memory(self) -> dict[str, int | None]:
+    def memory(self) -> dict[str, Any]:
         """Allocator figures in bytes, None where unmeasurable. Keys: allocated, reserved,
         peak_allocated, peak_reserved (since the last reset_peak), device_total, and any
         backend-specific extras (cuda: inactive_split, alloc_retries, num_ooms, per-device

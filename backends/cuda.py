@@ -1,0 +1,485 @@
+"""The ``cuda`` backend: torch + transformers + PEFT + bitsandbytes, on CUDA or on the CPU.
+
+One class, ``CudaBackend``, behind the Protocol in ``backends.base``. Without a GPU it runs the
+same code on the CPU (bitsandbytes 0.50 has CPU kernels for NF4 and the 8-bit optimizers), so
+every path here is exercised by the CPU test suite; only allocator figures need CUDA.
+
+Choices worth knowing:
+- precision: ``32-true`` fp32 weights and math; ``bf16-mixed`` fp32 weights, forward under
+  ``torch.autocast(bfloat16)``; ``bf16-true`` bf16 weights (LoRA adapters too, and so the
+  optimizer state of ``torch.optim`` optimizers); ``16-mixed`` fp32 weights, fp16 autocast and a
+  ``torch.amp.GradScaler`` (on CPU as well, where torch supports fp16 autocast). The loss is
+  always computed in fp32 from upcast logits.
+- qlora does not call ``peft.prepare_model_for_kbit_training``: it would upcast every
+  non-4-bit weight (embeddings, norms, lm_head) to fp32 and switch gradient checkpointing on,
+  silently overriding ``precision`` and ``train.grad_checkpointing`` (and the memory the
+  planner predicted). Non-reentrant checkpointing needs none of its input-grad hooks.
+- OOM: a ``torch.OutOfMemoryError`` anywhere in forward/backward drops every gradient of the
+  optimizer step so far (torch cannot undo one micro-batch's share), frees what it can and
+  raises ``OutOfMemory``; the loop then redoes the whole optimizer step.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
+from finetune.config import UserError
+
+METHODS = ("lora", "dora", "qlora", "full")
+OPTIMIZERS = ("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd")
+# precision: (weight dtype, autocast dtype or None)
+PRECISIONS = {
+    "32-true": (torch.float32, None),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "bf16-true": (torch.bfloat16, None),
+    "16-mixed": (torch.float32, torch.float16),
+}
+CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state",
+               "optimizer_state_paged", "quant_buffers")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja")
+
+
+def _choose(what: str, value: str, valid: tuple[str, ...] | dict) -> None:
+    if value not in valid:
+        raise UserError(f"{what}={value} is not supported by backend=cuda; "
+                        f"choose one of: {', '.join(valid)}")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"backend.device={name} but no CUDA device is visible; "
+                        "use backend.device=auto or cpu")
+    return dev
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _logical_numel(p: torch.Tensor) -> int:
+    """Elements a parameter stands for: a bitsandbytes Params4bit stores two 4-bit values per
+    uint8, so its own numel() is half the weight's; the quant_state keeps the real shape."""
+    qs = getattr(p, "quant_state", None)
+    if type(p).__name__ == "Params4bit" and qs is not None:
+        return int(torch.Size(qs.shape).numel())
+    return p.numel()
+
+
+def _quant_tensors(qs: Any) -> list[torch.Tensor]:
+    """Every tensor a bitsandbytes QuantState holds (absmax, code, offset, nested state2)."""
+    out = []
+    for v in vars(qs).values():
+        if torch.is_tensor(v):
+            out.append(v)
+        elif type(v).__name__ == "QuantState":
+            out.extend(_quant_tensors(v))
+    return out
+
+
+def _build_optimizer(o: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    betas, wd = tuple(o.betas), o.weight_decay
+    if o.name == "adamw":
+        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=wd)
+    if o.name == "adam":
+        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=wd)
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=wd)
+    if o.name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # Fixed lr from the loop's schedule; eps = (regularizer of the squared grad, of the scale).
+        return Adafactor(params, lr=o.lr, eps=(o.eps, 1e-3), weight_decay=wd, scale_parameter=False,
+                         relative_step=False, warmup_init=False)
+    import bitsandbytes as bnb
+
+    # Paged optimizers put state >= 1e5 elements in CUDA unified memory; on CPU bitsandbytes
+    # warns and falls back to ordinary tensors.
+    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+           "paged_adamw": bnb.optim.PagedAdamW32bit}[o.name]
+    return cls(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=wd)
+
+
+class CudaBackend:
+    """torch/transformers/PEFT/bitsandbytes backend; see the module docstring."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None  # what forward runs (a PeftModel for adapters)
+        self.hf: torch.nn.Module | None = None  # the transformers model inside it
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.device = torch.device("cpu")  # where inputs go (the embedding's device)
+        self.autocast_dtype: torch.dtype | None = None
+        self.grad_checkpointing = False
+        self.cfg: Any = None
+        self.model_dir: Path | None = None
+
+    # ---- setup -------------------------------------------------------------------------
+    def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
+        """Load ``model_dir`` with transformers, apply method/precision/checkpointing, build the
+        optimizer. Raises UserError for a choice this backend cannot run here."""
+        from transformers import AutoModelForCausalLM
+
+        m, o, prec = cfg.method, cfg.optim, cfg.precision.name
+        _choose("method", m.name, METHODS)
+        _choose("optim", o.name, OPTIMIZERS)
+        _choose("precision", prec, PRECISIONS)
+        self.cfg, self.model_dir = cfg, Path(model_dir)
+        device = _resolve_device(cfg.backend.device)
+        weight_dtype, self.autocast_dtype = PRECISIONS[prec]
+        self._check_precision(prec, device)
+        torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
+
+        kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": "sdpa"}
+        # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
+        split = cfg.backend.device_map == "auto" and device.type == "cuda"
+        kwargs["device_map"] = "auto" if split else {"": str(device)}
+        if m.name == "qlora":
+            kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or weight_dtype)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        except (RuntimeError, NotImplementedError, ImportError) as e:
+            if m.name != "qlora":
+                raise
+            raise UserError(f"method=qlora: bitsandbytes 4-bit cannot run here ({e}); "
+                            "use method=lora") from e
+        self.hf = hf
+        self.device = hf.get_input_embeddings().weight.device
+        if m.name == "full":
+            hf.requires_grad_(True)
+            self.model = hf
+        else:
+            self.model = self._add_adapters(hf, m, prec)
+        self.model.train()  # dropout on; transformers checkpoints only in training mode
+        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = _build_optimizer(o, trainable)
+        if self.autocast_dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        devices = sorted({str(p.device) for p in self.model.parameters()})
+        return ModelInfo(
+            params_total=sum(_logical_numel(p) for p in self.model.parameters()),
+            params_trainable=sum(p.numel() for p in trainable),
+            device=str(self.device),
+            dtype=m.quant_type if m.name == "qlora" else _dtype_name(weight_dtype),
+            model_path=str(Path(model_dir).resolve()),
+            extra={"devices": devices, "precision": prec,
+                   "optimizer": type(self.optimizer).__name__,
+                   "autocast": _dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
+                   "grad_scaler": self.scaler is not None,
+                   "grad_checkpointing": self.grad_checkpointing},
+        )
+
+    @staticmethod
+    def _check_precision(prec: str, device: torch.device) -> None:
+        if "bf16" in prec and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UserError(f"precision={prec}: this GPU has no bfloat16; "
+                            "use precision=16-mixed or 32-true")
+        if prec == "16-mixed" and device.type == "cpu":
+            try:  # torch's CPU autocast gained fp16 late; probe rather than guess
+                with torch.autocast("cpu", dtype=torch.float16):
+                    torch.nn.functional.linear(torch.ones(2, 2), torch.ones(2, 2))
+            except (RuntimeError, TypeError) as e:
+                raise UserError("precision=16-mixed needs fp16 autocast, which this torch lacks "
+                                "on CPU; use precision=bf16-mixed") from e
+
+    @staticmethod
+    def _bnb_config(m: Any, compute_dtype: torch.dtype) -> Any:
+        from transformers import BitsAndBytesConfig
+
+        if m.quant_bits != 4 or m.quant_type not in ("nf4", "fp4"):
+            raise UserError(f"method=qlora on backend=cuda quantizes to 4 bits as nf4 or fp4, "
+                            f"not {m.quant_bits}-bit {m.quant_type}; "
+                            "set method.quant_bits=4 method.quant_type=nf4")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise UserError("method=qlora needs bitsandbytes: pip install '.[cuda]'") from e
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=m.quant_type,
+                                  bnb_4bit_use_double_quant=bool(m.double_quant),
+                                  bnb_4bit_compute_dtype=compute_dtype)
+
+    @staticmethod
+    def _add_adapters(hf: torch.nn.Module, m: Any, prec: str) -> torch.nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        lc = m.lora
+        n_layers = hf.config.num_hidden_layers
+        # num_layers N > 0: adapters only on the top N decoder layers (as mlx-lm's --num-layers).
+        n = lc.num_layers
+        top = list(range(n_layers - n, n_layers)) if 0 < n < n_layers else None
+        config = LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                            target_modules=list(lc.keys), layers_to_transform=top, bias="none",
+                            use_dora=m.name == "dora", task_type="CAUSAL_LM")
+        try:
+            # bf16-true keeps the adapters in bf16 too; otherwise PEFT holds them in fp32.
+            return get_peft_model(hf, config, autocast_adapter_dtype=prec != "bf16-true")
+        except ValueError as e:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, mod in hf.named_modules()
+                             if isinstance(mod, torch.nn.Linear)} - {"lm_head"})
+            raise UserError(f"method.lora.keys={list(lc.keys)} match no layer of this model ({e}); "
+                            f"choose among: {', '.join(linear)}") from e
+
+    def set_grad_checkpointing(self, enabled: bool) -> None:
+        """Turn activation recomputation (non-reentrant) on or off for the following steps."""
+        hf = self.hf
+        if enabled:
+            kw = {"use_reentrant": False}
+            if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        elif self.grad_checkpointing:
+            if hasattr(hf, "activation_checkpointing_disable"):
+                hf.activation_checkpointing_disable()
+            else:
+                hf.gradient_checkpointing_disable()
+        self.grad_checkpointing = enabled
+
+    # ---- steps -------------------------------------------------------------------------
+    def _autocast(self) -> Any:
+        on = self.autocast_dtype is not None
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=on)
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        """Sum of fp32 token cross-entropy over target positions (mask[:, 1:])."""
+        ids = torch.from_numpy(np.asarray(batch.input_ids, dtype=np.int64)).to(self.device)
+        lengths = torch.from_numpy(np.asarray(batch.lengths, dtype=np.int64)).to(self.device)
+        attn = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
+        mask = torch.from_numpy(np.asarray(batch.loss_mask[:, 1:], dtype=np.float32))
+        with self._autocast():
+            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        logits = logits[:, :-1].float()
+        targets = ids[:, 1:].to(logits.device)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                             reduction="none")
+        return (ce.view_as(targets) * mask.to(ce.device)).sum()
+
+    def forward_backward(self, batch: Batch, loss_scale: float,
+                         on_phase: PhaseHook | None = None) -> float:
+        """Accumulate grads of ``loss_sum * loss_scale``; return loss_sum.
+
+        Raises:
+            OutOfMemory: on torch.OutOfMemoryError. Every gradient accumulated since the last
+                optimizer_step is dropped (set to None) with it: redo the whole step.
+        """
+        try:
+            loss_sum = self._loss_sum(batch)
+            if on_phase:
+                on_phase("forward")
+            scaled = loss_sum * loss_scale
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            value = float(loss_sum.detach())
+        except torch.cuda.OutOfMemoryError as e:  # alias of torch.OutOfMemoryError (any device)
+            # Leave the except block before freeing: the traceback pins the activations.
+            message = str(e).splitlines()[0] if str(e) else "out of memory"
+        else:
+            if on_phase:
+                on_phase("backward")
+            return value
+        loss_sum = scaled = None  # drop our references to the graph
+        self.zero_grad()
+        self.release_cache()
+        raise OutOfMemory(f"torch.OutOfMemoryError in forward/backward: {message}")
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (set to None, freeing their memory)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, lr: float) -> float | None:
+        """Set ``lr`` on every group, clip to optim.max_grad_norm (unless null), step, zero the
+        grads. Returns the pre-clip global grad norm (unscaled under 16-mixed)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clip and report the true (unscaled) norm
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm = self.cfg.optim.max_grad_norm
+        if not params:
+            norm = None
+        elif max_norm is None:
+            norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))  # measures, scales by 1
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped when the fp16 grads overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.zero_grad()
+        return None if norm is None else float(norm)
+
+    def eval_loss(self, batch: Batch) -> float:
+        """Loss sum of ``batch`` in eval mode (no dropout), without gradients."""
+        self.model.eval()  # no dropout
+        try:
+            with torch.no_grad():
+                return float(self._loss_sum(batch))
+        finally:
+            self.model.train()
+
+    # ---- files -------------------------------------------------------------------------
+    def save_adapter(self, path: Path) -> None:
+        """PEFT adapter (safetensors) for lora/dora/qlora; for full, the HF model plus the base
+        model's tokenizer files."""
+        path = Path(path)
+        if self.cfg.method.name == "full":
+            self.hf.save_pretrained(str(path))
+            src = self.model_dir
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, path / name)
+        else:
+            self.model.save_pretrained(str(path))  # adapter_config.json + adapter_model.safetensors
+
+    def save_state(self, path: Path) -> None:
+        """trainable.safetensors (requires_grad params by name), optimizer.pt, rng.pt (torch
+        CPU/CUDA RNG and the GradScaler)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        weights = {n: p.detach().cpu().contiguous()
+                   for n, p in self.model.named_parameters() if p.requires_grad}
+        save_file(weights, str(path / "trainable.safetensors"))
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng,
+                    "scaler": self.scaler.state_dict() if self.scaler else None}, path / "rng.pt")
+
+    def load_state(self, path: Path) -> None:
+        """Restore save_state's files after setup() with the same config."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        saved = load_file(str(path / "trainable.safetensors"))
+        params = dict(self.model.named_parameters())
+        missing = sorted(n for n, p in params.items() if p.requires_grad and n not in saved)
+        if missing or set(saved) - set(params):
+            example = (missing or sorted(set(saved) - set(params)))[0]
+            raise UserError(f"checkpoint {path} does not match this model/method (e.g. {example})")
+        with torch.no_grad():
+            for n, t in saved.items():
+                params[n].copy_(t)
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        if getattr(self.optimizer, "is_paged", False):
+            self._repage_optimizer_state()
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        if self.scaler and rng["scaler"]:
+            self.scaler.load_state_dict(rng["scaler"])
+
+    def _repage_optimizer_state(self) -> None:
+        # bitsandbytes' load_state_dict puts the state in ordinary device tensors; move it back
+        # into paged (unified) buffers so a resumed run uses the memory a fresh one does.
+        for p, st in self.optimizer.state.items():
+            for key in ("state1", "state2"):
+                if torch.is_tensor(st.get(key)) and not getattr(st[key], "is_paged", False):
+                    buf = self.optimizer.get_state_buffer(p, dtype=st[key].dtype)
+                    buf.copy_(st[key])
+                    st[key] = buf
+
+    # ---- memory ------------------------------------------------------------------------
+    def _cuda_indices(self) -> list[int]:
+        params = self.model.parameters()
+        return sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+
+    def memory(self) -> dict[str, Any]:
+        """Allocator figures (bytes) per CUDA device the model uses, plus their sums. Sums of
+        per-device peaks bound the simultaneous peak from above. All None on CPU."""
+        keys = ("allocated", "reserved", "peak_allocated", "peak_reserved", "inactive_split",
+                "alloc_retries", "num_ooms")
+        indices = self._cuda_indices()
+        if not indices:
+            return {**dict.fromkeys(keys), "device_total": None, "devices": None}
+        devices = []
+        for i in indices:
+            s = torch.cuda.memory_stats(i)
+            devices.append({
+                "index": i,
+                "allocated": int(s.get("allocated_bytes.all.current", 0)),
+                "reserved": int(s.get("reserved_bytes.all.current", 0)),
+                "peak_allocated": int(s.get("allocated_bytes.all.peak", 0)),
+                "peak_reserved": int(s.get("reserved_bytes.all.peak", 0)),
+                "inactive_split": int(s.get("inactive_split_bytes.all.current", 0)),
+                "alloc_retries": int(s.get("num_alloc_retries", 0)),
+                "num_ooms": int(s.get("num_ooms", 0)),
+                "total": int(torch.cuda.get_device_properties(i).total_memory),
+            })
+        out: dict[str, Any] = {k: sum(d[k] for d in devices) for k in keys}
+        out["device_total"] = sum(d["total"] for d in devices)
+        out["devices"] = devices
+        return out
+
+    def reset_peak(self) -> None:
+        """Reset torch's peak counters on every CUDA device the model uses."""
+        for i in self._cuda_indices():
+            torch.cuda.reset_peak_memory_stats(i)
+
+    def census(self) -> dict[str, int]:
+        """Bytes of live tensors by category, each tensor counted once (tied weights and the
+        quantile maps bitsandbytes shares between parameters are deduplicated by address).
+        optimizer_state counts state tensors on their parameter's device type (torch's Adam
+        keeps its per-tensor ``step`` as a host scalar beside CUDA params: not allocator
+        memory); optimizer_state_paged counts bitsandbytes paged (unified-memory) buffers."""
+        out = dict.fromkeys(CENSUS_KEYS, 0)
+        seen: set[tuple[str, int, int]] = set()
+
+        def add(key: str, t: Any) -> None:
+            if not torch.is_tensor(t) or t.device.type == "meta":
+                return
+            nbytes = t.numel() * t.element_size()
+            ident = (str(t.device), t.data_ptr(), nbytes)
+            if nbytes and ident not in seen:
+                seen.add(ident)
+                out[key] += nbytes
+
+        params = list(self.model.parameters())
+        for p in params:
+            add("trainable_weights" if p.requires_grad else "frozen_weights", p)
+            if type(p).__name__ == "Params4bit" and p.quant_state is not None:
+                for t in _quant_tensors(p.quant_state):
+                    add("quant_buffers", t)
+        for p in params:
+            add("grads", p.grad)
+        for p, state in self.optimizer.state.items():
+            for v in state.values():
+                if getattr(v, "is_paged", False):
+                    add("optimizer_state_paged", v)
+                elif torch.is_tensor(v) and v.device.type == p.device.type:
+                    add("optimizer_state", v)
+        return out
+
+    def release_cache(self) -> None:
+        """gc, then hand torch's cached CUDA blocks back to the driver (nothing to do on CPU)."""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def set_memory_limits(self, budget_bytes: int) -> dict[str, Any]:
+        """Cap torch's allocator on each CUDA device the model uses at ``budget_bytes`` (a
+        per-device budget). Returns {} on CPU, where torch has no such limit."""
+        fractions = {}
+        for i in self._cuda_indices():
+            total = torch.cuda.get_device_properties(i).total_memory
+            fractions[f"cuda:{i}"] = min(1.0, budget_bytes / total)
+            torch.cuda.set_per_process_memory_fraction(fractions[f"cuda:{i}"], i)
+        if not fractions:
+            return {}
+        return {"per_process_memory_fraction": fractions, "budget_bytes": int(budget_bytes)}
