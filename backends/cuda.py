@@ -221,10 +221,12 @@ class CudaBackend:
         lc = m.lora
         n_layers = hf.config.num_hidden_layers
         # num_layers N > 0: adapters only on the top N decoder layers (as mlx-lm's --num-layers).
+        # DictConfig.keys is the mapping method, so index; a plain dataclass has no [].
+        keys = list(lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
         n = lc.num_layers
         top = list(range(n_layers - n, n_layers)) if 0 < n < n_layers else None
         config = LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                            target_modules=list(lc.keys), layers_to_transform=top, bias="none",
+                            target_modules=keys, layers_to_transform=top, bias="none",
                             use_dora=m.name == "dora", task_type="CAUSAL_LM")
         try:
             # bf16-true keeps the adapters in bf16 too; otherwise PEFT holds them in fp32.
@@ -232,7 +234,7 @@ class CudaBackend:
         except ValueError as e:
             linear = sorted({n.rsplit(".", 1)[-1] for n, mod in hf.named_modules()
                              if isinstance(mod, torch.nn.Linear)} - {"lm_head"})
-            raise UserError(f"method.lora.keys={list(lc.keys)} match no layer of this model ({e}); "
+            raise UserError(f"method.lora.keys={keys} match no layer of this model ({e}); "
                             f"choose among: {', '.join(linear)}") from e
 
     def set_grad_checkpointing(self, enabled: bool) -> None:

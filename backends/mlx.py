@@ -1,0 +1,379 @@
+"""MLX backend: mlx + mlx-lm behind the Protocol in ``backends.base``.
+
+Loading, LoRA/DoRA layers, gradient checkpointing and the adapter format are mlx-lm's own
+(``mlx_lm.utils.load``, ``tuner.utils.linear_to_lora_layers``, ``tuner.trainer.grad_checkpoint``),
+so an adapter written here loads with ``mlx_lm.generate --adapter-path`` and
+``mlx_lm.tuner.utils.load_adapters``. Runs on Apple GPUs (Metal) and on Linux CPU (mlx[cpu]).
+
+What MLX cannot do that the cuda backend can: autocast (no bf16-mixed / 16-mixed), 8-bit or
+paged optimizers, a reserved-bytes peak counter, and (on Linux CPU) a hard memory limit:
+``mx.set_memory_limit`` is advisory there, allocations past it still succeed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+
+from backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
+from finetune.config import UserError
+
+MLX_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
+MLX_PRECISIONS = ("32-true", "bf16-true")
+_SCALARS = ("step", "learning_rate")  # optimizer bookkeeping, not per-parameter state
+_CACHE_FRACTION = 4  # cache limit = budget / 4, see set_memory_limits
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(tree)) if tree is not None else 0
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.float32" -> "float32"
+
+
+def _is_oom(err: Exception) -> bool:
+    msg = str(err).lower()
+    return any(s in msg for s in ("out of memory", "insufficient memory", "malloc", "resource limit"))
+
+
+def _metal() -> bool:
+    return mx.metal.is_available()
+
+
+class MlxBackend:
+    """One model, its adapters and its optimizer on MLX. See ``backends.base.Backend``."""
+
+    name = "mlx"
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self._grads: dict | None = None
+        self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
+        self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
+        self._ckpt_classes: dict[type, type] = {}
+        self._wired_limit: int | None = None
+
+    # ---- setup -------------------------------------------------------------------------
+    def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+        from mlx_lm.utils import load
+
+        method, prec, oname = cfg.method.name, cfg.precision.name, cfg.optim.name
+        if prec not in MLX_PRECISIONS:
+            raise UserError(f"precision={prec} needs autocast, which MLX lacks; "
+                            f"mlx supports: {', '.join(MLX_PRECISIONS)}")
+        if oname not in MLX_OPTIMIZERS:
+            raise UserError(f"optim={oname} needs backend=cuda (bitsandbytes); "
+                            f"mlx supports: {', '.join(MLX_OPTIMIZERS)}")
+        if method not in ("lora", "dora", "qlora", "full"):
+            raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
+        self.cfg, self.model_dir, self.method = cfg, Path(model_dir), method
+        self.seed = int(cfg.train.seed)
+        mx.random.seed(self.seed)  # LoRA init draws from the global key
+        model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True)
+        self.model = model
+        self._block_classes = [type(layer) for layer in model.layers]
+        self.quant: dict[str, int] | None = None
+        if method == "qlora":
+            self.quant = {"bits": int(cfg.method.quant_bits), "group_size": int(cfg.method.quant_group_size)}
+            g = self.quant["group_size"]
+            # As mlx_lm.utils.quantize_model: layers whose input width the group does not
+            # divide stay in full precision.
+            nn.quantize(model, g, self.quant["bits"],
+                        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % g == 0)
+        self.lora: dict[str, Any] | None = None
+        if method == "full":
+            model.unfreeze()
+        else:
+            lc = cfg.method.lora
+            n = int(lc.num_layers)
+            # DictConfig.keys is the mapping method, so index; a plain dataclass has no [].
+            keys = list(lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
+            if n > len(model.layers):
+                raise UserError(f"method.lora.num_layers={n} but the model has {len(model.layers)} layers")
+            self.lora_layers = n
+            self.lora = {"rank": int(lc.rank), "scale": float(lc.alpha) / int(lc.rank),
+                         "dropout": float(lc.dropout), "keys": self._block_keys(keys)}
+            model.freeze()
+            linear_to_lora_layers(model, n, self.lora, use_dora=(method == "dora"))
+        if prec == "bf16-true":
+            model.set_dtype(mx.bfloat16)  # floating params only: packed quant weights stay uint32
+        mx.eval(model.parameters())
+        model.train()
+        self.optimizer = self._make_optimizer(cfg.optim)
+        self._vg = nn.value_and_grad(model, self._loss)
+        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+        if _metal():  # MLX has no getter for the wired limit: read it once by a swap
+            self._wired_limit = mx.set_wired_limit(0)
+            mx.set_wired_limit(self._wired_limit)
+        first = tree_flatten(model.parameters())[0][1]  # the embedding: the base's dtype
+        dtype = f"int{self.quant['bits']}" if self.quant else _dtype_name(first.dtype)
+        return ModelInfo(
+            params_total=self._params_total(),
+            params_trainable=sum(v.size for _, v in tree_flatten(model.trainable_parameters())),
+            device="mlx:gpu" if mx.default_device().type == mx.DeviceType.gpu else "mlx:cpu",
+            dtype=dtype,
+            model_path=str(self.model_dir.resolve()),
+            extra={"lora": self.lora, "quantization": self.quant and {"mode": "affine", **self.quant},
+                   "adam_bias_correction": oname in ("adam", "adamw")},
+        )
+
+    def _block_keys(self, short: list[str]) -> list[str]:
+        """Map PEFT-style names (``q_proj``) to mlx-lm's paths inside a block (``self_attn.q_proj``)."""
+        linears = [k for k, m in self.model.layers[0].named_modules()
+                   if k and (isinstance(m, (nn.Linear, nn.QuantizedLinear)) or hasattr(m, "to_lora"))]
+        out = []
+        for key in short:
+            hits = [k for k in linears if k == key or k.rsplit(".", 1)[-1] == key]
+            if not hits:
+                raise UserError(f"method.lora.keys: {key} is not a linear layer of a block; "
+                                f"choose from: {', '.join(sorted({k.rsplit('.', 1)[-1] for k in linears}))}")
+            out += [h for h in hits if h not in out]
+        return out
+
+    def _make_optimizer(self, o: Any) -> optim.Optimizer:
+        lr, wd, betas = float(o.lr), float(o.weight_decay), [float(b) for b in o.betas]
+        # bias_correction=True: mlx defaults to False, torch/PEFT always correct; the same
+        # config must mean the same update on both backends.
+        if o.name == "adamw":
+            return optim.AdamW(lr, betas=betas, eps=float(o.eps), weight_decay=wd, bias_correction=True)
+        if o.name == "adam":
+            if wd:
+                raise UserError("optim=adam has no weight decay on mlx; use optim=adamw optim.weight_decay=...")
+            return optim.Adam(lr, betas=betas, eps=float(o.eps), bias_correction=True)
+        if o.name == "sgd":  # mlx SGD keeps a "v" buffer even at momentum 0 (4 bytes/param)
+            return optim.SGD(lr, momentum=float(o.momentum), weight_decay=wd)
+        # The loop owns the schedule: no relative step / parameter scaling, as transformers'
+        # Adafactor(lr=..., relative_step=False, scale_parameter=False).
+        return optim.Adafactor(lr, eps=(float(o.eps), 1e-3), weight_decay=wd,
+                               relative_step=False, scale_parameter=False)
+
+    def _params_total(self) -> int:
+        """Logical elements, as mlx_lm.utils.get_total_parameters (a packed quantized weight
+        counts 32/bits elements per uint32, scales/biases not at all), adapters included."""
+        quant = {p: m.bits for p, m in self.model.named_modules() if hasattr(m, "bits") and "scales" in m}
+        total = 0
+        for name, v in tree_flatten(self.model.parameters()):
+            mod, leaf = name.rsplit(".", 1)
+            if mod in quant:
+                total += v.size * 32 // quant[mod] if leaf == "weight" else v.size if leaf == "bias" else 0
+            else:
+                total += v.size
+        return total
+
+    # ---- step --------------------------------------------------------------------------
+    def _loss(self, ids: mx.array, mask: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+        logits = self.model(ids[:, :-1]).astype(mx.float32)
+        loss_sum = (nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]).sum()
+        return loss_sum * scale, loss_sum  # grads of the first, the second rides along
+
+    def _arrays(self, batch: Batch) -> tuple[mx.array, mx.array]:
+        return mx.array(batch.input_ids.astype(np.int32)), mx.array(batch.loss_mask.astype(np.float32))
+
+    def _reseed(self) -> None:
+        # mx.random.state has no setter, so a saved key cannot be put back. Instead the key
+        # is a function of (train.seed, micro-step): a resumed run draws the same dropout masks.
+        mx.random.seed(self.seed * 1_000_003 + self._micro)
+
+    def forward_backward(self, batch: Batch, loss_scale: float, on_phase: PhaseHook | None = None) -> float:
+        """Accumulate grads of loss_sum * loss_scale; return loss_sum. value_and_grad fuses
+        forward and backward, so only the "backward" phase is reported."""
+        self._reseed()
+        ids, mask = self._arrays(batch)
+        try:
+            (_, loss_sum), grads = self._vg(ids, mask, loss_scale)
+            total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
+            mx.eval(loss_sum, total)  # materialize: memory figures are real after this
+        except RuntimeError as e:
+            if _is_oom(e):  # self._grads still holds the previous, already evaluated sums
+                raise OutOfMemory(str(e)) from e
+            raise
+        self._grads = total
+        self._micro += 1
+        if on_phase is not None:
+            on_phase("backward")
+        return float(loss_sum)
+
+    def optimizer_step(self, lr: float) -> float | None:
+        if self._grads is None:
+            return None
+        grads = self._grads
+        max_norm = self.cfg.optim.max_grad_norm
+        if max_norm:
+            grads, norm = optim.clip_grad_norm(grads, float(max_norm))
+        else:
+            norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+        self.optimizer.learning_rate = lr
+        self.optimizer.update(self.model, grads)
+        mx.eval(self.model.parameters(), self.optimizer.state, norm)
+        self._grads = None
+        self._micro_at_step = self._micro
+        return float(norm)
+
+    def zero_grad(self) -> None:
+        """Drop accumulated grads; the redone step draws the same RNG keys again."""
+        self._grads = None
+        self._micro = self._micro_at_step
+
+    def eval_loss(self, batch: Batch) -> float:
+        ids, mask = self._arrays(batch)
+        self.model.eval()  # no dropout
+        try:
+            loss = self._loss(ids, mask, 1.0)[1]
+            mx.eval(loss)
+        finally:
+            self.model.train()
+        return float(loss)
+
+    def set_grad_checkpointing(self, enabled: bool) -> None:
+        """mlx-lm's grad_checkpoint patches ``__call__`` on a block's class, which would touch
+        every model in the process and could not be undone. We give this model's blocks a
+        private subclass and patch that, so switching off is restoring the original class."""
+        from mlx_lm.tuner.trainer import grad_checkpoint
+
+        for layer, base in zip(self.model.layers, self._block_classes):
+            if not enabled:
+                layer.__class__ = base
+                continue
+            if base not in self._ckpt_classes:
+                self._ckpt_classes[base] = type(f"Checkpointed{base.__name__}", (base,), {})
+                layer.__class__ = self._ckpt_classes[base]
+                grad_checkpoint(layer)  # patches only the private subclass
+            layer.__class__ = self._ckpt_classes[base]
+        self.grad_checkpointing = enabled
+
+    # ---- save / resume -----------------------------------------------------------------
+    def save_adapter(self, path: Path) -> None:
+        path = Path(path)
+        if self.method == "full":
+            from mlx_lm.utils import save
+
+            # A standalone mlx-lm model directory: `mlx_lm.generate --model PATH`.
+            save(path, self.model_dir, self.model, self.tokenizer, dict(self.model_config),
+                 donate_model=False)
+            return
+        weights = dict(tree_flatten(self.model.trainable_parameters()))
+        mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+        config = {
+            "model": str(self.model_dir),
+            # qlora is plain lora to mlx-lm (its base is what is quantized)
+            "fine_tune_type": "dora" if self.method == "dora" else "lora",
+            "num_layers": self.lora_layers,
+            "lora_parameters": self.lora,
+            # Informational: trained on this quantized base (mlx_lm.convert -q reproduces it).
+            "quantization": self.quant,
+        }
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=4))
+
+    def save_state(self, path: Path) -> None:
+        path = Path(path)
+        params = dict(tree_flatten(self.model.trainable_parameters()))
+        mx.save_safetensors(str(path / "trainable.safetensors"), params)
+        # Includes "step" (bias correction) and "learning_rate".
+        mx.save_safetensors(str(path / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        meta = {"micro_steps": self._micro, "seed": self.seed}  # the RNG, see _reseed
+        (path / "backend_state.json").write_text(json.dumps(meta))
+
+    def load_state(self, path: Path) -> None:
+        path = Path(path)
+        params = mx.load(str(path / "trainable.safetensors"))
+        expected = {k for k, _ in tree_flatten(self.model.trainable_parameters())}
+        if set(params) != expected:
+            raise ValueError(f"{path}: {len(params)} trainable tensors saved, this model has "
+                             f"{len(expected)} (or other names): not its checkpoint")
+        self.model.load_weights(list(params.items()), strict=False)
+        state = mx.load(str(path / "optimizer.safetensors"))
+        if set(state) - set(_SCALARS):  # per-parameter state exists: build its tree, then fill
+            self.optimizer.init(self.model.trainable_parameters())
+            self.optimizer.state = tree_map_with_path(lambda p, _: state[p], self.optimizer.state)
+        else:
+            for k, v in state.items():
+                self.optimizer.state[k] = v
+        meta = json.loads((path / "backend_state.json").read_text())
+        self._micro = self._micro_at_step = int(meta["micro_steps"])
+        self.seed = int(meta["seed"])
+        self._grads = None
+        mx.eval(self.model.parameters(), self.optimizer.state)
+
+    # ---- memory ------------------------------------------------------------------------
+    def memory(self) -> dict[str, int | None]:
+        active, cache = mx.get_active_memory(), mx.get_cache_memory()
+        info = mx.device_info()
+        # No getter for the cache limit: swap in a harmless value and put the old one back.
+        cache_limit = mx.set_cache_limit(mx.get_memory_limit())
+        mx.set_cache_limit(cache_limit)
+        return {
+            "allocated": active,
+            "reserved": active + cache,
+            # mx.reset_peak_memory() sets the peak to 0, not to the bytes still held; until the
+            # next allocation the raw counter (mlx_peak) reads below active.
+            "peak_allocated": max(mx.get_peak_memory(), active),
+            "peak_reserved": None,  # MLX keeps a peak of active bytes only
+            "device_total": info.get("memory_size") if _metal() else None,
+            "mlx_active": active,
+            "mlx_cache": cache,
+            "mlx_peak": mx.get_peak_memory(),
+            "mlx_memory_limit": mx.get_memory_limit(),
+            "mlx_cache_limit": cache_limit,
+            "mlx_wired_limit": self._wired_limit,  # None off Metal: nothing is wired on CPU
+            "mlx_recommended_working_set": info.get("max_recommended_working_set_size"),
+        }
+
+    def reset_peak(self) -> None:
+        mx.reset_peak_memory()
+
+    def census(self) -> dict[str, int]:
+        trainable = dict(tree_flatten(self.model.trainable_parameters()))
+        quant_mods = {p for p, m in self.model.named_modules()
+                      if hasattr(m, "bits") and "scales" in m}
+        frozen = quant = 0
+        for name, v in tree_flatten(self.model.parameters()):
+            if name in trainable:
+                continue
+            mod, leaf = name.rsplit(".", 1)
+            if mod in quant_mods and leaf in ("scales", "biases"):
+                quant += v.nbytes
+            else:
+                frozen += v.nbytes  # packed quantized weights count here
+        # Per-parameter state only: the 12 bytes of "step" (uint64) and "learning_rate"
+        # (float32) scalars exist from construction and are left out, so this is 0 until
+        # the first update creates the moments.
+        state = sum(v.nbytes for k, v in tree_flatten(self.optimizer.state) if k not in _SCALARS)
+        return {
+            "frozen_weights": frozen,
+            "trainable_weights": _nbytes(trainable),
+            "grads": _nbytes(self._grads),
+            "optimizer_state": state,
+            "optimizer_state_paged": 0,
+            "quant_buffers": quant,
+        }
+
+    def release_cache(self) -> None:
+        mx.clear_cache()
+
+    def set_memory_limits(self, budget_bytes: int) -> dict[str, Any]:
+        """Apply ``budget_bytes`` as MLX's memory limit. The cache (freed buffers kept for
+        reuse) is capped at a quarter of the budget: enough to recycle a step's activation
+        buffers on models where weights and state dominate, while most of the budget stays
+        for live arrays. The wired limit (Metal only) keeps up to the budget resident, never
+        above the device's recommended working set."""
+        budget = int(budget_bytes)
+        out: dict[str, Any] = {"memory_limit": budget,
+                               "memory_limit_prev": mx.set_memory_limit(budget)}
+        out["cache_limit"] = budget // _CACHE_FRACTION
+        out["cache_limit_prev"] = mx.set_cache_limit(out["cache_limit"])
+        out["wired_limit"] = out["wired_limit_prev"] = None
+        if _metal():
+            rec = mx.device_info().get("max_recommended_working_set_size") or budget
+            out["wired_limit"] = min(budget, int(rec))
+            out["wired_limit_prev"] = mx.set_wired_limit(out["wired_limit"])
+            self._wired_limit = out["wired_limit"]
+        return out
