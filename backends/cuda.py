@@ -159,6 +159,14 @@ class CudaBackend:
                             "use method=lora") from e
         self.hf = hf
         self.device = hf.get_input_embeddings().weight.device
+        if m.name == "qlora":
+            # bitsandbytes 0.50 repacks 4-bit weights for its CPU inference kernel the first
+            # time an eval-mode forward runs (Linear4bit.forward, support_avx512bf16_for_cpu);
+            # the next training forward then adds the bias in place on a view and autograd
+            # refuses. Keep the training layout for the whole run.
+            for mod in hf.modules():
+                if hasattr(mod, "support_avx512bf16_for_cpu"):
+                    mod.support_avx512bf16_for_cpu = False
         if m.name == "full":
             hf.requires_grad_(True)
             self.model = hf

@@ -66,8 +66,6 @@ def _measured_peak(sample: dict[str, Any]) -> int | None:
 
 class Governor:
     def __init__(self, cfg: Any, backend_name: str, emit: Callable[[dict[str, Any]], None]):
-        from finetune.planner import parse_budget
-
         self.cfg, self.backend_name, self.emit = cfg, backend_name, emit
         self.effective = cfg.train.batch_size * cfg.train.grad_accum
         self.micro = cfg.train.batch_size
@@ -75,7 +73,12 @@ class Governor:
         self.adapt = bool(cfg.memory.adapt)
         self.backend: Any = None
         total = device_total_bytes(backend_name)
-        self.budget_bytes = parse_budget(cfg.memory.budget, total) if cfg.memory.budget is not None else total
+        if cfg.memory.budget is not None:
+            from finetune.planner import parse_budget
+
+            self.budget_bytes = parse_budget(cfg.memory.budget, total)
+        else:
+            self.budget_bytes = total
         self._swap_base: int | None = None
         self._swap_acted_at: int | None = None
 
