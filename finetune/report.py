@@ -24,11 +24,11 @@ COLUMNS: list[tuple[str, str]] = [
     ("tokens_per_sec", "tok/s"),
     ("final_train_loss", "train loss"),
     ("final_val_loss", "val loss"),
-    ("memory.peak_allocated", "peak alloc GiB"),
-    ("memory.peak_reserved", "peak reserved GiB"),
-    ("memory.peak_device_used", "peak device GiB"),
-    ("memory.peak_rss", "peak RSS GiB"),
-    ("memory.swap_growth", "swap growth GiB"),
+    ("memory.peaks.allocated_bytes", "peak alloc GiB"),
+    ("memory.peaks.reserved_bytes", "peak reserved GiB"),
+    ("memory.peaks.device_used_bytes", "peak device GiB"),
+    ("memory.peaks.rss_bytes", "peak RSS GiB"),
+    ("memory.peaks.swap_growth_bytes", "swap growth GiB"),
     ("adaptations", "adaptations"),
 ]
 

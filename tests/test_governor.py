@@ -91,7 +91,7 @@ def test_mlx_budget_below_need_adapts_with_equal_losses(cfg_factory, tmp_path):
     must finish with the tokens and losses of the run whose micro-batch fits."""
     big = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", run_dir=tmp_path / "big"))
     small = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=4", "train.grad_accum=2", run_dir=tmp_path / "small"))
-    p_big, p_small = big["memory"]["peak_allocated"], small["memory"]["peak_allocated"]
+    p_big, p_small = big["memory"]["peaks"]["allocated_bytes"], small["memory"]["peaks"]["allocated_bytes"]
     assert p_big > p_small, (p_big, p_small)
     budget = (p_big + p_small) // 2
     adapted = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", f"memory.budget={budget}",
