@@ -1,0 +1,518 @@
+"""The Accountant: samples memory at the phases of a step and keeps the timeline.
+
+One sample is a flat dict; every memory figure is an int of bytes, or None where the source
+cannot measure it. Keys (allocator figures summed over this process's devices):
+
+- where: ``index`` (sequence number of the sample), ``step`` (0 = after load), ``phase`` (load,
+  forward, backward, optimizer), ``micro`` (nth sample of this step and phase: one per
+  micro-batch under gradient accumulation), ``time_s`` (since the Accountant was made),
+  ``backend``, ``host``, ``rank``.
+- allocator: ``allocated``, ``reserved`` (torch reserved; MLX active + cache),
+  ``step_peak_allocated``/``step_peak_reserved`` (the backend's peak since ``start_step`` of
+  this step reset it; ``peak_scope`` says "step", or "since_load"/"since_reset" where no reset
+  happened this step), ``peak_allocated``/``peak_reserved`` (run peak: max over every backend
+  peak read since the run started, unsampled steps included; where the backend keeps no peak
+  counter, e.g. MLX reserved, the largest sampled value), backend extras passed through
+  (cuda: ``inactive_split`` bytes, ``alloc_retries``/``num_ooms`` counts; mlx: ``mlx_active``,
+  ``mlx_cache``, ``mlx_peak``, ``mlx_memory_limit``, ``mlx_cache_limit``, ``mlx_wired_limit``,
+  ``mlx_recommended_working_set``).
+- device (NVML, CUDA only): ``device_total``, ``device_used``, ``process_device_used``,
+  ``other_processes_used``, ``non_allocator`` = device_used - reserved, its known parts
+  ``paged_optimizer_state`` (census), ``cuda_context`` (backend), ``other_processes_used``,
+  and ``non_allocator_unexplained``; ``devices``: the same per device.
+- process and system: ``rss``, ``peak_rss``, ``swap_process``, ``swap_used``, ``swap_total``,
+  ``swap_growth`` (swap_used minus its value when the Accountant was made), ``system_total``,
+  ``system_available``, ``psi_some_avg10``/``psi_full_avg10`` (percent, Linux),
+  ``pressure_level`` (macOS). The system-wide ones are read at the load and optimizer phases;
+  forward/backward samples repeat the last reading (``system_fresh`` False) to stay cheap.
+- ``census``: bytes by category from backend.census(), plus ``activations_and_other`` =
+  allocated - allocator-held categories; ``census_step``: the step it was taken at (the census
+  is structural; after step 2 it is retaken within a time budget, see ``census_budget``).
+- ``sample_seconds``: what taking this sample cost; ``memory_error``: present when
+  backend.memory() raised (the sample then has no allocator figures; training goes on).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune.accounting.probes import NvmlProbe, SystemProbe
+from finetune.accounting.rules import explain as explain_samples
+from finetune.accounting.units import fmt_bytes, fmt_delta
+
+CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
+               "quant_buffers")
+# Categories the framework allocator holds; paged optimizer state lives in unified memory.
+ALLOCATOR_HELD = ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "quant_buffers")
+_MEMORY_STD = {"allocated", "reserved", "peak_allocated", "peak_reserved", "device_total", "devices",
+               "cuda_context"}
+COUNT_KEYS = {"alloc_retries", "num_alloc_retries", "num_ooms", "ooms"}  # counts, not bytes
+_FLOAT_KEYS = {"psi_some_avg10", "psi_full_avg10"}
+_ALWAYS_SAMPLED = (0, 1, 2)  # load, and the two steps whose difference shows lazy allocations
+
+
+def _int(v: Any) -> int | None:
+    if type(v) is int:  # the common case, first: this runs ~30 times per sample
+        return v
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _max(*vals: int | None) -> int | None:
+    known = [v for v in vals if v is not None]
+    return max(known) if known else None
+
+
+def _sum(vals: list[int | None]) -> int | None:
+    """Sum, or None if any part is unknown (a partial sum would pass for a measurement)."""
+    if not vals or any(v is None for v in vals):
+        return None
+    return sum(vals)  # type: ignore[arg-type]
+
+
+class Accountant:
+    """Samples memory figures at the phases of each step and explains them.
+
+    Args:
+        backend: a backends.base.Backend (memory(), census(), reset_peak(), name).
+        sample_every: sample steps whose number is a multiple of this; steps 0 (load), 1 and 2
+            are always sampled; 0 turns sampling off.
+        device_index: the CUDA device index of a single-device run (NVML lookup); None: 0, or
+            the per-device list the backend's memory() gives.
+        census_budget: after step 2 the census (a walk over parameters and optimizer state) is
+            retaken at a phase only while the time spent on it stays under this fraction of
+            the run's wall time; otherwise the phase's previous census is reused (it is
+            structural: sizes change only when the model or optimizer does) and the sample's
+            ``census_step`` says which step it is from.
+        rank: this process's rank in a distributed run (recorded in each sample).
+        max_samples: bound on the timeline kept in memory (a sample is a few KB). Past it, the
+            older half is thinned: steps 0-2 and the recent half stay whole, older steps keep
+            only every other optimizer-phase sample. Run peaks are tracked apart and stay exact.
+    """
+
+    def __init__(self, backend: Any, sample_every: int = 1, device_index: int | None = None,
+                 census_budget: float = 0.002, rank: int = 0, max_samples: int = 20_000):
+        self.backend = backend
+        self.backend_name = str(getattr(backend, "name", "unknown"))
+        self.sample_every = int(sample_every)
+        self.device_index = device_index
+        self.census_budget = float(census_budget)
+        self.rank = rank
+        self.max_samples = max(100, int(max_samples))
+        self.thinned = 0  # samples dropped from the timeline by thinning
+        self.host = socket.gethostname()
+        self.samples: list[dict[str, Any]] = []
+        self.sampling_seconds = 0.0  # perf_counter time inside sample()/start_step()/summary reads
+        self.census_seconds = 0.0
+        self.backend_seconds = 0.0  # of sampling_seconds: inside backend.memory/census/reset_peak
+        self.census_calls = 0
+        self._t0 = time.perf_counter()
+        self._sys = SystemProbe()
+        self._nvml = NvmlProbe()
+        first = self._sys.read()
+        self._swap_base: int | None = first["swap_used"]
+        self._micro: dict[tuple[int, str], int] = {}
+        self._reset_step: int | None = None
+        self._ever_reset = False
+        self._run_peak: dict[str, int | None] = {"allocated": None, "reserved": None}
+        self._run_peak_at: dict[str, dict[str, Any] | None] = {"allocated": None, "reserved": None}
+        self._dev_peak: dict[int, dict[str, int | None]] = {}
+        self._census_cache: dict[str, tuple[int, dict[str, int | None], int | None]] = {}
+        self._census_cost = math.inf
+        self._warm_t: float | None = None  # when step 3's first sample began: census budget clock
+        self._warm_census_s = 0.0
+        # torch on CPU: memory() reports no allocator figure; once steps 0-2 showed that, the
+        # device will not change mid-run, so it is not asked again (its call can cost 100s of us)
+        self._no_allocator: bool | None = None
+        self._mem_none: dict[str, Any] = {}
+
+    # -- sampling ----------------------------------------------------------------------------
+    def will_sample(self, step: int) -> bool:
+        """Whether ``step`` is sampled (the same answer for every phase of it)."""
+        if self.sample_every <= 0:
+            return False
+        return step in _ALWAYS_SAMPLED or step % self.sample_every == 0
+
+    def start_step(self, step: int) -> None:
+        """Call before the step's first forward: resets the backend's peak counters so the
+        step's samples carry the step-scope peak. The peak since the previous reset (which
+        covers any unsampled steps in between) is folded into the run peak first."""
+        if not self.will_sample(step) or self._no_allocator:
+            return
+        t0 = time.perf_counter()
+        try:
+            mem = self.backend.memory() or {}
+            t1 = time.perf_counter()
+            self._fold_peaks(mem, step - 1, "before_step_" + str(step))
+            t2 = time.perf_counter()
+            self.backend.reset_peak()
+            self._reset_step, self._ever_reset = step, True
+        finally:
+            t3 = time.perf_counter()
+            self.sampling_seconds += t3 - t0
+            self.backend_seconds += (t1 - t0) + (t3 - t2)
+
+    def sample(self, step: int, phase: str) -> dict[str, Any] | None:
+        """Take a sample at ``phase`` of ``step`` and append it to the timeline.
+
+        Returns:
+            The sample, or None when this step is not sampled.
+        """
+        if not self.will_sample(step):
+            return None
+        t0 = time.perf_counter()
+        key = (step, phase)
+        micro = self._micro.get(key, 0)
+        self._micro[key] = micro + 1
+        mem = self._memory(step)
+        alloc, reserved = _int(mem.get("allocated")), _int(mem.get("reserved"))
+        s: dict[str, Any] = {
+            "index": len(self.samples), "step": step, "phase": phase, "micro": micro,
+            "time_s": t0 - self._t0, "backend": self.backend_name, "host": self.host, "rank": self.rank,
+            "allocated": alloc, "reserved": reserved,
+            "step_peak_allocated": _int(mem.get("peak_allocated")),
+            "step_peak_reserved": _int(mem.get("peak_reserved")),
+            "peak_scope": "step" if self._reset_step == step else ("since_reset" if self._ever_reset else "since_load"),
+        }
+        self._fold_peaks(mem, step, phase)
+        s["peak_allocated"] = self._run_peak["allocated"]
+        s["peak_reserved"] = self._run_peak["reserved"]
+        for k, v in mem.items():  # backend extras: mlx_*, inactive_split, alloc_retries, ...
+            if k not in _MEMORY_STD and k not in s:
+                s[k] = v if (isinstance(v, float) and k in _FLOAT_KEYS) or k == "memory_error" else _int(v)
+
+        census = self._census(step, phase)
+        if census:
+            c = dict(census[1])
+            held = census[2]
+            c["activations_and_other"] = alloc - held if alloc is not None and held is not None else None
+            s["census"], s["census_step"] = c, census[0]
+        else:
+            c = {"activations_and_other": None}
+            s["census"], s["census_step"] = c, None
+
+        heavy = phase not in ("forward", "backward")  # the phases inside the step: lighter reads
+        s.update(self._sys.read(system=heavy))
+        s["system_fresh"] = heavy
+        if self._swap_base is None:
+            self._swap_base = s["swap_used"]
+        s["swap_growth"] = (s["swap_used"] - self._swap_base
+                            if s["swap_used"] is not None and self._swap_base is not None else None)
+
+        self._devices(s, mem, c, heavy=heavy)
+        dt = time.perf_counter() - t0
+        s["sample_seconds"] = dt
+        self.sampling_seconds += dt
+        self.samples.append(s)
+        if len(self.samples) > self.max_samples:
+            self._thin()
+        return s
+
+    def _thin(self) -> None:
+        keep_recent = self.max_samples // 2
+        old, recent = self.samples[:-keep_recent], self.samples[-keep_recent:]
+        kept, nth = [], 0
+        for s in old:
+            if s["step"] in _ALWAYS_SAMPLED:
+                kept.append(s)
+            elif s["phase"] == "optimizer":
+                nth += 1
+                if nth % 2:
+                    kept.append(s)
+        self.thinned += len(self.samples) - len(kept) - len(recent)
+        self.samples = kept + recent
+
+    def _memory(self, step: int) -> dict[str, Any]:
+        if self._no_allocator:
+            return self._mem_none
+        t0 = time.perf_counter()
+        try:
+            mem = self.backend.memory() or {}
+        except Exception as e:  # a report must not stop training: this sample says what failed
+            mem = {"memory_error": f"{type(e).__name__}: {e}"}
+        self.backend_seconds += time.perf_counter() - t0
+        silent = all(mem.get(k) is None for k in ("allocated", "reserved", "peak_allocated")) and not mem.get("devices")
+        if not silent:
+            self._no_allocator = False
+        elif step > 2 and self._no_allocator is None and "memory_error" not in mem:
+            self._no_allocator, self._mem_none = True, mem
+        return mem
+
+    def invalidate_census(self) -> None:
+        """Retake the census at the next sample (call after changing the model or optimizer)."""
+        self._census_cache.clear()
+
+    def _fold_peaks(self, mem: dict[str, Any], step: int, phase: str) -> None:
+        for name, pname in (("allocated", "peak_allocated"), ("reserved", "peak_reserved")):
+            cand = _max(_int(mem.get(pname)), _int(mem.get(name)))
+            cur = self._run_peak[name]
+            if cand is not None and (cur is None or cand > cur):
+                self._run_peak[name] = cand
+                self._run_peak_at[name] = {"step": step, "phase": phase}
+
+    def _census(self, step: int, phase: str) -> tuple[int, dict[str, int | None], int | None] | None:
+        """(step taken, bytes by category, sum of the allocator-held categories or None)."""
+        cached = self._census_cache.get(phase)
+        t0 = time.perf_counter()
+        if step > 2 and self._warm_t is None:
+            self._warm_t = t0
+        fresh = (cached is None or step in _ALWAYS_SAMPLED
+                 or (self._warm_t is not None
+                     and self._warm_census_s + self._census_cost <= self.census_budget * (t0 - self._warm_t)))
+        if not fresh:
+            return cached
+        try:
+            raw = self.backend.census() or {}
+        except Exception:  # a census is a report; a backend mid-change must not stop training
+            return cached
+        self._census_cost = time.perf_counter() - t0
+        self.census_seconds += self._census_cost
+        self.backend_seconds += self._census_cost
+        if self._warm_t is not None:
+            self._warm_census_s += self._census_cost
+        self.census_calls += 1
+        cats = {k: _int(v) for k, v in raw.items()}
+        held = [cats.get(k) for k in ALLOCATOR_HELD]
+        got = (step, cats, None if None in held else sum(held))  # type: ignore[arg-type]
+        self._census_cache[phase] = got
+        return got
+
+    def _devices(self, s: dict[str, Any], mem: dict[str, Any], census: dict[str, Any], heavy: bool) -> None:
+        """Per-device rows with NVML beside the allocator, and their process-wide sums."""
+        rows_in = mem.get("devices")
+        use_nvml = self.backend_name == "cuda" and s["allocated"] is not None and self._nvml.ok is not False
+        paged = _int(census.get("optimizer_state_paged"))
+        if not use_nvml and not rows_in:  # MLX, CPU: one row, no NVML (the common cheap path)
+            idx = self.device_index or 0
+            total, ctx = _int(mem.get("device_total")), _int(mem.get("cuda_context"))
+            s["devices"] = [{"index": idx, "allocated": s["allocated"], "reserved": s["reserved"],
+                             "peak_allocated": s["step_peak_allocated"], "peak_reserved": s["step_peak_reserved"],
+                             "device_total": total, "cuda_context": ctx, "device_used": None,
+                             "process_device_used": None, "other_processes_used": None,
+                             "paged_optimizer_state": paged, "non_allocator": None,
+                             "non_allocator_unexplained": None}]
+            pk = self._dev_peak.setdefault(idx, {"allocated": None, "reserved": None, "device_used": None})
+            pk["allocated"] = _max(pk["allocated"], s["step_peak_allocated"], s["allocated"])
+            pk["reserved"] = _max(pk["reserved"], s["step_peak_reserved"], s["reserved"])
+            s.update(device_total=total, device_used=None, process_device_used=None, other_processes_used=None,
+                     cuda_context=ctx, paged_optimizer_state=paged, non_allocator=None,
+                     non_allocator_unexplained=None)
+            return
+        if not isinstance(rows_in, list) or not rows_in:
+            rows_in = [{"index": self.device_index or 0, "allocated": s["allocated"], "reserved": s["reserved"],
+                        "peak_allocated": s["step_peak_allocated"], "peak_reserved": s["step_peak_reserved"],
+                        "device_total": mem.get("device_total"), "cuda_context": mem.get("cuda_context")}]
+        rows = []
+        for d in rows_in:
+            idx = int(d.get("index", 0))
+            r: dict[str, Any] = {"index": idx}
+            for k in ("allocated", "reserved", "peak_allocated", "peak_reserved", "device_total", "cuda_context"):
+                r[k] = _int(d.get(k))
+            if r["device_total"] is None:
+                r["device_total"] = _int(d.get("total"))  # the cuda backend's per-device name
+            if r["cuda_context"] is None and len(rows_in) == 1:
+                r["cuda_context"] = _int(mem.get("cuda_context"))
+            nv = (self._nvml.read(idx, d.get("pci_bus_id"), processes=heavy or idx not in self._dev_peak,
+                                  uuid=d.get("uuid"))
+                  if use_nvml else {})
+            if r["device_total"] is None:
+                r["device_total"] = nv.get("device_total")
+            r["device_used"] = nv.get("device_used")
+            r["process_device_used"] = nv.get("process_used")
+            r["other_processes_used"] = nv.get("other_processes_used")
+            if not heavy and use_nvml and r["other_processes_used"] is None and self.samples:
+                # forward/backward skip the slower NVML process list: carry the last reading
+                prev = next((p for p in self.samples[-1].get("devices", []) if p["index"] == idx), None)
+                if prev is not None:
+                    r["process_device_used"] = prev.get("process_device_used")
+                    r["other_processes_used"] = prev.get("other_processes_used")
+            r["paged_optimizer_state"] = paged if len(rows_in) == 1 else None
+            _split_non_allocator(r)
+            rows.append(r)
+            pk = self._dev_peak.setdefault(idx, {"allocated": None, "reserved": None, "device_used": None})
+            pk["allocated"] = _max(pk["allocated"], r["peak_allocated"], r["allocated"])
+            pk["reserved"] = _max(pk["reserved"], r["peak_reserved"], r["reserved"])
+            pk["device_used"] = _max(pk["device_used"], r["device_used"])
+        s["devices"] = rows
+        s["device_total"] = _int(mem.get("device_total")) if len(rows) == 1 and mem.get("device_total") is not None \
+            else _sum([r["device_total"] for r in rows])
+        for k in ("device_used", "process_device_used", "other_processes_used", "cuda_context"):
+            s[k] = _sum([r[k] for r in rows])
+        s["paged_optimizer_state"] = paged
+        tot = {"device_used": s["device_used"], "reserved": s["reserved"], "paged_optimizer_state": paged,
+               "cuda_context": s["cuda_context"], "other_processes_used": s["other_processes_used"]}
+        _split_non_allocator(tot)
+        s["non_allocator"], s["non_allocator_unexplained"] = tot["non_allocator"], tot["non_allocator_unexplained"]
+
+    # -- outputs -----------------------------------------------------------------------------
+    def metrics_fields(self) -> dict[str, Any]:
+        """Flat fields of the latest sample for one metrics.jsonl line: ``*_bytes`` ints or
+        None (-> null), counts and percents without the suffix."""
+        return metrics_fields(self.samples[-1]) if self.samples else {}
+
+    def progress_text(self) -> str:
+        """Short memory status for the progress bar, e.g.
+        "alloc 1.23 GiB | peak 1.50 GiB | rss 2.10 GiB | swap +0 B"."""
+        if not self.samples:
+            return "mem n/a"
+        s = self.samples[-1]
+        parts = []
+        if s.get("allocated") is not None:
+            parts.append(f"alloc {fmt_bytes(s['allocated'])}")
+        if s.get("peak_allocated") is not None:
+            parts.append(f"peak {fmt_bytes(s['peak_allocated'])}")
+        if s.get("device_used") is not None:
+            parts.append(f"nvml {fmt_bytes(s['device_used'])}")
+        if s.get("rss") is not None:
+            parts.append(f"rss {fmt_bytes(s['rss'])}")
+        if s.get("swap_growth") is not None:
+            parts.append(f"swap {fmt_delta(s['swap_growth'])}")
+        return " | ".join(parts) or "mem n/a"
+
+    def context(self) -> dict[str, Any]:
+        """Run facts the explanation rules use beside the samples."""
+        return {"backend": self.backend_name, "system_total": self._sys.system_total,
+                "sample_every": self.sample_every}
+
+    def explain(self) -> list[dict[str, Any]]:
+        """Plain-sentence explanations of every sample so far (see accounting.rules)."""
+        return explain_samples(self.samples, self.context())
+
+    def _final_fold(self) -> None:
+        # peaks of unsampled steps after the last sample are still in the backend's counter
+        if self.sample_every <= 0 or self._no_allocator:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._fold_peaks(self.backend.memory() or {}, self.samples[-1]["step"] if self.samples else 0,
+                             "after_last_sample")
+        except Exception:
+            pass
+        dt = time.perf_counter() - t0
+        self.sampling_seconds += dt
+        self.backend_seconds += dt
+
+    def summary(self, step_seconds_total: float) -> dict[str, Any]:
+        """The ``memory`` section of summary.json.
+
+        Args:
+            step_seconds_total: wall seconds of all training steps, to state the sampling cost
+                as a fraction of step time.
+        """
+        self._final_fold()
+        ss = self.samples
+        last = ss[-1] if ss else {}
+        first_opt = next((s for s in ss if s["phase"] == "optimizer"), None)
+        n = len(ss)
+        per = [s["sample_seconds"] for s in ss]
+
+        def peak_of(key: str) -> int | None:
+            return _max(*[_int(s.get(key)) for s in ss]) if ss else None
+
+        devices = []
+        for r in last.get("devices", []):
+            pk = self._dev_peak.get(r["index"], {})
+            devices.append({**{k + "_bytes" if k != "index" else k: v for k, v in r.items()},
+                            "peak_allocated_bytes": pk.get("allocated"), "peak_reserved_bytes": pk.get("reserved"),
+                            "peak_device_used_bytes": pk.get("device_used")})
+        return {
+            "schema_version": 1,
+            "backend": self.backend_name,
+            "sample_every": self.sample_every,
+            "num_samples": n,
+            "samples_thinned": self.thinned,
+            "peak_scope": ("peak_*: max over the whole run (the backend's peak counter is read before each "
+                           "reset); step_peak_*: since the start of that step (reset_peak at each sampled step)"),
+            "peaks": {
+                "allocated_bytes": self._run_peak["allocated"],
+                "reserved_bytes": self._run_peak["reserved"],
+                "device_used_bytes": peak_of("device_used"),
+                "rss_bytes": _max(peak_of("peak_rss"), peak_of("rss")),
+                "swap_growth_bytes": peak_of("swap_growth"),
+                "mlx_peak_bytes": peak_of("mlx_peak"),
+            },
+            "peak_at": dict(self._run_peak_at),
+            "census_first_optimizer": ({"step": first_opt["step"], **_census_bytes(first_opt)} if first_opt else None),
+            "census_end": ({"step": last["step"], "phase": last["phase"], **_census_bytes(last)} if last else None),
+            "last": metrics_fields(last) if last else None,
+            "devices": devices,
+            "system_total_bytes": self._sys.system_total,
+            "nvml": {"used": self._nvml.ok, "error": self._nvml.error},
+            "explanations": self.explain(),
+            "accounting": {
+                "sampling_seconds": self.sampling_seconds,
+                "backend_seconds": self.backend_seconds,
+                "own_seconds": self.sampling_seconds - self.backend_seconds,
+                "census_seconds": self.census_seconds,
+                "census_calls": self.census_calls,
+                "samples": n,
+                "per_sample_us_mean": (sum(per) / n * 1e6) if n else None,
+                "per_sample_us_max": (max(per) * 1e6) if n else None,
+                "step_seconds_total": step_seconds_total,
+                "fraction_of_step_time": (self.sampling_seconds / step_seconds_total) if step_seconds_total > 0 else None,
+                "own_fraction_of_step_time": ((self.sampling_seconds - self.backend_seconds) / step_seconds_total
+                                              if step_seconds_total > 0 else None),
+            },
+        }
+
+    def table(self) -> str:
+        """End-of-run table: Device rows and an Overall row, allocator and NVML side by side."""
+        from finetune.accounting.report import render_table
+
+        return render_table(self.samples, self._run_peak, self._dev_peak,
+                            sampling_seconds=self.sampling_seconds)
+
+    def write_plot(self, path: str | Path) -> None:
+        """Write memory.png: the census as stacked areas under the measured lines."""
+        from finetune.accounting.report import write_plot
+
+        peak = self._run_peak["allocated"]
+        write_plot(self.samples, path, title=f"{self.backend_name} memory: {len(self.samples)} samples"
+                   + (f", run peak allocated {fmt_bytes(peak)}" if peak is not None else ""))
+
+
+def _split_non_allocator(r: dict[str, Any]) -> None:
+    """non_allocator = NVML used - reserved; unexplained = the part no known cause covers."""
+    used, reserved = r.get("device_used"), r.get("reserved")
+    if used is None or reserved is None:
+        r["non_allocator"] = r["non_allocator_unexplained"] = None
+        return
+    na = used - reserved
+    known = [r.get(k) for k in ("paged_optimizer_state", "cuda_context", "other_processes_used")]
+    r["non_allocator"] = na
+    r["non_allocator_unexplained"] = na - sum(v for v in known if v is not None)
+
+
+def _census_bytes(s: dict[str, Any]) -> dict[str, int | None]:
+    return {k + "_bytes": v for k, v in (s.get("census") or {}).items()}
+
+
+_METRIC_SKIP = {"index", "step", "phase", "micro", "time_s", "backend", "host", "rank", "peak_scope", "census",
+                "census_step", "devices", "sample_seconds", "system_total", "system_fresh", "memory_error"}
+
+
+def metrics_fields(s: dict[str, Any]) -> dict[str, Any]:
+    """Flat metrics.jsonl fields of one sample (see Accountant.metrics_fields)."""
+    out: dict[str, Any] = {"memory_step": s.get("step"), "memory_phase": s.get("phase")}
+    for k, v in s.items():
+        if k in _METRIC_SKIP:
+            continue
+        if k in COUNT_KEYS or k in _FLOAT_KEYS or k == "pressure_level":
+            out[k] = v
+        else:
+            out[k + "_bytes"] = v
+    for k, v in (s.get("census") or {}).items():
+        out[f"census_{k}_bytes"] = v
+    out["memory_sample_us"] = s["sample_seconds"] * 1e6 if s.get("sample_seconds") is not None else None
+    return out
+

@@ -1,0 +1,317 @@
+"""Cheap readers for process, system and NVML memory figures.
+
+Every reader returns ints of bytes, or None where this platform or this machine cannot
+measure the figure (never 0 for unknown). They are built to be called at every phase of every
+step: on Linux one ``read`` of /proc/self/status, /proc/meminfo and /proc/pressure/memory each
+through file descriptors opened once (about 3 us each); on macOS psutil and ``getrusage``; NVML
+handles are opened once and cached. Nothing here imports torch or mlx.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+_LINUX = sys.platform.startswith("linux")
+_DARWIN = sys.platform == "darwin"
+_SYSTEM_KEYS = ("swap_used", "swap_total", "system_total", "system_available", "psi_some_avg10", "psi_full_avg10",
+                "pressure_level")
+
+
+def _kib_field(text: bytes, key: bytes) -> int | None:
+    """The value of a ``Key:   1234 kB`` line of a /proc file, in bytes."""
+    i = text.find(key)
+    if i < 0:
+        return None
+    j = text.find(b"\n", i)
+    parts = text[i + len(key) : j if j >= 0 else None].split()
+    if not parts:
+        return None
+    try:
+        return int(parts[0]) * 1024  # /proc reports kB meaning KiB
+    except ValueError:
+        return None
+
+
+_fork_gen = 0  # bumped in a forked child: its /proc/self descriptors would be the parent's
+
+
+def _after_fork() -> None:
+    global _fork_gen
+    _fork_gen += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+class _ProcFile:
+    """A /proc file kept open and re-read at offset 0 with one pread (procfs regenerates it on
+    each read): one syscall per reading."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.gen = -1
+        self.fd: int | None = None
+
+    def read(self) -> bytes | None:
+        try:
+            if self.fd is None or self.gen != _fork_gen:
+                self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self.gen = _fork_gen
+            return os.pread(self.fd, 65536, 0)
+        except OSError:
+            self.fd = None
+            return None
+
+    def __del__(self) -> None:
+        if self.fd is not None and self.gen == _fork_gen:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+
+
+class SystemProbe:
+    """Process and system memory: RSS, peak RSS, process swap, system swap, pressure."""
+
+    def __init__(self) -> None:
+        self._status = _ProcFile("/proc/self/status")
+        self._meminfo = _ProcFile("/proc/meminfo")
+        self._psi = _ProcFile("/proc/pressure/memory")
+        self._psi_ok = _LINUX and os.path.exists("/proc/pressure/memory")
+        self._proc: Any = None  # psutil.Process, non-Linux only
+        self._darwin_sysctl: Any = None
+        self.system_total = self._system_total()
+        self._last_system: dict[str, Any] | None = None
+
+    @staticmethod
+    def _system_total() -> int | None:
+        try:
+            import psutil
+
+            return int(psutil.virtual_memory().total)
+        except Exception:
+            return None
+
+    def read(self, system: bool = True) -> dict[str, Any]:
+        """One reading. Keys (bytes unless named otherwise): rss, peak_rss, swap_process,
+        swap_used, swap_total, system_total, system_available, psi_some_avg10 and
+        psi_full_avg10 (percent of the last 10 s some/all tasks stalled on memory; Linux),
+        pressure_level (macOS kern.memorystatus_vm_pressure_level: 1 normal, 2 warn, 4
+        critical).
+
+        Args:
+            system: read the system-wide figures (swap, available RAM, pressure) afresh; when
+                False they repeat the last fresh reading (they move slowly, and on a busy
+                machine each extra syscall costs tens of microseconds) and only the process's
+                own figures are read.
+        """
+        out: dict[str, Any] = {"rss": None, "peak_rss": None, "swap_process": None}
+        if _LINUX:
+            st = self._status.read()
+            if st:
+                out["rss"] = _kib_field(st, b"VmRSS:")
+                out["peak_rss"] = _kib_field(st, b"VmHWM:")  # high-water mark of RSS
+                out["swap_process"] = _kib_field(st, b"VmSwap:")
+            if system or self._last_system is None:
+                sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
+                sysf["system_total"] = self.system_total
+                mi = self._meminfo.read()
+                if mi:
+                    total, free = _kib_field(mi, b"SwapTotal:"), _kib_field(mi, b"SwapFree:")
+                    sysf["swap_total"] = total
+                    # psutil's definition of used swap: total - free
+                    sysf["swap_used"] = total - free if total is not None and free is not None else None
+                    sysf["system_available"] = _kib_field(mi, b"MemAvailable:")
+                if self._psi_ok:
+                    psi = self._psi.read()
+                    if psi:
+                        sysf["psi_some_avg10"], sysf["psi_full_avg10"] = _parse_psi(psi)
+                self._last_system = sysf
+            out.update(self._last_system)
+            return out
+        self._read_portable(out, system)
+        return out
+
+    def _read_portable(self, out: dict[str, Any], system: bool) -> None:
+        try:
+            import psutil
+
+            if self._proc is None:
+                self._proc = psutil.Process()
+            out["rss"] = int(self._proc.memory_info().rss)
+        except Exception:
+            pass
+        if system or self._last_system is None:
+            sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
+            sysf["system_total"] = self.system_total
+            try:
+                import psutil
+
+                sw = psutil.swap_memory()  # macOS: sysctl vm.swapusage
+                sysf["swap_used"], sysf["swap_total"] = int(sw.used), int(sw.total)
+                sysf["system_available"] = int(psutil.virtual_memory().available)
+            except Exception:
+                pass
+            if _DARWIN:
+                sysf["pressure_level"] = self._darwin_pressure()
+            self._last_system = sysf
+        out.update(self._last_system)
+        try:
+            import resource
+
+            ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            # ru_maxrss is bytes on macOS, KiB on Linux and the BSDs
+            out["peak_rss"] = int(ru) if _DARWIN else int(ru) * 1024
+        except Exception:
+            pass
+
+    def _darwin_pressure(self) -> int | None:
+        # sysctlbyname through ctypes: microseconds, where a `sysctl` subprocess costs ms
+        try:
+            import ctypes
+
+            if self._darwin_sysctl is None:
+                libc = ctypes.CDLL(None)
+                self._darwin_sysctl = libc.sysctlbyname
+            val = ctypes.c_int(0)
+            size = ctypes.c_size_t(ctypes.sizeof(val))
+            rc = self._darwin_sysctl(b"kern.memorystatus_vm_pressure_level", ctypes.byref(val),
+                                     ctypes.byref(size), None, ctypes.c_size_t(0))
+            return int(val.value) if rc == 0 else None
+        except Exception:
+            return None
+
+
+def _parse_psi(text: bytes) -> tuple[float | None, float | None]:
+    """``some avg10=0.00 ...`` / ``full avg10=...`` lines of /proc/pressure/memory -> percents."""
+    some = full = None
+    for line in text.splitlines():
+        i = line.find(b"avg10=")
+        if i < 0:
+            continue
+        try:
+            v = float(line[i + 6 :].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if line.startswith(b"some"):
+            some = v
+        elif line.startswith(b"full"):
+            full = v
+    return some, full
+
+
+class NvmlProbe:
+    """NVML per-device figures for the CUDA devices this process uses.
+
+    Handles are opened once. The CUDA index -> NVML device mapping uses the UUID or PCI bus id
+    when the backend gives one, else CUDA_VISIBLE_DEVICES (integers or GPU-UUID prefixes), else
+    the same index (right when CUDA_DEVICE_ORDER=PCI_BUS_ID or with one GPU). If NVML is missing or fails, every figure is None and it is not retried.
+    """
+
+    def __init__(self) -> None:
+        self.ok: bool | None = None  # None: not tried yet
+        self.error: str | None = None
+        self._nv: Any = None
+        self._handles: dict[int, Any] = {}
+        self._v2 = True
+
+    def _init(self) -> bool:
+        if self.ok is None:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nv = pynvml
+                self.ok = True
+            except Exception as e:  # no driver, no library: NVML figures stay None
+                self.ok, self.error = False, f"{type(e).__name__}: {e}"
+        return bool(self.ok)
+
+    def _handle(self, cuda_index: int, pci_bus_id: str | None, uuid: str | None = None) -> Any:
+        if cuda_index in self._handles:
+            return self._handles[cuda_index]
+        nv, h = self._nv, None
+        try:
+            if uuid:
+                u = str(uuid)
+                h = nv.nvmlDeviceGetHandleByUUID((u if u.startswith(("GPU-", "MIG-")) else "GPU-" + u).encode())
+            elif pci_bus_id:
+                h = nv.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode() if isinstance(pci_bus_id, str) else pci_bus_id)
+            else:
+                vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+                entries = [e.strip() for e in vis.split(",") if e.strip()] if vis else None
+                if entries is None:
+                    h = nv.nvmlDeviceGetHandleByIndex(cuda_index)
+                elif cuda_index < len(entries):
+                    e = entries[cuda_index]
+                    if e.isdigit():
+                        h = nv.nvmlDeviceGetHandleByIndex(int(e))
+                    elif e.startswith("GPU-"):
+                        for i in range(nv.nvmlDeviceGetCount()):
+                            cand = nv.nvmlDeviceGetHandleByIndex(i)
+                            uuid = nv.nvmlDeviceGetUUID(cand)
+                            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+                            if uuid.startswith(e):
+                                h = cand
+                                break
+                    # MIG-... slices: device-wide NVML figures would describe the whole GPU; leave None
+        except Exception:
+            h = None
+        self._handles[cuda_index] = h
+        return h
+
+    def read(self, cuda_index: int, pci_bus_id: str | None = None, processes: bool = True,
+             own_context: bool = True, uuid: str | None = None) -> dict[str, int | None]:
+        """NVML figures for one CUDA device, bytes.
+
+        Args:
+            cuda_index: the device index as CUDA numbers it in this process.
+            pci_bus_id: optional bus id from the backend, an exact way to find the device.
+            uuid: optional device UUID from the backend (torch's device properties ``uuid``,
+                with or without the "GPU-" prefix), the other exact way.
+            processes: also read the per-process list (slower than the memory figures).
+            own_context: this process holds a CUDA context on the device (so it is one of the
+                listed compute processes).
+
+        Returns:
+            device_used (v2: excluding driver-reserved memory), device_total, process_used
+            (this process), other_processes_used (every other listed process); None each where
+            NVML cannot say, e.g. per-process figures inside a container's pid namespace.
+        """
+        out: dict[str, int | None] = {"device_used": None, "device_total": None,
+                                      "process_used": None, "other_processes_used": None}
+        if not self._init():
+            return out
+        h = self._handle(cuda_index, pci_bus_id, uuid)
+        if h is None:
+            return out
+        nv = self._nv
+        try:
+            if self._v2:
+                try:
+                    mi = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+                except Exception:
+                    self._v2 = False
+            if not self._v2:
+                mi = nv.nvmlDeviceGetMemoryInfo(h)
+            out["device_used"], out["device_total"] = int(mi.used), int(mi.total)
+        except Exception:
+            return out
+        if processes:
+            try:
+                procs = list(nv.nvmlDeviceGetComputeRunningProcesses(h))
+                mem = {int(p.pid): p.usedGpuMemory for p in procs}
+                me = os.getpid()
+                if me not in mem and own_context and len(mem) == 1:
+                    # Our pid is not visible (pid namespace of a container), but we hold a
+                    # context on this device, so the only compute process listed is us.
+                    me = next(iter(mem))
+                if me in mem and all(v is not None for v in mem.values()):
+                    out["process_used"] = int(mem[me])
+                    out["other_processes_used"] = int(sum(v for p, v in mem.items() if p != me))
+            except Exception:
+                pass
+        return out

@@ -1,0 +1,251 @@
+"""Printed and drawn views of the timeline: the end-of-run table and memory.png.
+
+Text uses binary units (GiB = 2^30 bytes) and says so; matplotlib is imported only when a
+plot is written, through its object API with the Agg canvas (no pyplot global state).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from finetune.accounting.units import fmt_bytes as fb
+from finetune.accounting.units import fmt_delta as fd
+
+TABLE_COLUMNS = (
+    ("allocated", "allocated"), ("reserved", "reserved"), ("peak_allocated", "peak alloc"),
+    ("peak_reserved", "peak resv"), ("device_used", "NVML used"), ("device_total", "NVML total"),
+    ("non_allocator", "non-alloc"), ("non_allocator_unexplained", "unexplained"),
+)
+CENSUS_ORDER = ("frozen_weights", "quant_buffers", "trainable_weights", "grads", "optimizer_state",
+                "activations_and_other", "optimizer_state_paged")
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
+    return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def render_table(samples: list[dict[str, Any]], run_peak: dict[str, int | None] | None = None,
+                 dev_peak: dict[int, dict[str, int | None]] | None = None,
+                 sampling_seconds: float | None = None) -> str:
+    """The end-of-run table: a row per device and an Overall row; allocator columns beside
+    NVML's, then the breakdown of the non-allocator gap, the census and process/system figures.
+
+    Args:
+        samples: the timeline; the last sample gives the current figures.
+        run_peak: run peaks {"allocated", "reserved"} (else the last sample's peak_* fields).
+        dev_peak: per device index {"allocated", "reserved"} run peaks.
+        sampling_seconds: total time spent sampling, reported on the last line.
+    """
+    if not samples:
+        return "memory: no samples were taken (memory.sample_every=0 turns sampling off)"
+    s = samples[-1]
+    run_peak = run_peak or {"allocated": s.get("peak_allocated"), "reserved": s.get("peak_reserved")}
+    dev_peak = dev_peak or {}
+    header = ["", *(label for _, label in TABLE_COLUMNS)]
+    rows = []
+    for d in s.get("devices") or []:
+        pk = dev_peak.get(d["index"], {})
+        vals = {**d, "peak_allocated": pk.get("allocated", d.get("peak_allocated")),
+                "peak_reserved": pk.get("reserved", d.get("peak_reserved"))}
+        rows.append([f"Device {d['index']}", *(fb(vals.get(k)) for k, _ in TABLE_COLUMNS)])
+    overall = {**s, "peak_allocated": run_peak.get("allocated"), "peak_reserved": run_peak.get("reserved")}
+    rows.append(["Overall", *(fb(overall.get(k)) for k, _ in TABLE_COLUMNS)])
+    where = "after load" if s["phase"] == "load" else f"step {s['step']}, {s['phase']} phase"
+    lines = [f"Memory at the end ({where}); peaks over the whole run. GiB = 2^30 bytes; n/a = not measurable here.",
+             *_grid(header, rows)]
+    if s.get("non_allocator") is not None:
+        lines.append(
+            f"non-allocator (NVML used - reserved) {fb(s['non_allocator'])} = paged optimizer state "
+            f"{fb(s.get('paged_optimizer_state'))} + CUDA context {fb(s.get('cuda_context'))} + other processes "
+            f"{fb(s.get('other_processes_used'))} + unexplained {fb(s.get('non_allocator_unexplained'))}")
+    c = s.get("census") or {}
+    if c:
+        lines.append("census: " + " | ".join(f"{k.replace('_', ' ')} {fb(c.get(k))}" for k in CENSUS_ORDER if k in c)
+                     + (f" (taken at step {s['census_step']})" if s.get("census_step") not in (None, s["step"]) else ""))
+    lines.append(
+        f"process: RSS {fb(s.get('rss'))}, peak RSS {fb(s.get('peak_rss'))}, in swap {fb(s.get('swap_process'))} | "
+        f"system: swap used {fb(s.get('swap_used'))} of {fb(s.get('swap_total'))} ({fd(s.get('swap_growth'))} this run), "
+        f"RAM available {fb(s.get('system_available'))} of {fb(s.get('system_total'))}"
+        + (f" | PSI some/full {s['psi_some_avg10']:.1f}%/{s['psi_full_avg10'] or 0:.1f}%"
+           if s.get("psi_some_avg10") is not None else "")
+        + (f" | pressure level {s['pressure_level']}" if s.get("pressure_level") is not None else ""))
+    if any(k.startswith("mlx_") for k in s):
+        lines.append(
+            f"mlx: active {fb(s.get('mlx_active'))}, cache {fb(s.get('mlx_cache'))}, peak {fb(s.get('mlx_peak'))} | "
+            f"limits: memory {fb(s.get('mlx_memory_limit'))}, cache {fb(s.get('mlx_cache_limit'))}, wired "
+            f"{fb(s.get('mlx_wired_limit'))}, recommended working set {fb(s.get('mlx_recommended_working_set'))}")
+    if any(s.get(k) is not None for k in ("inactive_split", "alloc_retries", "num_ooms")):
+        r, o = s.get("alloc_retries"), s.get("num_ooms")
+        lines.append(f"allocator health: inactive split {fb(s.get('inactive_split'))}, alloc retries "
+                     f"{'n/a' if r is None else r}, OOMs {'n/a' if o is None else o}")
+    if sampling_seconds is not None:
+        lines.append(f"accounting: {len(samples)} samples, {sampling_seconds * 1e6 / len(samples):.0f} us per sample")
+    return "\n".join(lines)
+
+
+def render_gather_table(gathered: dict[str, Any]) -> str:
+    """Table of a gather() result: a row per rank, then Overall (sum), min and max over ranks."""
+    header = ["", *(label for _, label in TABLE_COLUMNS), "RSS"]
+    keys = [k for k, _ in TABLE_COLUMNS] + ["rss"]
+    rows = [[f"Rank {r.get('rank', i)}", *(fb(r.get(k)) for k in keys)] for i, r in enumerate(gathered["ranks"])]
+    ov = gathered["overall"]
+    for stat, label in (("sum", "Overall"), ("min", "min"), ("max", "max")):
+        rows.append([label, *(fb((ov.get(k) or {}).get(stat)) for k in keys)])
+    return "\n".join(_grid(header, rows))
+
+
+# -- plot ----------------------------------------------------------------------------------
+def _unit(vmax: float) -> tuple[float, str]:
+    for size, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if vmax >= size:
+            return float(size), name
+    return 1.0, "B"
+
+
+PHASE_COLORS = {"load": "#7f7f7f", "forward": "#1f77b4", "backward": "#ff7f0e", "optimizer": "#2ca02c"}
+CENSUS_COLORS = {"frozen_weights": "#c7c7c7", "quant_buffers": "#9edae5", "trainable_weights": "#aec7e8",
+                 "grads": "#ffbb78", "optimizer_state": "#98df8a", "activations_and_other": "#f7b6d2",
+                 "optimizer_state_paged": "#dbdb8d"}
+LINES = (("allocated", "allocated", "black", "-"), ("reserved", "reserved", "#444444", "--"),
+         ("step_peak_allocated", "step peak allocated", "#d62728", ":"),
+         ("device_used", "NVML device used", "#9467bd", "-"))
+HOST_LINES = (("rss", "process RSS", "#17becf", "-"), ("peak_rss", "process peak RSS", "#17becf", ":"),
+              ("swap_growth", "system swap growth since start", "#8c564b", "-."),
+              ("swap_process", "process in swap", "#e377c2", "--"))
+
+
+def _lines(ax: Any, samples: list[dict[str, Any]], spec: tuple, scale: float) -> None:
+    n = len(samples)
+    for key, label, color, style in spec:
+        pts = [(i, s[key] / scale) for i, s in enumerate(samples) if s.get(key) is not None
+               and (key != "step_peak_allocated" or s.get("peak_scope") == "step")]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, lw=1.6, label=label,
+                    marker="." if n <= 80 else None, ms=4)
+
+
+def _ylabel(ax: Any, what: str, unit: str) -> None:
+    ax.set_ylabel(f"{what}, {unit}\n({unit} = 2^{ {'GiB': 30, 'MiB': 20, 'KiB': 10}.get(unit, 0)} bytes)", fontsize=9)
+
+
+def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "memory") -> None:
+    """Write a PNG timeline. Top: the census as stacked areas (allocator-held categories,
+    then paged optimizer state, which lives outside the allocator) under lines for allocated,
+    reserved, the step peak and NVML used. Middle: host memory (RSS, peak RSS, swap growth,
+    process swap). Bottom strip: the phase of each sample.
+
+    Args:
+        samples: the timeline.
+        path: where the PNG goes (written to a temporary name, then renamed into place).
+        title: figure title.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    n = len(samples)
+    xs = list(range(n))
+    fig = Figure(figsize=(11, 7), dpi=110)
+    FigureCanvasAgg(fig)
+    gs = fig.add_gridspec(3, 1, height_ratios=[10, 4, 0.8], hspace=0.12)
+    ax, hax, strip = fig.add_subplot(gs[0]), fig.add_subplot(gs[1]), fig.add_subplot(gs[2])
+    vals: list[float] = []
+    for key, *_ in LINES:
+        vals += [s[key] for s in samples if s.get(key) is not None]
+    stack_keys = [k for k in CENSUS_ORDER if any((s.get("census") or {}).get(k) for s in samples)]
+    stacks = [[max(0, (s.get("census") or {}).get(k) or 0) for s in samples] for k in stack_keys]
+    if stacks:
+        vals.append(max(sum(col) for col in zip(*stacks)))
+    scale, unit = _unit(max(vals) if vals else 0)
+    if stacks and n:
+        ax.stackplot(xs, *[[v / scale for v in row] for row in stacks],
+                     labels=[f"census: {k.replace('_', ' ')}" for k in stack_keys],
+                     colors=[CENSUS_COLORS[k] for k in stack_keys], alpha=0.9)
+    _lines(ax, samples, LINES, scale)
+    if not any(s.get("allocated") is not None for s in samples):
+        ax.text(0.5, 0.97, "no allocator figures on this device: census only" if stacks else
+                "no allocator figures on this device", transform=ax.transAxes, ha="center", va="top", color="#777777")
+    _ylabel(ax, "allocator / device", unit)
+    hvals = [s[k] for k, *_ in HOST_LINES for s in samples if s.get(k) is not None]
+    hscale, hunit = _unit(max(hvals) if hvals else 0)
+    _lines(hax, samples, HOST_LINES, hscale)
+    _ylabel(hax, "host", hunit)
+    for a in (ax, hax):
+        a.set_ylim(bottom=0)
+        a.set_xlim(-0.5, max(n - 0.5, 0.5))
+        a.grid(alpha=0.3)
+    ax.set_title(title)
+    # step boundaries and labels: first sample of each step
+    firsts: list[tuple[int, int]] = []
+    for i, s in enumerate(samples):
+        if i == 0 or s["step"] != samples[i - 1]["step"]:
+            firsts.append((i, s["step"]))
+    if len(firsts) <= 60:
+        for i, _ in firsts[1:]:
+            for a in (ax, hax):
+                a.axvline(i - 0.5, color="#bbbbbb", lw=0.6, zorder=0)
+    every = max(1, len(firsts) // 15)
+    ticks = firsts[::every]
+    for a in (ax, hax):
+        a.set_xticks([i for i, _ in ticks])
+        a.set_xticklabels([])
+    strip.set_xticks([i for i, _ in ticks])
+    strip.set_xticklabels(["load" if st == 0 else str(st) for _, st in ticks], fontsize=8)
+    strip.set_xlabel("step (each step's samples in phase order; strip: phase of each sample)")
+    strip.bar(xs, [1] * n, width=1.0, color=[PHASE_COLORS.get(s["phase"], "#dddddd") for s in samples])
+    strip.set_xlim(ax.get_xlim())
+    strip.set_yticks([])
+    handles, labels = ax.get_legend_handles_labels()
+    present = {s["phase"] for s in samples}
+    for ph, col in PHASE_COLORS.items():
+        if ph in present:
+            handles.append(Patch(color=col))
+            labels.append(f"phase: {ph}")
+    if handles:
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if hax.get_legend_handles_labels()[0]:
+        hax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.subplots_adjust(left=0.09, right=0.74, top=0.94, bottom=0.08)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd_, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=path.parent)
+    os.close(fd_)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_summary_table(memory: dict[str, Any]) -> str:
+    """The end-of-run table rebuilt from a summary.json ``memory`` section (for reports on
+    finished runs): a row per device and Overall, then the non-allocator breakdown and census."""
+    last = memory.get("last") or {}
+    peaks = memory.get("peaks") or {}
+    header = ["", *(label for _, label in TABLE_COLUMNS)]
+    rows = []
+    for d in memory.get("devices") or []:
+        rows.append([f"Device {d.get('index', '?')}", *(fb(d.get(k + "_bytes")) for k, _ in TABLE_COLUMNS)])
+    ov = {k: last.get(k + "_bytes") for k, _ in TABLE_COLUMNS}
+    ov["peak_allocated"], ov["peak_reserved"] = peaks.get("allocated_bytes"), peaks.get("reserved_bytes")
+    rows.append(["Overall", *(fb(ov.get(k)) for k, _ in TABLE_COLUMNS)])
+    lines = [(f"Memory at step {last.get('memory_step')} ({last.get('memory_phase')} phase); peaks over the run. "
+              "GiB = 2^30 bytes"), *_grid(header, rows)]
+    if last.get("non_allocator_bytes") is not None:
+        lines.append(
+            f"non-allocator (NVML used - reserved) {fb(last['non_allocator_bytes'])} = paged optimizer state "
+            f"{fb(last.get('paged_optimizer_state_bytes'))} + CUDA context {fb(last.get('cuda_context_bytes'))} + "
+            f"other processes {fb(last.get('other_processes_used_bytes'))} + unexplained "
+            f"{fb(last.get('non_allocator_unexplained_bytes'))}")
+    cen = {k[len("census_"):-len("_bytes")]: v for k, v in last.items() if k.startswith("census_")}
+    if cen:
+        lines.append("census: " + " | ".join(f"{k.replace('_', ' ')} {fb(cen.get(k))}" for k in CENSUS_ORDER if k in cen))
+    lines.append(f"process: RSS {fb(last.get('rss_bytes'))}, peak RSS {fb(peaks.get('rss_bytes'))} | swap growth "
+                 f"{fd(peaks.get('swap_growth_bytes'))}")
+    return "\n".join(lines)
