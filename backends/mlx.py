@@ -60,6 +60,8 @@ class MlxBackend:
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
         self._ckpt_classes: dict[type, type] = {}
         self._wired_limit: int | None = None
+        self._cache_limit: int | None = None  # read once in memory(), then kept current
+        self._device_info: dict[str, Any] = dict(mx.device_info())  # fixed for the process
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
@@ -306,10 +308,13 @@ class MlxBackend:
     # ---- memory ------------------------------------------------------------------------
     def memory(self) -> dict[str, int | None]:
         active, cache = mx.get_active_memory(), mx.get_cache_memory()
-        info = mx.device_info()
-        # No getter for the cache limit: swap in a harmless value and put the old one back.
-        cache_limit = mx.set_cache_limit(mx.get_memory_limit())
-        mx.set_cache_limit(cache_limit)
+        info = self._device_info
+        if self._cache_limit is None:
+            # No getter for the cache limit: swap in a harmless value and put the old one back,
+            # once (each swap costs ~100 us); set_memory_limits keeps it current afterwards.
+            self._cache_limit = mx.set_cache_limit(mx.get_memory_limit())
+            mx.set_cache_limit(self._cache_limit)
+        cache_limit = self._cache_limit
         return {
             "allocated": active,
             "reserved": active + cache,
@@ -370,6 +375,7 @@ class MlxBackend:
                                "memory_limit_prev": mx.set_memory_limit(budget)}
         out["cache_limit"] = budget // _CACHE_FRACTION
         out["cache_limit_prev"] = mx.set_cache_limit(out["cache_limit"])
+        self._cache_limit = out["cache_limit"]
         out["wired_limit"] = out["wired_limit_prev"] = None
         if _metal():
             rec = mx.device_info().get("max_recommended_working_set_size") or budget

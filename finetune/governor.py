@@ -124,9 +124,9 @@ class Governor:
         self.backend = backend
         if self.backend_name == "mlx" and self.adapt and self.budget_bytes:
             got = backend.set_memory_limits(self.budget_bytes)
-            if got:
-                self._act(0, "budget", "set_mlx_limits", {k: v.get("previous") if isinstance(v, dict) else None for k, v in got.items()},
-                          {k: v.get("set") if isinstance(v, dict) else v for k, v in got.items()})
+            if got:  # {name: new, name_prev: old}
+                self._act(0, "budget", "set_mlx_limits", {k[:-5]: v for k, v in got.items() if k.endswith("_prev")},
+                          {k: v for k, v in got.items() if not k.endswith("_prev")})
 
     def restore(self, state: dict[str, Any]) -> None:
         # a supervisor restart may have lowered train.batch_size below the checkpoint's micro

@@ -170,6 +170,10 @@ class Accountant:
         """
         if not self.will_sample(step):
             return None
+        if self._no_allocator and phase in ("forward", "backward"):
+            # No allocator to read (torch on CPU) and the system figures are reused inside a
+            # step: such a sample would repeat the last one, so it is not taken.
+            return None
         t0 = time.perf_counter()
         key = (step, phase)
         micro = self._micro.get(key, 0)
