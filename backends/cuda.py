@@ -440,8 +440,13 @@ class CudaBackend:
         return out
 
     def reset_peak(self) -> None:
-        """Reset torch's peak counters on every CUDA device the model uses."""
-        for i in self._cuda_indices():
+        """Reset torch's peak counters on every CUDA device the model uses (every visible
+        device before setup, so the load itself is inside the run's peak)."""
+        if getattr(self, "model", None) is None:
+            indices = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+        else:
+            indices = self._cuda_indices()
+        for i in indices:
             torch.cuda.reset_peak_memory_stats(i)
 
     def census(self) -> dict[str, int]:

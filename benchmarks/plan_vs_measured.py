@@ -71,17 +71,41 @@ def grid(quick: bool) -> list[tuple[str, list[str]]]:
     return points
 
 
+def measure_fresh(overrides: list[str]) -> tuple[int, int]:
+    """Measure in a fresh process: MLX's peak counter and its buffers are process-wide, so a
+    previous configuration's arrays would otherwise count in this one's peak."""
+    import json
+    import subprocess
+
+    r = subprocess.run([sys.executable, __file__, "--one", json.dumps(overrides)], capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    p, m = json.loads(r.stdout.strip().splitlines()[-1])
+    return int(p), int(m)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration, JSON list of overrides
     a = ap.parse_args()
     import logging
 
     logging.disable(logging.WARNING)
+    if a.one:
+        import contextlib
+        import io
+        import json
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            p, m = measure(json.loads(a.one))
+        print(json.dumps([p, m]))
+        return 0
     rows, worst = [], 0.0
     print(f"{'configuration':52s} {'predicted MiB':>14s} {'measured MiB':>13s} {'error':>8s}")
     for name, o in grid(a.quick):
-        p, m = measure(o)
+        p, m = measure_fresh(o)
         err = (p - m) / m
         worst = max(worst, abs(err))
         rows.append((name, p, m, err))

@@ -23,7 +23,7 @@ FRAGMENTED_MIN_BYTES = 512 << 20
 
 def smaller_divisor(n: int, below: int) -> int | None:
     """Largest divisor of ``n`` that is at most ``below // 2`` (halve, staying exact)."""
-    for d in range(max(1, below // 2), 0, -1):
+    for d in range(below // 2, 0, -1):
         if n % d == 0:
             return d
     return None

@@ -74,6 +74,9 @@ class Trainer:
         self.backend = get_backend(self.backend_name)
         self.governor = Governor(cfg, self.backend_name, self._event)
         self.governor.before_load()  # may lower the micro-batch / turn on checkpointing
+        # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
+        # leak its peak into ours; the load itself stays inside the peak.
+        self.backend.reset_peak()
         self.info = self.backend.setup(cfg, self.model_dir)
         if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
             self.backend.set_grad_checkpointing(True)
