@@ -1,0 +1,165 @@
+"""Memory budgets: parse ``memory.budget`` and find how much memory the run's device has.
+
+Nothing here imports torch or mlx: ``mode=plan`` must stay light. The device size comes from
+NVML (nvidia-ml-py, imported lazily, absent driver handled), ``sysctl`` on macOS, or psutil.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from finetune.config import UserError
+
+# Decimal units are powers of 1000, binary ones powers of 1024 (GB = 1e9 B, GiB = 2^30 B).
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+VALID_FORMS = 'bytes (e.g. 42949672960 or "42949672960"), "40GiB", "40GB", "512MiB", "1.5TB", or "90%" of the device'
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*%\s*$")
+
+
+def parse_budget(text: str | int | None, device_total: int | None) -> int | None:
+    """Turn a ``memory.budget`` value into bytes.
+
+    Args:
+        text: None (use the device's size), an int of bytes, or a string: a number of bytes
+            ("123"), a number with a unit ("40GiB" = 40 * 2^30, "40GB" = 40 * 10^9, "512MiB",
+            also KB/MB/TB and KiB/TiB, case-insensitive), or a percentage of the device ("90%").
+        device_total: bytes of the device the budget applies to, None where unknown.
+
+    Returns:
+        The budget in bytes (rounded down), or ``device_total`` (possibly None) when ``text`` is None.
+
+    Raises:
+        UserError: for text in none of the valid forms, a budget that is not positive, or a
+            percentage when the device size is unknown; the message names the valid forms.
+    """
+    if text is None:
+        return device_total
+    if isinstance(text, bool):  # bool is an int: true/false is not a size
+        raise UserError(f"memory.budget={text} is not a size; use {VALID_FORMS}")
+    if isinstance(text, (int, float)):
+        value = int(text)
+        if value <= 0:
+            raise UserError(f"memory.budget={text} must be positive; use {VALID_FORMS}")
+        return value
+    s = str(text)
+    m = _PERCENT.match(s)
+    if m:
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise UserError(f"memory.budget={s}: a percentage must be in (0, 100]; use {VALID_FORMS}")
+        if device_total is None:
+            raise UserError(f"memory.budget={s} needs the device's size, which is unknown here; "
+                            'give bytes or a unit instead (e.g. "40GiB")')
+        return int(device_total * pct / 100)
+    m = _NUMBER_UNIT.match(s)
+    if not m or m.group(2).lower() not in UNITS:
+        raise UserError(f"memory.budget={s} is not a size; use {VALID_FORMS}")
+    value = int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise UserError(f"memory.budget={s} must be positive; use {VALID_FORMS}")
+    return value
+
+
+@dataclass
+class DeviceMemory:
+    """How much memory one device of the run has, and where the figure came from."""
+
+    total_bytes: int | None  # per device (per GPU where there are several)
+    count: int  # devices of this kind visible (GPUs for cuda; 1 otherwise)
+    source: str  # e.g. "nvml", "psutil", "sysctl hw.memsize * 0.75 (estimate)"
+    estimate: bool  # True where the figure is derived by a rule rather than read
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_devices() -> tuple[int, int | None]:
+    """(number of NVIDIA GPUs, total bytes of GPU 0) via NVML; (0, None) without a driver.
+
+    NVML is what nvidia-smi reads; importing it loads no CUDA context and no torch.
+    """
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return 0, None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded: no GPU here
+        return 0, None
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+        total = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total) if count else None
+        return count, total
+    except Exception:
+        return 0, None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+def _sysctl_int(name: str) -> int | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5, check=False)
+        return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def apple_working_set() -> tuple[int | None, str, bool]:
+    """Metal's recommended working set (the most the GPU should keep wired), without mlx.
+
+    mlx reports it as ``mx.device_info()["max_recommended_working_set_size"]`` and documents it
+    as the system wired limit (mlx.core.set_wired_limit: raise it with
+    ``sysctl iogpu.wired_limit_mb``). If that sysctl is set we read it; otherwise macOS's default
+    is about 2/3 of RAM on machines up to 36 GB and 3/4 above (Metal's
+    recommendedMaxWorkingSetSize as reported on M-series Macs) - a rule, labelled as an estimate.
+    """
+    wired_mb = _sysctl_int("iogpu.wired_limit_mb")
+    if wired_mb:
+        return wired_mb * 2**20, "sysctl iogpu.wired_limit_mb", False
+    ram = _sysctl_int("hw.memsize")
+    if ram is None:
+        return None, "unknown", True
+    frac, label = (0.75, "3/4") if ram > 36 * 10**9 else (2 / 3, "2/3")
+    return int(ram * frac), f"sysctl hw.memsize * {label} (estimate of Metal's recommended working set)", True
+
+
+def system_ram() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return None
+
+
+def device_memory(backend: str, device: str) -> DeviceMemory:
+    """Memory of the device a run with this backend/device would use.
+
+    Args:
+        backend: "cuda" or "mlx".
+        device: "cuda" (a GPU), "cpu", "mlx:gpu" or "mlx:cpu".
+    """
+    if backend == "cuda" and device.startswith("cuda"):
+        count, total = cuda_devices()
+        return DeviceMemory(total, max(count, 1), "nvml" if total else "unknown", False)
+    if backend == "mlx" and device == "mlx:gpu":
+        total, source, est = apple_working_set()
+        return DeviceMemory(total, 1, source, est)
+    ram = system_ram()
+    return DeviceMemory(ram, 1, "psutil (system RAM)" if ram else "unknown", False)
