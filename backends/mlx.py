@@ -82,6 +82,11 @@ class MlxBackend:
         mx.random.seed(self.seed)  # LoRA init draws from the global key
         model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True)
         self.model = model
+        if prec == "32-true":
+            # mlx_lm.load keeps a checkpoint's stored dtype (often bf16 on the hub); 32-true
+            # means fp32 weights, and the planner counts them so. Before quantizing, so the
+            # quantization scales are fp32 too.
+            model.set_dtype(mx.float32)
         self._block_classes = [type(layer) for layer in model.layers]
         self.quant: dict[str, int] | None = None
         if method == "qlora":

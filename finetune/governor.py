@@ -95,7 +95,7 @@ class Governor:
         return True
 
     # -- before any weight is loaded ---------------------------------------------------------
-    def before_load(self) -> None:
+    def before_load(self, seq_len: int | None = None) -> None:
         """Fit the plan to the budget: smaller micro-batch, then checkpointing; else stop."""
         if self.cfg.memory.budget is None:
             return  # the device's own size: only an explicit budget changes a run before it starts
@@ -103,7 +103,7 @@ class Governor:
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.merge(self.cfg, {"backend": {"name": self.backend_name}})
-        res = planner.fit_to_budget(cfg, self.budget_bytes)
+        res = planner.fit_to_budget(cfg, self.budget_bytes, seq_len=seq_len)
         if not res.events and res.fits:
             return
         if not self.adapt:

@@ -73,7 +73,8 @@ class Trainer:
         self.data, self.data_stats = data_mod.build(cfg, self.tokenizer)
         self.backend = get_backend(self.backend_name)
         self.governor = Governor(cfg, self.backend_name, self._event)
-        self.governor.before_load()  # may lower the micro-batch / turn on checkpointing
+        # may lower the micro-batch / turn on checkpointing; plans for the longest sample
+        self.governor.before_load(seq_len=min(cfg.train.seq_len, self.data_stats["max_tokens"]))
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak.
         self.backend.reset_peak()
@@ -135,6 +136,7 @@ class Trainer:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
         _fault_injection(step, self.governor.micro)
         batch = self.data.train_batch(step - 1)
+        self._step_max_len = int(batch.lengths.max())
         scale = 1.0 / batch.label_tokens
         def hook(phase: str) -> None:
             self.acct.sample(step, phase)
@@ -237,7 +239,9 @@ class Trainer:
         try:
             from finetune import planner
 
-            self.plan = planner.plan(self.cfg_for_plan())
+            # the plan at the length step 1 really had, so the error measures the model, not
+            # the gap between train.seq_len and the data
+            self.plan = planner.plan(self.cfg_for_plan(), seq_len=self._step_max_len)
             self.plan_error = planner.plan_error(self.plan, self.backend.census(), self.acct.samples[-1])
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)

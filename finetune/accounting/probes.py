@@ -10,6 +10,8 @@ handles are opened once and cached. Nothing here imports torch or mlx.
 from __future__ import annotations
 
 import os
+import resource
+import time
 import sys
 from typing import Any
 
@@ -73,11 +75,18 @@ class _ProcFile:
                 pass
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+SYSTEM_MIN_INTERVAL_S = 0.1  # seconds between fresh system-wide readings
+
+
 class SystemProbe:
     """Process and system memory: RSS, peak RSS, process swap, system swap, pressure."""
 
     def __init__(self) -> None:
         self._status = _ProcFile("/proc/self/status")
+        self._statm = _ProcFile("/proc/self/statm")
+        self._last_status: int | None = None
+        self._peak_rss = 0
         self._meminfo = _ProcFile("/proc/meminfo")
         self._psi = _ProcFile("/proc/pressure/memory")
         self._psi_ok = _LINUX and os.path.exists("/proc/pressure/memory")
@@ -85,6 +94,7 @@ class SystemProbe:
         self._darwin_sysctl: Any = None
         self.system_total = self._system_total()
         self._last_system: dict[str, Any] | None = None
+        self._last_system_t = 0.0
 
     @staticmethod
     def _system_total() -> int | None:
@@ -110,12 +120,25 @@ class SystemProbe:
         """
         out: dict[str, Any] = {"rss": None, "peak_rss": None, "swap_process": None}
         if _LINUX:
-            st = self._status.read()
-            if st:
-                out["rss"] = _kib_field(st, b"VmRSS:")
-                out["peak_rss"] = _kib_field(st, b"VmHWM:")  # high-water mark of RSS
-                out["swap_process"] = _kib_field(st, b"VmSwap:")
-            if system or self._last_system is None:
+            now = time.monotonic()
+            # Per sample, the two cheapest reads: /proc/self/statm (resident pages) and
+            # getrusage (peak RSS, KiB on Linux). /proc/self/status (for VmSwap) is longer to
+            # read and parse, so it shares the system figures' interval.
+            sm = self._statm.read()
+            if sm:
+                out["rss"] = int(sm.split()[1]) * _PAGE
+            # The kernel's high-water mark is synced lazily and can trail the RSS just read.
+            self._peak_rss = max(self._peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                                 out["rss"] or 0)
+            out["peak_rss"] = self._peak_rss
+            if self._last_status is None or (system and now - self._last_system_t >= SYSTEM_MIN_INTERVAL_S):
+                st = self._status.read()
+                self._last_status = _kib_field(st, b"VmSwap:") if st else None
+            out["swap_process"] = self._last_status
+            # System-wide figures move slowly (PSI avg10 is itself a 10 s average) and each
+            # /proc read costs ~15 us in a sandbox: at most one fresh reading per interval.
+            if self._last_system is None or (system and now - self._last_system_t >= SYSTEM_MIN_INTERVAL_S):
+                self._last_system_t = now
                 sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
                 sysf["system_total"] = self.system_total
                 mi = self._meminfo.read()
