@@ -10,7 +10,6 @@ handles are opened once and cached. Nothing here imports torch or mlx.
 from __future__ import annotations
 
 import os
-import resource
 import time
 import sys
 from typing import Any
@@ -87,6 +86,14 @@ class SystemProbe:
         self._statm = _ProcFile("/proc/self/statm")
         self._last_status: int | None = None
         self._peak_rss = 0
+        if _LINUX:
+            # Peak RSS is per run, not per process (a sweep runs its jobs in one process):
+            # "5" resets the kernel's VmHWM to the current RSS (proc(5), clear_refs).
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
         self._meminfo = _ProcFile("/proc/meminfo")
         self._psi = _ProcFile("/proc/pressure/memory")
         self._psi_ok = _LINUX and os.path.exists("/proc/pressure/memory")
@@ -127,13 +134,15 @@ class SystemProbe:
             sm = self._statm.read()
             if sm:
                 out["rss"] = int(sm.split()[1]) * _PAGE
-            # The kernel's high-water mark is synced lazily and can trail the RSS just read.
-            self._peak_rss = max(self._peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                                 out["rss"] or 0)
-            out["peak_rss"] = self._peak_rss
             if self._last_status is None or (system and now - self._last_system_t >= SYSTEM_MIN_INTERVAL_S):
                 st = self._status.read()
-                self._last_status = _kib_field(st, b"VmSwap:") if st else None
+                if st:
+                    self._last_status = _kib_field(st, b"VmSwap:")
+                    # VmHWM: the kernel's RSS high-water mark since this probe reset it
+                    self._peak_rss = max(self._peak_rss, _kib_field(st, b"VmHWM:") or 0)
+            # the high-water mark is read at the slower interval and can trail the RSS just read
+            self._peak_rss = max(self._peak_rss, out["rss"] or 0)
+            out["peak_rss"] = self._peak_rss or None
             out["swap_process"] = self._last_status
             # System-wide figures move slowly (PSI avg10 is itself a 10 s average) and each
             # /proc read costs ~15 us in a sandbox: at most one fresh reading per interval.
