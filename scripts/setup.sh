@@ -23,8 +23,8 @@ if [ "$(uname -s)" != "Darwin" ] && ! "$PY" -c "import torch" 2>/dev/null; then
     pip_install "torch==$TORCH_VERSION"
   else
     echo "setup: no NVIDIA GPU: installing the CPU build of torch==$TORCH_VERSION" >&2
-    # --retries 0: where that index is unreachable (an offline mirror) pip moves on at once
-    pip_install "torch==$TORCH_VERSION" --extra-index-url https://download.pytorch.org/whl/cpu --retries 0
+    # --retries 1: where that index is unreachable (an offline mirror) pip moves on quickly
+    pip_install "torch==$TORCH_VERSION" --extra-index-url https://download.pytorch.org/whl/cpu --retries 1
   fi
 fi
 pip_install -e ".[$extras]"
