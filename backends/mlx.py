@@ -23,10 +23,8 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
-from finetune.config import UserError
+from finetune.config import UserError, check_backend_support
 
-MLX_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
-MLX_PRECISIONS = ("32-true", "bf16-true")
 _SCALARS = ("step", "learning_rate")  # optimizer bookkeeping, not per-parameter state
 _CACHE_FRACTION = 4  # cache limit = budget / 4, see set_memory_limits
 
@@ -69,12 +67,7 @@ class MlxBackend:
         from mlx_lm.utils import load
 
         method, prec, oname = cfg.method.name, cfg.precision.name, cfg.optim.name
-        if prec not in MLX_PRECISIONS:
-            raise UserError(f"precision={prec} needs autocast, which MLX lacks; "
-                            f"mlx supports: {', '.join(MLX_PRECISIONS)}")
-        if oname not in MLX_OPTIMIZERS:
-            raise UserError(f"optim={oname} needs backend=cuda (bitsandbytes); "
-                            f"mlx supports: {', '.join(MLX_OPTIMIZERS)}")
+        check_backend_support("mlx", cfg)
         if method not in ("lora", "dora", "qlora", "full"):
             raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
         self.cfg, self.model_dir, self.method = cfg, Path(model_dir), method

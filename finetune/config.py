@@ -154,6 +154,25 @@ VALID = {
 }
 
 
+# What each backend can run, beyond VALID. The backends and the planner both check a
+# configuration against this one table, so `mode=plan` refuses exactly what training would.
+BACKEND_SUPPORT: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
+    "mlx": {
+        "precision.name": (("32-true", "bf16-true"), "needs autocast, which MLX lacks"),
+        "optim.name": (("adamw", "adam", "sgd", "adafactor"), "needs backend=cuda (bitsandbytes)"),
+    },
+}
+
+
+def check_backend_support(backend: str, cfg: Any) -> None:
+    """Raise UserError if ``backend`` cannot run a choice in ``cfg``, naming what it can run."""
+    for dotted, (allowed, why) in BACKEND_SUPPORT.get(backend, {}).items():
+        group, key = dotted.split(".")
+        value = getattr(getattr(cfg, group), key)
+        if value not in allowed:
+            raise UserError(f"{group}={value} {why}; {backend} supports: {', '.join(allowed)}")
+
+
 class UserError(Exception):
     """A bad input: printed as one line naming the fix, exit code 2, no traceback."""
 
