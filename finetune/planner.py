@@ -81,6 +81,19 @@ MLX_TRANSIENT_NH = 3.0
 MLX_TRANSIENT_NF = 6.0
 MLX_TRANSIENT_NF_QUANT = 2.0  # extra with quantized (QuantizedLinear) base layers
 MLX_TRANSIENT_TT = 1.5
+# With gradient checkpointing (mlx_lm.tuner.trainer.grad_checkpoint -> mx.checkpoint around each
+# block), mlx keeps only each block's input and recomputes the block in its vjp. The peak stays
+# in the logits region (measured: the same 16 B per n*V slope with and without checkpointing,
+# 0.5-4k vocab), and there, beyond the saved inputs and the transient above, mlx holds only part
+# of one recomputed block (0.35-0.75 of _mlx_layer's bytes), not all of it: forward and backward
+# are one lazily evaluated graph, so the top block's recompute overlaps the logits' backward
+# rather than following it as in torch. Calibrated on mlx 0.32
+# CPU fp32 (hidden 64/256, 2/4 layers, vocab 512-2048, batch 1-16, 64-256 tokens, LoRA on all or
+# the top layer; mx.get_peak_memory of forward+backward), in the same units as MLX_TRANSIENT_*:
+# within ~7% of the measured step peak above the weights.
+MLX_CKPT_RECOMPUTE_NH = 0.8
+MLX_CKPT_RECOMPUTE_NF = 2.4
+MLX_CKPT_RECOMPUTE_TT = 0.8
 MLX_LOGITS_PER_NV = 16  # fp32 logits kept + logsumexp/softmax/scatter cotangents (measured slope: 4 x 4 B)
 MLX_LOGITS_PER_NV_HALF = 4  # extra with bf16 weights: the bf16 logits and their cotangent
 # Full fine-tuning: gradients grow while activations are freed, layer by layer, so the peak of
@@ -742,6 +755,9 @@ def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
                          + MLX_TRANSIENT_TT * s.batch * arch.heads * T * T) * a)
         logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
         ckpt_input = n * h * a  # mlx.core.checkpoint keeps the layer's input
+        # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
+        ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
+                              + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * T * T) * a)
     else:
         layer, lparts = _torch_layer(arch, s, lowest=False)
         low, _ = _torch_layer(arch, s, lowest=s.method != "full")
@@ -776,10 +792,11 @@ def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
         # end is no higher: model logits + fp32 copy + log_softmax output).
         logits = 12 * n * V
         ckpt_input = n * h * st  # non-reentrant checkpoint keeps each layer's input
+        ckpt_recompute = layer  # the loss's backward is freed first: one whole layer recomputed
     if backward_layers == 0:
         saved, recompute = 0, 0
     elif s.ckpt:
-        saved, recompute = backward_layers * ckpt_input, layer  # inputs; one layer recomputed in backward
+        saved, recompute = backward_layers * ckpt_input, ckpt_recompute  # inputs; one layer recomputed in backward
     else:
         saved, recompute = low + (backward_layers - 1) * layer, 0
     workspace = transient + recompute

@@ -331,7 +331,11 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
 @needs_mlx
 @pytest.mark.parametrize("over,B,T", [((), 4, 64), ((), 8, 128), (("method=full",), 4, 64), (("method=qlora",), 8, 100),
                                       (("precision=bf16-true",), 8, 128), (("method=dora",), 4, 96),
-                                      (("train.grad_accum=2",), 4, 96)])
+                                      (("train.grad_accum=2",), 4, 96),
+                                      # mx.checkpoint: saved block inputs + part of one recomputed block
+                                      (("train.grad_checkpointing=true",), 8, 64),
+                                      (("train.grad_checkpointing=true", "method.lora.num_layers=1"), 8, 128),
+                                      (("train.grad_checkpointing=true",), 16, 256)])
 def test_mlx_peak_within_tolerance(over, B, T, tmp_path):
     """mx.get_peak_memory over two real optimizer steps (forward+backward and update) on the
     tiny model vs the planned peak_allocated_bytes: within 10% (calibrated model)."""
