@@ -77,6 +77,9 @@ class Trainer:
         self.governor.before_load(seq_len=min(cfg.train.seq_len, self.data_stats["max_tokens"]))
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak.
+        import gc
+
+        gc.collect()  # an earlier run's objects caught in reference cycles go now, not mid-run
         self.backend.reset_peak()
         self.info = self.backend.setup(cfg, self.model_dir)
         if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:

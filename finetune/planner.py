@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.budget import apple_silicon, cuda_devices, device_memory, parse_budget
-from finetune.config import UserError
+from finetune.config import UserError, check_backend_support
 
 __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error",
            "run_plan", "trainable_params"]
@@ -55,7 +55,6 @@ CUDA_PRECISIONS = {  # precision: (weight dtype, autocast dtype or None), as bac
     "16-mixed": ("float32", "float16"),
 }
 MLX_PRECISIONS = {"32-true": "float32", "bf16-true": "bfloat16"}
-MLX_OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor")
 
 # bitsandbytes 0.50 constants (bitsandbytes/functional.py quantize_4bit: default blocksize 64;
 # compress_statistics -> quantize_blockwise(absmax, blocksize=256); optim/optimizer.py
@@ -310,12 +309,7 @@ def resolve(cfg: Any, seq_len: int | None = None) -> tuple[Arch, Setup]:
         raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
     notes: list[str] = []
     if backend == "mlx":
-        if precision not in MLX_PRECISIONS:
-            raise UserError(f"precision={precision} needs autocast, which MLX lacks; mlx supports: "
-                            f"{', '.join(MLX_PRECISIONS)}")
-        if optim not in MLX_OPTIMIZERS:
-            raise UserError(f"optim={optim} needs backend=cuda (bitsandbytes); mlx supports: "
-                            f"{', '.join(MLX_OPTIMIZERS)}")
+        check_backend_support("mlx", cfg)  # the same refusal the backend gives at setup
         device = "mlx:gpu" if apple_silicon() else "mlx:cpu"
         n_devices = 1
         # backends/mlx.py: model.set_dtype(bfloat16) after the adapters exist -> adapters too.
