@@ -93,6 +93,12 @@ MLX_TRANSIENT_TT = 1.5
 MLX_CKPT_RECOMPUTE_NH = 0.8
 MLX_CKPT_RECOMPUTE_NF = 2.4
 MLX_CKPT_RECOMPUTE_TT = 0.8
+# When the only layer with gradients is the lowest adapted one (method.lora.num_layers=1 and
+# adapters only), its backward needs no gradient for the layer's input, and mlx's vjp prunes
+# that path: the [B, H, T, T]-sized workspace is smaller by this factor. Calibrated without
+# checkpointing from benchmarks/plan_vs_measured.py (tiny, T=256, batch 4 and 16: measured
+# peaks were 0.57 * B * H * T^2 * dtype below the full-workspace prediction).
+MLX_LOWEST_ONLY_TT_SAVING = 0.57
 MLX_LOGITS_PER_NV = 16  # fp32 logits kept + logsumexp/softmax/scatter cotangents (measured slope: 4 x 4 B)
 MLX_LOGITS_PER_NV_HALF = 4  # extra with bf16 weights: the bf16 logits and their cotangent
 # Full fine-tuning: gradients grow while activations are freed, layer by layer, so the peak of
@@ -744,9 +750,12 @@ def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
         n = s.batch * T
         a = s.wd
         head = n * h * 4 + n * 4  # final rms_norm: fp32 input and rsqrt
+        tt = MLX_TRANSIENT_TT
+        if backward_layers == 1 and s.method != "full" and not s.ckpt:
+            tt -= MLX_LOWEST_ONLY_TT_SAVING
         transient = int((MLX_TRANSIENT_NH * n * h + MLX_TRANSIENT_NF * n * f
                          + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" else 0)
-                         + MLX_TRANSIENT_TT * s.batch * arch.heads * T * T) * a)
+                         + tt * s.batch * arch.heads * T * T) * a)
         logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
         ckpt_input = n * h * a  # mlx.core.checkpoint keeps the layer's input
         # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
