@@ -95,25 +95,50 @@ class Governor:
         return True
 
     # -- before any weight is loaded ---------------------------------------------------------
-    def before_load(self, seq_len: int | None = None) -> None:
-        """Fit the plan to the budget: smaller micro-batch, then checkpointing; else stop."""
-        if self.cfg.memory.budget is None:
-            return  # the device's own size: only an explicit budget changes a run before it starts
-        from finetune import planner
+    def before_load(self, seq_len: int | None = None, only_check: bool = False) -> None:
+        """Fit the plan to the budget: smaller micro-batch, then checkpointing; else stop.
+
+        Args:
+            seq_len: the longest sample the run will see (the plan's activations scale with it).
+            only_check: stop if it cannot fit, change nothing (used before any download, with
+                the shortest length, so only a model whose weights and state alone are too
+                big stops there).
+        """
+        if not self.budget_bytes:
+            return
+        import sys
+
         from omegaconf import OmegaConf
 
+        from finetune import planner
+        from finetune.accounting import fmt_bytes
+
         cfg = OmegaConf.merge(self.cfg, {"backend": {"name": self.backend_name}})
-        res = planner.fit_to_budget(cfg, self.budget_bytes, seq_len=seq_len)
-        if not res.events and res.fits:
+        try:
+            res = planner.fit_to_budget(cfg, self.budget_bytes, seq_len=seq_len)
+        except UserError:
+            raise
+        except Exception as e:  # a model the planner cannot read: adapt while training only
+            log.warning("no memory plan before loading (%s); the governor acts on measurements only", e)
+            return
+        if res.fits and not res.events:
+            return
+        budget = self.cfg.memory.budget or f"{fmt_bytes(self.budget_bytes)} (the device's)"
+        if not res.fits:
+            print(planner.format_table(res.plan), file=sys.stderr)
+            msg = (f"the plan does not fit memory.budget={budget} even at micro-batch 1 with gradient checkpointing "
+                   f"(peak {fmt_bytes(res.plan['peak_bytes'])}); would fit: "
+                   f"{', '.join(res.suggestions) or 'a larger budget'} (details: finetune mode=plan ...)")
+            if self.adapt:
+                raise UserError(msg)
+            log.warning("%s; memory.adapt=false, so the run goes ahead", msg)
+            return
+        if only_check:
             return
         if not self.adapt:
-            log.warning("plan: %s does not fit memory.budget; memory.adapt=false so nothing changes",
-                        planner.format_table(res.plan).splitlines()[0] if res.plan else "the run")
+            log.warning("the plan exceeds memory.budget=%s at micro-batch %d; memory.adapt=false, so nothing changes",
+                        budget, self.micro)
             return
-        if not res.fits:
-            raise UserError(f"does not fit memory.budget={self.cfg.memory.budget} even at micro-batch 1 with "
-                            f"gradient checkpointing; would fit: {', '.join(res.suggestions) or 'a larger budget'} "
-                            "(see: finetune mode=plan ...)")
         for ev in res.events:
             self.emit({"step": 0, **ev})
         self.micro = res.batch_size

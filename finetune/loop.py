@@ -68,11 +68,13 @@ class Trainer:
         cfg = self.cfg
         self.backend_name, reason = resolve_backend_name(cfg.backend.name)
         print(reason, file=sys.stderr)
+        self.governor = Governor(cfg, self.backend_name, self._event)
+        # Before any download: stop if even the weights and state cannot fit the budget.
+        self.governor.before_load(seq_len=8, only_check=True)
         self.model_dir = resolve_model_dir(cfg.model, seed=0)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.data, self.data_stats = data_mod.build(cfg, self.tokenizer)
         self.backend = get_backend(self.backend_name)
-        self.governor = Governor(cfg, self.backend_name, self._event)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample
         self.governor.before_load(seq_len=min(cfg.train.seq_len, self.data_stats["max_tokens"]))
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not

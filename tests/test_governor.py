@@ -125,3 +125,19 @@ def test_supervisor_restarts_an_aborted_run_from_its_checkpoint(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert _losses(tmp_path / "sup") == pytest.approx(_losses(tmp_path / "plain"), abs=2e-4)
+
+
+def test_nothing_fits_stops_before_any_download(tmp_path):
+    """qwen2-72b on a box with RAM for a budget: the plan stops the run before the hub is
+    asked for a single file, with the plan table and one error line."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "finetune.cli", "model=qwen2-72b", "backend=cuda", "memory.budget=64GiB",
+                        f"hydra.run.dir={tmp_path}/r"], capture_output=True, text=True, timeout=120,
+                       env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "does not fit memory.budget=64GiB" in err[0] and "Traceback" not in r.stderr
+    assert "peak allocated" in r.stderr  # the plan table came first
+    assert "hub" not in err[0]  # it never got as far as fetching the model
