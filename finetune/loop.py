@@ -171,7 +171,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.tokens = self.samples = 0
+        self.tokens = self.samples = self.tokens_this_run = 0
         start = self.maybe_resume()
         if start == 0:
             self.metrics_path.unlink(missing_ok=True)
@@ -198,6 +198,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             step_seconds += dt
             self.tokens += ntok
+            self.tokens_this_run += ntok
             self.samples += nsamp
             losses.append(loss)
             sample = self.acct.sample(step, "optimizer")
@@ -277,7 +278,8 @@ class Trainer:
             "steps_this_run": len(losses),
             "samples": self.samples,
             "tokens": self.tokens,
-            "tokens_per_sec": self.tokens / step_seconds if step_seconds > 0 and losses else None,
+            # this process's steps only: a resumed run's earlier tokens took no time here
+            "tokens_per_sec": self.tokens_this_run / step_seconds if step_seconds > 0 and losses else None,
             "wall_s": wall,
             "first_loss": losses[0] if losses else None,
             "final_train_loss": sum(tail) / len(tail) if tail else None,
