@@ -1,0 +1,32 @@
+"""finetune-report: runs side by side, in an order that does not depend on finishing order."""
+
+from __future__ import annotations
+
+import csv
+
+from finetune.loop import train
+from finetune.report import main
+
+from conftest import needs_torch
+
+
+@needs_torch
+def test_report_puts_runs_side_by_side(cfg_factory, tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for name, optim in (("1_optim=adamw_8bit", "adamw_8bit"), ("0_optim=adamw", "adamw")):  # finish out of order
+        train(cfg_factory("backend=cuda", f"optim={optim}", "method=full", "train.steps=3", "train.eval_every=0",
+                          "train.progress=false", "data.num_samples=100", run_dir=sweep / name))
+    assert main([str(sweep)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["run", "backend", "method", "optim"]
+    assert [ln.split()[0] for ln in out[1:]] == ["0_optim=adamw", "1_optim=adamw_8bit"]
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert [r["optim"] for r in rows] == ["adamw", "adamw_8bit"]
+    assert all(int(r["params_trainable"]) == 107072 for r in rows)
+    assert rows[0]["memory.peaks.rss_bytes"].isdigit() and rows[0]["memory.peaks.allocated_bytes"] == ""
+
+
+def test_report_on_a_dir_without_runs_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no summary.json under") and err.count("\n") == 1
