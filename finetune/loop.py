@@ -9,6 +9,7 @@ trains the same samples in the same order to the same losses.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -78,10 +79,9 @@ class Trainer:
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample
         self.governor.before_load(seq_len=min(cfg.train.seq_len, self.data_stats["max_tokens"]))
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
-        # leak its peak into ours; the load itself stays inside the peak.
-        import gc
-
-        gc.collect()  # an earlier run's objects caught in reference cycles go now, not mid-run
+        # leak its peak into ours; the load itself stays inside the peak. Objects an earlier
+        # run left in reference cycles are collected now, not in the middle of this one.
+        gc.collect()
         self.backend.reset_peak()
         self.info = self.backend.setup(cfg, self.model_dir)
         if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
