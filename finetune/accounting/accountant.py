@@ -101,7 +101,7 @@ class Accountant:
     """
 
     def __init__(self, backend: Any, sample_every: int = 1, device_index: int | None = None,
-                 census_budget: float = 0.002, rank: int = 0, max_samples: int = 20_000):
+                 census_budget: float = 0.001, rank: int = 0, max_samples: int = 20_000):
         self.backend = backend
         self.backend_name = str(getattr(backend, "name", "unknown"))
         self.sample_every = int(sample_every)
