@@ -144,7 +144,7 @@ class CudaBackend:
         self._check_precision(prec, device)
         torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
 
-        kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": "sdpa"}
+        kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": cfg.backend.attn_implementation}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
         split = cfg.backend.device_map == "auto" and device.type == "cuda"
         kwargs["device_map"] = "auto" if split else {"": str(device)}

@@ -24,6 +24,9 @@ class BackendConfig:
     # cuda backend: "auto" splits the model over every visible GPU (as qlora.py does); null
     # keeps it on one device.
     device_map: str | None = None
+    # cuda backend: "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them), or
+    # "flash_attention_2" (needs the flash-attn package and a CUDA GPU)
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
@@ -145,6 +148,7 @@ class Config:
 
 VALID = {
     "backend.name": ("auto", "cuda", "mlx"),
+    "backend.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "method.name": ("lora", "dora", "qlora", "full"),
     "optim.name": ("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd"),
     "precision.name": ("32-true", "bf16-mixed", "bf16-true", "16-mixed"),

@@ -381,7 +381,7 @@ def test_activation_mechanisms(tmp_path):
     assert act("train.grad_checkpointing=true")[0] < base / 4
     assert act("method.lora.num_layers=4")[0] < base / 3
     assert act("method.lora.num_layers=4")[2]["layers_with_grad"] == 4
-    eager = act("+extra.attn_implementation=eager")[0]
+    eager = act("backend.attn_implementation=eager")[0]
     # eager keeps the fp32 softmax: B * heads * T * T * 4 per layer more (and a bit else)
     assert eager - base >= 24 * 4 * 14 * 512 * 512 * 4
     assert act("train.batch_size=8")[0] == pytest.approx(2 * base, rel=0.02)
