@@ -362,7 +362,6 @@ def resolve(cfg: Any, seq_len: int | None = None) -> tuple[Arch, Setup]:
     else:
         layers = tuple(range(L - n, L))
     T = int(seq_len) if seq_len else int(_get(t, "seq_len", 256))
-    extra = _get(cfg, "extra") or {}
     attn = str(_get(_get(cfg, "backend"), "attn_implementation", None) or "sdpa")
     if attn not in ("sdpa", "eager", "flash_attention_2"):
         raise UserError(f"backend.attn_implementation={attn} is not valid; "
