@@ -148,6 +148,20 @@ def system_ram() -> int | None:
         return None
 
 
+def run_device(backend: str, device: str = "auto") -> str:
+    """The device a run of ``backend`` would use: "cuda", "cpu", "mlx:gpu" or "mlx:cpu".
+
+    Args:
+        backend: "cuda" or "mlx".
+        device: the cuda backend's ``backend.device`` ("auto", "cuda", "cuda:N", "cpu").
+    """
+    if backend == "mlx":
+        return "mlx:gpu" if apple_silicon() else "mlx:cpu"
+    if device == "auto":
+        return "cuda" if cuda_devices()[0] > 0 else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 def device_memory(backend: str, device: str) -> DeviceMemory:
     """Memory of the device a run with this backend/device would use.
 

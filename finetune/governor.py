@@ -29,32 +29,6 @@ def smaller_divisor(n: int, below: int) -> int | None:
     return None
 
 
-def device_total_bytes(backend_name: str) -> int | None:
-    """Memory the run's device has: GPU total, Apple's recommended working set, or RAM."""
-    import sys
-
-    import psutil
-
-    if backend_name == "mlx":
-        if sys.platform == "darwin":
-            try:
-                import mlx.core as mx
-
-                info = mx.metal.device_info() if hasattr(mx, "metal") else mx.device_info()
-                return int(info["max_recommended_working_set_size"])
-            except Exception:  # no Metal device: fall back to RAM
-                pass
-        return int(psutil.virtual_memory().total)
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except ImportError:
-        pass
-    return int(psutil.virtual_memory().total)
-
-
 def _measured_peak(sample: dict[str, Any]) -> int | None:
     """The step's peak as the allocator saw it; RSS where no allocator is measured."""
     for key in ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "peak_allocated"):
@@ -72,7 +46,9 @@ class Governor:
         self.grad_checkpointing = bool(cfg.train.grad_checkpointing)
         self.adapt = bool(cfg.memory.adapt)
         self.backend: Any = None
-        total = device_total_bytes(backend_name)
+        from finetune.budget import device_memory, run_device
+
+        total = device_memory(backend_name, run_device(backend_name, str(cfg.backend.device))).total_bytes
         if cfg.memory.budget is not None:
             from finetune.planner import parse_budget
 

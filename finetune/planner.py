@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.budget import apple_silicon, cuda_devices, device_memory, parse_budget
+from finetune.budget import apple_silicon, cuda_devices, device_memory, parse_budget, run_device
 from finetune.config import UserError, check_backend_support
 
 __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error",
@@ -316,7 +316,7 @@ def resolve(cfg: Any, seq_len: int | None = None) -> tuple[Arch, Setup]:
     notes: list[str] = []
     if backend == "mlx":
         check_backend_support("mlx", cfg)  # the same refusal the backend gives at setup
-        device = "mlx:gpu" if apple_silicon() else "mlx:cpu"
+        device = run_device("mlx")
         n_devices = 1
         # backends/mlx.py: model.set_dtype(bfloat16) after the adapters exist -> adapters too.
         weight_dtype = adapter_dtype = compute_dtype = MLX_PRECISIONS[precision]
@@ -326,12 +326,8 @@ def resolve(cfg: Any, seq_len: int | None = None) -> tuple[Arch, Setup]:
     else:
         if precision not in CUDA_PRECISIONS:
             raise UserError(f"precision={precision} is not valid; choose one of: {', '.join(CUDA_PRECISIONS)}")
-        dev = str(_get(b, "device", "auto"))
+        device = run_device("cuda", str(_get(b, "device", "auto")))
         count, _ = cuda_devices()
-        if dev == "auto":
-            device = "cuda" if count > 0 else "cpu"
-        else:
-            device = "cuda" if dev.startswith("cuda") else "cpu"
         split = _get(b, "device_map") == "auto" and device == "cuda"
         # extra.num_devices plans a split over N GPUs this machine does not have.
         wanted = _get(_get(cfg, "extra") or {}, "num_devices")
