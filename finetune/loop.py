@@ -182,7 +182,6 @@ class Trainer:
         losses: list[float] = []
         val_loss = None
         step_seconds = 0.0
-        first_opt_census = None
         t_run = time.perf_counter()
         stop = _StopOnSignal()
         for step in range(start + 1, cfg.train.steps + 1):
@@ -203,7 +202,7 @@ class Trainer:
             losses.append(loss)
             sample = self.acct.sample(step, "optimizer")
             if step == 1 and sample is not None:
-                first_opt_census = self._calibrate()
+                self._calibrate(sample)
             self.governor.after_step(step, sample)
             rec = {"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
@@ -228,7 +227,7 @@ class Trainer:
             self.backend.save_adapter(tmp)
         if cfg.train.save_every:
             self.save_checkpoint(cfg.train.steps)
-        summary = self._summary(losses, val_loss, wall, step_seconds, first_opt_census)
+        summary = self._summary(losses, val_loss, wall, step_seconds)
         atomic_write_json(self.run_dir / "summary.json", summary)
         try:
             self.acct.write_plot(self.run_dir / "memory.png")
@@ -240,19 +239,19 @@ class Trainer:
         print(f"run dir: {self.run_dir}", file=sys.stderr)
         return summary
 
-    def _calibrate(self) -> dict[str, Any] | None:
-        """After the first optimizer step: compare the plan to the census and measurement."""
+    def _calibrate(self, sample: dict[str, Any]) -> None:
+        """After the first optimizer step: compare the plan to that step's sample (whose
+        census the accountant already took; the summary keeps it as census_first_optimizer)."""
         try:
             from finetune import planner
 
             # the plan at the length step 1 really had, so the error measures the model, not
             # the gap between train.seq_len and the data
             self.plan = planner.plan(self.cfg_for_plan(), seq_len=self._step_max_len)
-            self.plan_error = planner.plan_error(self.plan, self.backend.census(), self.acct.samples[-1])
+            self.plan_error = planner.plan_error(self.plan, sample.get("census") or {}, sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)
             self.plan, self.plan_error = None, None
-        return self.backend.census()
 
     def cfg_for_plan(self) -> Any:
         c = OmegaConf.merge(self.cfg, {"train": {"batch_size": self.governor.micro,
@@ -260,8 +259,8 @@ class Trainer:
                                        "backend": {"name": self.backend_name}})
         return c
 
-    def _summary(self, losses: list[float], val_loss: float | None, wall: float, step_seconds: float,
-                 first_census: dict[str, Any] | None) -> dict[str, Any]:
+    def _summary(self, losses: list[float], val_loss: float | None, wall: float,
+                 step_seconds: float) -> dict[str, Any]:
         tail = losses[-min(10, len(losses)):] if losses else []
         return {
             "backend": self.backend_name,
@@ -289,7 +288,6 @@ class Trainer:
             "micro_batch": self.governor.micro,
             "data": self.data_stats,
             "memory": self.acct.summary(step_seconds),
-            "census_after_first_step": first_census,
             "plan_error": getattr(self, "plan_error", None),
             "adaptations": self.events,
             "budget_bytes": self.governor.budget_bytes,
