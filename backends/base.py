@@ -134,7 +134,9 @@ class Backend(Protocol):
         ...
 
     def reset_peak(self) -> None:
-        """Reset the allocator's peak counters."""
+        """Reset the allocator's peak counters. A backend may also offer ``peaks()``: the
+        allocated/reserved/peak_allocated/peak_reserved subset of memory(), cheaper to read;
+        the accountant reads it (else memory()) just before each reset."""
         ...
 
     def census(self) -> dict[str, int]:

@@ -58,7 +58,7 @@ class MlxBackend:
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
         self._ckpt_classes: dict[type, type] = {}
         self._wired_limit: int | None = None
-        self._cache_limit: int | None = None  # read once in memory(), then kept current
+        self._limits: dict[str, int | None] | None = None  # read once in memory(), then kept current
         self._device_info: dict[str, Any] = dict(mx.device_info())  # fixed for the process
 
     # ---- setup -------------------------------------------------------------------------
@@ -305,30 +305,40 @@ class MlxBackend:
 
     # ---- memory ------------------------------------------------------------------------
     def memory(self) -> dict[str, int | None]:
-        active, cache = mx.get_active_memory(), mx.get_cache_memory()
-        info = self._device_info
-        if self._cache_limit is None:
-            # No getter for the cache limit: swap in a harmless value and put the old one back,
-            # once (each swap costs ~100 us); set_memory_limits keeps it current afterwards.
-            self._cache_limit = mx.set_cache_limit(mx.get_memory_limit())
-            mx.set_cache_limit(self._cache_limit)
-        cache_limit = self._cache_limit
+        active, cache, peak = mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory()
+        if self._limits is None:
+            # The limits change only through set_memory_limits, which keeps this current; read
+            # once. There is no getter for the cache limit: swap in a harmless value and put the
+            # old one back (each swap costs ~100 us).
+            cache_limit = mx.set_cache_limit(mx.get_memory_limit())
+            mx.set_cache_limit(cache_limit)
+            info = self._device_info
+            self._limits = {
+                "device_total": info.get("memory_size") if _metal() else None,
+                "mlx_memory_limit": mx.get_memory_limit(),
+                "mlx_cache_limit": cache_limit,
+                "mlx_wired_limit": self._wired_limit,  # None off Metal: nothing is wired on CPU
+                "mlx_recommended_working_set": info.get("max_recommended_working_set_size"),
+            }
         return {
             "allocated": active,
             "reserved": active + cache,
             # mx.reset_peak_memory() sets the peak to 0, not to the bytes still held; until the
             # next allocation the raw counter (mlx_peak) reads below active.
-            "peak_allocated": max(mx.get_peak_memory(), active),
+            "peak_allocated": max(peak, active),
             "peak_reserved": None,  # MLX keeps a peak of active bytes only
-            "device_total": info.get("memory_size") if _metal() else None,
             "mlx_active": active,
             "mlx_cache": cache,
-            "mlx_peak": mx.get_peak_memory(),
-            "mlx_memory_limit": mx.get_memory_limit(),
-            "mlx_cache_limit": cache_limit,
-            "mlx_wired_limit": self._wired_limit,  # None off Metal: nothing is wired on CPU
-            "mlx_recommended_working_set": info.get("max_recommended_working_set_size"),
+            "mlx_peak": peak,
+            **self._limits,
         }
+
+    def peaks(self) -> dict[str, int]:
+        """What the accountant folds into the run peak before reset_peak: the subset of
+        memory() it needs, without the limits and device facts."""
+        active = mx.get_active_memory()
+        return {"allocated": active, "reserved": active + mx.get_cache_memory(),
+                "peak_allocated": max(mx.get_peak_memory(), active)}
 
     def reset_peak(self) -> None:
         mx.reset_peak_memory()
@@ -373,11 +383,11 @@ class MlxBackend:
                                "memory_limit_prev": mx.set_memory_limit(budget)}
         out["cache_limit"] = budget // _CACHE_FRACTION
         out["cache_limit_prev"] = mx.set_cache_limit(out["cache_limit"])
-        self._cache_limit = out["cache_limit"]
         out["wired_limit"] = out["wired_limit_prev"] = None
         if _metal():
             rec = mx.device_info().get("max_recommended_working_set_size") or budget
             out["wired_limit"] = min(budget, int(rec))
             out["wired_limit_prev"] = mx.set_wired_limit(out["wired_limit"])
             self._wired_limit = out["wired_limit"]
+        self._limits = None  # memory() reads the new limits once
         return out

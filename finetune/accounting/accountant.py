@@ -23,8 +23,11 @@ cannot measure it. Keys (allocator figures summed over this process's devices):
 - process and system: ``rss``, ``peak_rss``, ``swap_process``, ``swap_used``, ``swap_total``,
   ``swap_growth`` (swap_used minus its value when the Accountant was made), ``system_total``,
   ``system_available``, ``psi_some_avg10``/``psi_full_avg10`` (percent, Linux),
-  ``pressure_level`` (macOS). The system-wide ones are read at the load and optimizer phases;
-  forward/backward samples repeat the last reading (``system_fresh`` False) to stay cheap.
+  ``pressure_level`` (macOS). These come from /proc (or psutil) and are read afresh only at
+  the load and optimizer phases, and there only while the time spent reading them stays under
+  ``io_budget`` of the run's wall time (always at steps 0-2); otherwise the sample repeats the
+  last fresh reading and ``system_fresh`` is False. Allocator and NVML figures are read at
+  every sample; the kernel's RSS high-water mark keeps ``peak_rss`` exact between readings.
 - ``census``: bytes by category from backend.census(), plus ``activations_and_other`` =
   allocated - allocator-held categories; ``census_step``: the step it was taken at (the census
   is structural; after step 2 it is retaken within a time budget, see ``census_budget``).
@@ -95,13 +98,19 @@ class Accountant:
             structural: sizes change only when the model or optimizer does) and the sample's
             ``census_step`` says which step it is from.
         rank: this process's rank in a distributed run (recorded in each sample).
+        io_budget: fraction of the run's wall time that fresh process/system readings (/proc
+            files, psutil) may take. On a model whose steps take a second every optimizer-phase
+            sample reads them; on the tiny model, whose steps take milliseconds, every few
+            steps (the first system call after a burst of computation can cost 100 us or more
+            on a virtualised host).
         max_samples: bound on the timeline kept in memory (a sample is a few KB). Past it, the
             older half is thinned: steps 0-2 and the recent half stay whole, older steps keep
             only every other optimizer-phase sample. Run peaks are tracked apart and stay exact.
     """
 
     def __init__(self, backend: Any, sample_every: int = 1, device_index: int | None = None,
-                 census_budget: float = 0.001, rank: int = 0, max_samples: int = 20_000):
+                 census_budget: float = 0.0005, rank: int = 0, max_samples: int = 20_000,
+                 io_budget: float = 0.001):
         self.backend = backend
         self.backend_name = str(getattr(backend, "name", "unknown"))
         self.sample_every = int(sample_every)
@@ -111,11 +120,17 @@ class Accountant:
         self.max_samples = max(100, int(max_samples))
         self.thinned = 0  # samples dropped from the timeline by thinning
         self.host = socket.gethostname()
-        self.samples: list[dict[str, Any]] = []
+        # dicts, and raw records of inner-phase samples not yet built (see sample())
+        self._timeline: list[dict[str, Any]] = []
+        self._pending_from: int | None = None  # index of the first raw record, if any
         self.sampling_seconds = 0.0  # perf_counter time inside sample()/start_step()/summary reads
         self.census_seconds = 0.0
         self.backend_seconds = 0.0  # of sampling_seconds: inside backend.memory/census/reset_peak
         self.census_calls = 0
+        self.io_budget = float(io_budget)
+        self.io_seconds = 0.0  # of sampling_seconds: fresh process/system readings
+        self.io_reads = 0
+        self._io_cost = 0.0  # what the last fresh reading cost
         self._t0 = time.perf_counter()
         self._sys = SystemProbe()
         self._nvml = NvmlProbe()
@@ -134,6 +149,12 @@ class Accountant:
         # torch on CPU: memory() reports no allocator figure; once steps 0-2 showed that, the
         # device will not change mid-run, so it is not asked again (its call can cost 100s of us)
         self._no_allocator: bool | None = None
+        self._end_peak_rss: int | None = None
+        # the last sample built in full, and what it was built from (see sample())
+        self._base: dict[str, Any] | None = None
+        self._base_census: Any = None
+        self._base_metrics: dict[str, Any] | None = None
+        self._derived: dict[str, Any] | None = None
         self._mem_none: dict[str, Any] = {}
 
     # -- sampling ----------------------------------------------------------------------------
@@ -151,7 +172,9 @@ class Accountant:
             return
         t0 = time.perf_counter()
         try:
-            mem = self.backend.memory() or {}
+            # peaks() where the backend has it: two counters instead of every memory figure
+            peaks = getattr(self.backend, "peaks", None)
+            mem = peaks() if peaks is not None else (self.backend.memory() or {})
             t1 = time.perf_counter()
             self._fold_peaks(mem, step - 1, "before_step_" + str(step))
             t2 = time.perf_counter()
@@ -162,15 +185,33 @@ class Accountant:
             self.sampling_seconds += t3 - t0
             self.backend_seconds += (t1 - t0) + (t3 - t2)
 
+    @property
+    def samples(self) -> list[dict[str, Any]]:
+        """The timeline, oldest first (samples taken inside a step on a single-device backend
+        are stored raw and built into dicts here, on first read)."""
+        if self._pending_from is not None:
+            self._materialize()
+        return self._timeline
+
+    @samples.setter
+    def samples(self, value: list[dict[str, Any]]) -> None:
+        self._timeline, self._pending_from = list(value), None
+
     def sample(self, step: int, phase: str) -> dict[str, Any] | None:
         """Take a sample at ``phase`` of ``step`` and append it to the timeline.
 
+        Inside a step (forward/backward) on a single-device backend without NVML (MLX, CPU)
+        only the figures themselves are read now; the sample dict is built when the timeline
+        is next read (the figures are the same, building later keeps the step's hot path
+        short). Load and optimizer samples, and every sample on CUDA, are built at once.
+
         Returns:
-            The sample, or None when this step is not sampled.
+            The sample, or None when this step is not sampled or the sample was stored raw.
         """
         if not self.will_sample(step):
             return None
-        if self._no_allocator and phase in ("forward", "backward"):
+        inner = phase in ("forward", "backward")
+        if self._no_allocator and inner:
             # No allocator to read (torch on CPU) and the system figures are reused inside a
             # step: such a sample would repeat the last one, so it is not taken.
             return None
@@ -179,23 +220,79 @@ class Accountant:
         micro = self._micro.get(key, 0)
         self._micro[key] = micro + 1
         mem = self._memory(step)
+        scope = "step" if self._reset_step == step else ("since_reset" if self._ever_reset else "since_load")
+        self._fold_peaks(mem, step, phase)
+        census = self._census(step, phase)
+        fresh = not inner and (step in _ALWAYS_SAMPLED
+                               or self.io_seconds + self._io_cost <= self.io_budget * (t0 - self._t0))
+        if fresh:
+            t_io = time.perf_counter()
+            sysr = self._sys.read(fresh=True)
+            self._io_cost = time.perf_counter() - t_io
+            self.io_seconds += self._io_cost
+            self.io_reads += 1
+        else:
+            sysr = self._sys.read(fresh=False)
+        raw = [len(self._timeline), step, phase, micro, t0 - self._t0, mem, scope, self._run_peak["allocated"],
+               self._run_peak["reserved"], census, sysr, fresh, 0.0]
+        if inner and not mem.get("devices") and not (self.backend_name == "cuda" and self._nvml.ok is not False
+                                                     and mem.get("allocated") is not None):
+            dt = time.perf_counter() - t0
+            raw[-1] = dt
+            self.sampling_seconds += dt
+            if self._pending_from is None:
+                self._pending_from = len(self._timeline)
+            self._timeline.append(raw)  # type: ignore[arg-type]
+            return None
+        base = self._base
+        if (self._no_allocator and not fresh and base is not None and census is self._base_census
+                and not inner):
+            # Nothing to read has moved (no allocator; process and system figures not due; the
+            # same census): the last built sample with this one's place in the timeline.
+            s = dict(base)
+            s.update(index=raw[0], step=step, phase=phase, micro=micro, time_s=raw[4], peak_scope=scope,
+                     system_fresh=False)
+            self._derived = s
+        else:
+            s = self._build(raw)
+            self._base, self._base_census, self._base_metrics, self._derived = s, census, None, None
+        dt = time.perf_counter() - t0
+        s["sample_seconds"] = dt
+        self.sampling_seconds += dt
+        self._timeline.append(s)
+        if len(self._timeline) > self.max_samples:
+            self._thin()
+        return s
+
+    def _materialize(self) -> None:
+        t0 = time.perf_counter()
+        tl = self._timeline
+        for i in range(self._pending_from or 0, len(tl)):
+            if isinstance(tl[i], list):
+                t1 = time.perf_counter()
+                s = self._build(tl[i])  # type: ignore[arg-type]
+                s["sample_seconds"] = tl[i][-1] + (time.perf_counter() - t1)  # type: ignore[index]
+                tl[i] = s
+        self._pending_from = None
+        self.sampling_seconds += time.perf_counter() - t0
+        if len(tl) > self.max_samples:
+            self._thin()
+
+    def _build(self, raw: list[Any]) -> dict[str, Any]:
+        """The sample dict from what sample() read (see the module docstring for its keys)."""
+        index, step, phase, micro, t, mem, scope, run_alloc, run_res, census, sysr, fresh, _ = raw
         alloc, reserved = _int(mem.get("allocated")), _int(mem.get("reserved"))
         s: dict[str, Any] = {
-            "index": len(self.samples), "step": step, "phase": phase, "micro": micro,
-            "time_s": t0 - self._t0, "backend": self.backend_name, "host": self.host, "rank": self.rank,
+            "index": index, "step": step, "phase": phase, "micro": micro,
+            "time_s": t, "backend": self.backend_name, "host": self.host, "rank": self.rank,
             "allocated": alloc, "reserved": reserved,
             "step_peak_allocated": _int(mem.get("peak_allocated")),
             "step_peak_reserved": _int(mem.get("peak_reserved")),
-            "peak_scope": "step" if self._reset_step == step else ("since_reset" if self._ever_reset else "since_load"),
+            "peak_scope": scope, "peak_allocated": run_alloc, "peak_reserved": run_res,
         }
-        self._fold_peaks(mem, step, phase)
-        s["peak_allocated"] = self._run_peak["allocated"]
-        s["peak_reserved"] = self._run_peak["reserved"]
         for k, v in mem.items():  # backend extras: mlx_*, inactive_split, alloc_retries, ...
             if k not in _MEMORY_STD and k not in s:
                 s[k] = v if (isinstance(v, float) and k in _FLOAT_KEYS) or k == "memory_error" else _int(v)
-
-        census = self._census(step, phase)
         if census:
             c = dict(census[1])
             held = census[2]
@@ -204,27 +301,21 @@ class Accountant:
         else:
             c = {"activations_and_other": None}
             s["census"], s["census_step"] = c, None
-
-        heavy = phase not in ("forward", "backward")  # the phases inside the step: lighter reads
-        s.update(self._sys.read(system=heavy))
-        s["system_fresh"] = heavy
+        s.update(sysr)
+        s["system_fresh"] = fresh
         if self._swap_base is None:
             self._swap_base = s["swap_used"]
         s["swap_growth"] = (s["swap_used"] - self._swap_base
                             if s["swap_used"] is not None and self._swap_base is not None else None)
-
-        self._devices(s, mem, c, heavy=heavy)
-        dt = time.perf_counter() - t0
-        s["sample_seconds"] = dt
-        self.sampling_seconds += dt
-        self.samples.append(s)
-        if len(self.samples) > self.max_samples:
-            self._thin()
+        self._devices(s, mem, c, heavy=phase not in ("forward", "backward"))
         return s
 
     def _thin(self) -> None:
+        if self._pending_from is not None:
+            self._materialize()  # thins again at its end if still needed
+            return
         keep_recent = self.max_samples // 2
-        old, recent = self.samples[:-keep_recent], self.samples[-keep_recent:]
+        old, recent = self._timeline[:-keep_recent], self._timeline[-keep_recent:]
         kept, nth = [], 0
         for s in old:
             if s["step"] in _ALWAYS_SAMPLED:
@@ -233,8 +324,8 @@ class Accountant:
                 nth += 1
                 if nth % 2:
                     kept.append(s)
-        self.thinned += len(self.samples) - len(kept) - len(recent)
-        self.samples = kept + recent
+        self.thinned += len(self._timeline) - len(kept) - len(recent)
+        self._timeline = kept + recent
 
     def _memory(self, step: int) -> dict[str, Any]:
         if self._no_allocator:
@@ -359,17 +450,37 @@ class Accountant:
         s["non_allocator"], s["non_allocator_unexplained"] = tot["non_allocator"], tot["non_allocator_unexplained"]
 
     # -- outputs -----------------------------------------------------------------------------
+    def _latest(self) -> dict[str, Any] | None:
+        """The newest sample, without building the raw ones before it."""
+        if not self._timeline:
+            return None
+        if isinstance(self._timeline[-1], list):
+            self._materialize()
+        return self._timeline[-1]
+
     def metrics_fields(self) -> dict[str, Any]:
         """Flat fields of the latest sample for one metrics.jsonl line: ``*_bytes`` ints or
         None (-> null), counts and percents without the suffix."""
-        return metrics_fields(self.samples[-1]) if self.samples else {}
+        s = self._latest()
+        if s is None:
+            return {}
+        if s is self._derived and self._base_metrics is not None:
+            # a copy of the base sample: only the fields that differ from the base's line move
+            m = dict(self._base_metrics)
+            m["memory_step"], m["memory_phase"] = s["step"], s["phase"]
+            m["memory_sample_us"] = s["sample_seconds"] * 1e6
+            return m
+        m = metrics_fields(s)
+        if s is self._base:
+            self._base_metrics = m
+        return m
 
     def progress_text(self) -> str:
         """Short memory status for the progress bar, e.g.
         "alloc 1.23 GiB | peak 1.50 GiB | rss 2.10 GiB | swap +0 B"."""
-        if not self.samples:
+        s = self._latest()
+        if s is None:
             return "mem n/a"
-        s = self.samples[-1]
         parts = []
         if s.get("allocated") is not None:
             parts.append(f"alloc {fmt_bytes(s['allocated'])}")
@@ -393,16 +504,22 @@ class Accountant:
         return explain_samples(self.samples, self.context())
 
     def _final_fold(self) -> None:
-        # peaks of unsampled steps after the last sample are still in the backend's counter
-        if self.sample_every <= 0 or self._no_allocator:
+        # peaks of unsampled steps after the last sample are still in the backend's counter,
+        # and the RSS high-water mark in the kernel's
+        if self.sample_every <= 0:
             return
         t0 = time.perf_counter()
+        self._end_peak_rss = self._sys.read(fresh=True)["peak_rss"]
+        t1 = time.perf_counter()
+        self.sampling_seconds += t1 - t0
+        if self._no_allocator:
+            return
         try:
             self._fold_peaks(self.backend.memory() or {}, self.samples[-1]["step"] if self.samples else 0,
                              "after_last_sample")
         except Exception:
             pass
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t1
         self.sampling_seconds += dt
         self.backend_seconds += dt
 
@@ -441,7 +558,7 @@ class Accountant:
                 "allocated_bytes": self._run_peak["allocated"],
                 "reserved_bytes": self._run_peak["reserved"],
                 "device_used_bytes": peak_of("device_used"),
-                "rss_bytes": _max(peak_of("peak_rss"), peak_of("rss")),
+                "rss_bytes": _max(peak_of("peak_rss"), peak_of("rss"), self._end_peak_rss),
                 "swap_growth_bytes": peak_of("swap_growth"),
                 "mlx_peak_bytes": peak_of("mlx_peak"),
             },
@@ -459,6 +576,9 @@ class Accountant:
                 "own_seconds": self.sampling_seconds - self.backend_seconds,
                 "census_seconds": self.census_seconds,
                 "census_calls": self.census_calls,
+                "io_seconds": self.io_seconds,
+                "io_reads": self.io_reads,
+                "io_budget": self.io_budget,
                 "samples": n,
                 "per_sample_us_mean": (sum(per) / n * 1e6) if n else None,
                 "per_sample_us_max": (max(per) * 1e6) if n else None,
@@ -505,18 +625,35 @@ _METRIC_SKIP = {"index", "step", "phase", "micro", "time_s", "backend", "host", 
                 "census_step", "devices", "sample_seconds", "system_total", "system_fresh", "memory_error"}
 
 
+_METRIC_NAME: dict[str, str | None] = {}  # sample key -> metrics.jsonl name (None: not written)
+_CENSUS_NAME: dict[str, str] = {}
+
+
+def _metric_name(k: str) -> str | None:
+    if k in _METRIC_SKIP:
+        name = None
+    elif k in COUNT_KEYS or k in _FLOAT_KEYS or k == "pressure_level":
+        name = k
+    else:
+        name = k + "_bytes"
+    _METRIC_NAME[k] = name
+    return name
+
+
 def metrics_fields(s: dict[str, Any]) -> dict[str, Any]:
-    """Flat metrics.jsonl fields of one sample (see Accountant.metrics_fields)."""
+    """Flat metrics.jsonl fields of one sample (see Accountant.metrics_fields). Runs once per
+    step, so the field names are computed once per key, not per call."""
     out: dict[str, Any] = {"memory_step": s.get("step"), "memory_phase": s.get("phase")}
+    names = _METRIC_NAME
     for k, v in s.items():
-        if k in _METRIC_SKIP:
-            continue
-        if k in COUNT_KEYS or k in _FLOAT_KEYS or k == "pressure_level":
-            out[k] = v
-        else:
-            out[k + "_bytes"] = v
+        name = names[k] if k in names else _metric_name(k)
+        if name is not None:
+            out[name] = v
+    cn = _CENSUS_NAME
     for k, v in (s.get("census") or {}).items():
-        out[f"census_{k}_bytes"] = v
+        name = cn.get(k)
+        if name is None:
+            name = cn[k] = f"census_{k}_bytes"
+        out[name] = v
     out["memory_sample_us"] = s["sample_seconds"] * 1e6 if s.get("sample_seconds") is not None else None
     return out
-

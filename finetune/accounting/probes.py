@@ -1,16 +1,17 @@
 """Cheap readers for process, system and NVML memory figures.
 
 Every reader returns ints of bytes, or None where this platform or this machine cannot
-measure the figure (never 0 for unknown). They are built to be called at every phase of every
-step: on Linux one ``read`` of /proc/self/status, /proc/meminfo and /proc/pressure/memory each
-through file descriptors opened once (about 3 us each); on macOS psutil and ``getrusage``; NVML
-handles are opened once and cached. Nothing here imports torch or mlx.
+measure the figure (never 0 for unknown). On Linux a reading is one ``pread`` each of
+/proc/self/statm, /proc/self/status, /proc/meminfo and /proc/pressure/memory through
+descriptors opened once: a few microseconds each when warm, but the first system call after a
+burst of computation can cost 30-300 us on a virtualised host, so the Accountant decides how
+often a fresh reading is worth it. On macOS psutil and ``getrusage``. NVML handles are opened
+once and cached. Nothing here imports torch or mlx.
 """
 
 from __future__ import annotations
 
 import os
-import time
 import sys
 from typing import Any
 
@@ -75,7 +76,6 @@ class _ProcFile:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-SYSTEM_MIN_INTERVAL_S = 0.1  # seconds between fresh system-wide readings
 
 
 class SystemProbe:
@@ -84,7 +84,7 @@ class SystemProbe:
     def __init__(self) -> None:
         self._status = _ProcFile("/proc/self/status")
         self._statm = _ProcFile("/proc/self/statm")
-        self._last_status: int | None = None
+        self._last: dict[str, Any] | None = None
         self._peak_rss = 0
         if _LINUX:
             # Peak RSS is per run, not per process (a sweep runs its jobs in one process):
@@ -100,8 +100,6 @@ class SystemProbe:
         self._proc: Any = None  # psutil.Process, non-Linux only
         self._darwin_sysctl: Any = None
         self.system_total = self._system_total()
-        self._last_system: dict[str, Any] | None = None
-        self._last_system_t = 0.0
 
     @staticmethod
     def _system_total() -> int | None:
@@ -112,7 +110,7 @@ class SystemProbe:
         except Exception:
             return None
 
-    def read(self, system: bool = True) -> dict[str, Any]:
+    def read(self, fresh: bool = True) -> dict[str, Any]:
         """One reading. Keys (bytes unless named otherwise): rss, peak_rss, swap_process,
         swap_used, swap_total, system_total, system_available, psi_some_avg10 and
         psi_full_avg10 (percent of the last 10 s some/all tasks stalled on memory; Linux),
@@ -120,54 +118,46 @@ class SystemProbe:
         critical).
 
         Args:
-            system: read the system-wide figures (swap, available RAM, pressure) afresh; when
-                False they repeat the last fresh reading (they move slowly, and on a busy
-                machine each extra syscall costs tens of microseconds) and only the process's
-                own figures are read.
+            fresh: read every figure afresh (on Linux four ``pread`` calls on descriptors kept
+                open: /proc/self/statm, /proc/self/status, /proc/meminfo,
+                /proc/pressure/memory). When False nothing is read and the last fresh reading is
+                returned: the caller decides how often a fresh reading is worth its cost (see
+                Accountant ``io_budget``). The first reading is always fresh.
         """
+        if self._last is not None and not fresh:
+            return self._last
         out: dict[str, Any] = {"rss": None, "peak_rss": None, "swap_process": None}
         if _LINUX:
-            now = time.monotonic()
-            # Per sample, the two cheapest reads: /proc/self/statm (resident pages) and
-            # getrusage (peak RSS, KiB on Linux). /proc/self/status (for VmSwap) is longer to
-            # read and parse, so it shares the system figures' interval.
             sm = self._statm.read()
             if sm:
                 out["rss"] = int(sm.split()[1]) * _PAGE
-            if self._last_status is None or (system and now - self._last_system_t >= SYSTEM_MIN_INTERVAL_S):
-                st = self._status.read()
-                if st:
-                    self._last_status = _kib_field(st, b"VmSwap:")
-                    # VmHWM: the kernel's RSS high-water mark since this probe reset it
-                    self._peak_rss = max(self._peak_rss, _kib_field(st, b"VmHWM:") or 0)
-            # the high-water mark is read at the slower interval and can trail the RSS just read
+            st = self._status.read()
+            if st:
+                out["swap_process"] = _kib_field(st, b"VmSwap:")
+                # VmHWM: the kernel's RSS high-water mark since this probe reset it
+                self._peak_rss = max(self._peak_rss, _kib_field(st, b"VmHWM:") or 0)
             self._peak_rss = max(self._peak_rss, out["rss"] or 0)
             out["peak_rss"] = self._peak_rss or None
-            out["swap_process"] = self._last_status
-            # System-wide figures move slowly (PSI avg10 is itself a 10 s average) and each
-            # /proc read costs ~15 us in a sandbox: at most one fresh reading per interval.
-            if self._last_system is None or (system and now - self._last_system_t >= SYSTEM_MIN_INTERVAL_S):
-                self._last_system_t = now
-                sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
-                sysf["system_total"] = self.system_total
-                mi = self._meminfo.read()
-                if mi:
-                    total, free = _kib_field(mi, b"SwapTotal:"), _kib_field(mi, b"SwapFree:")
-                    sysf["swap_total"] = total
-                    # psutil's definition of used swap: total - free
-                    sysf["swap_used"] = total - free if total is not None and free is not None else None
-                    sysf["system_available"] = _kib_field(mi, b"MemAvailable:")
-                if self._psi_ok:
-                    psi = self._psi.read()
-                    if psi:
-                        sysf["psi_some_avg10"], sysf["psi_full_avg10"] = _parse_psi(psi)
-                self._last_system = sysf
-            out.update(self._last_system)
-            return out
-        self._read_portable(out, system)
+            sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
+            sysf["system_total"] = self.system_total
+            mi = self._meminfo.read()
+            if mi:
+                total, free = _kib_field(mi, b"SwapTotal:"), _kib_field(mi, b"SwapFree:")
+                sysf["swap_total"] = total
+                # psutil's definition of used swap: total - free
+                sysf["swap_used"] = total - free if total is not None and free is not None else None
+                sysf["system_available"] = _kib_field(mi, b"MemAvailable:")
+            if self._psi_ok:
+                psi = self._psi.read()
+                if psi:
+                    sysf["psi_some_avg10"], sysf["psi_full_avg10"] = _parse_psi(psi)
+            out.update(sysf)
+        else:
+            self._read_portable(out)
+        self._last = out
         return out
 
-    def _read_portable(self, out: dict[str, Any], system: bool) -> None:
+    def _read_portable(self, out: dict[str, Any]) -> None:
         try:
             import psutil
 
@@ -176,21 +166,19 @@ class SystemProbe:
             out["rss"] = int(self._proc.memory_info().rss)
         except Exception:
             pass
-        if system or self._last_system is None:
-            sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
-            sysf["system_total"] = self.system_total
-            try:
-                import psutil
+        sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
+        sysf["system_total"] = self.system_total
+        try:
+            import psutil
 
-                sw = psutil.swap_memory()  # macOS: sysctl vm.swapusage
-                sysf["swap_used"], sysf["swap_total"] = int(sw.used), int(sw.total)
-                sysf["system_available"] = int(psutil.virtual_memory().available)
-            except Exception:
-                pass
-            if _DARWIN:
-                sysf["pressure_level"] = self._darwin_pressure()
-            self._last_system = sysf
-        out.update(self._last_system)
+            sw = psutil.swap_memory()  # macOS: sysctl vm.swapusage
+            sysf["swap_used"], sysf["swap_total"] = int(sw.used), int(sw.total)
+            sysf["system_available"] = int(psutil.virtual_memory().available)
+        except Exception:
+            pass
+        if _DARWIN:
+            sysf["pressure_level"] = self._darwin_pressure()
+        out.update(sysf)
         try:
             import resource
 

@@ -188,6 +188,8 @@ def rule_leak(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explan
     key, floor, what = "allocated", ctx["leak_min_bytes_per_step"], "allocated"
     if any(s.get("allocated") is None for s in series):
         key, floor, what = "rss", ctx["leak_min_bytes_per_step_rss"], "RSS"
+        # only fresh readings: between them a sample repeats the last one (Accountant io_budget)
+        series = [s for s in series if s.get("system_fresh", True)]
     pts = [(s["step"], s[key]) for s in series if s.get(key) is not None][-ctx["leak_window"]:]
     if len(pts) < ctx["leak_min_points"]:
         return []
