@@ -443,7 +443,9 @@ class CudaBackend:
         """Reset torch's peak counters on every CUDA device the model uses (every visible
         device before setup, so the load itself is inside the run's peak)."""
         if getattr(self, "model", None) is None:
-            indices = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+            # Before the first CUDA allocation there is nothing to reset, and torch refuses
+            # ("Invalid device argument") until its allocator exists (seen on an H200).
+            indices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
         else:
             indices = self._cuda_indices()
         for i in indices:

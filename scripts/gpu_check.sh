@@ -5,7 +5,8 @@
 # parameters: hidden 1024, 8 layers, MLP 4096; the tokenizer's 512-token vocabulary is kept)
 # for 10 steps with 8-bit AdamW and with *paged* 8-bit AdamW, then prints each run's memory
 # reconciliation (allocator vs NVML, census, explanations) and checks the paged run shows its
-# optimizer state outside the allocator. Exit status 0 when every check passes.
+# optimizer state outside the allocator; then scripts/gpu_oom_check.py (a real CUDA OOM at a capped
+# memory fraction, adapted by the governor). Exit status 0 when every check passes.
 #
 # Extra optimizers to compare: GPU_CHECK_OPTIMS="adamw adamw_8bit paged_adamw_8bit" bash scripts/gpu_check.sh
 set -euo pipefail
@@ -43,4 +44,9 @@ for optim in $OPTIMS; do
   runs+=("$dir")
 done
 
-python "$HERE/gpu_check.py" "${runs[@]}"
+rc=0
+python "$HERE/gpu_check.py" "${runs[@]}" || rc=1
+# A real CUDA out-of-memory error at a capped per-process memory fraction, caught by the governor
+echo "=== python scripts/gpu_oom_check.py $OUT_DIR/oom"
+python "$HERE/gpu_oom_check.py" "$OUT_DIR/oom" 2>&1 | grep -v "Loading weights" || rc=1
+exit $rc
