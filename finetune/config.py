@@ -187,6 +187,25 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def compose(run_dir: Any, *overrides: str) -> Any:
+    """The config `finetune OVERRIDES...` would run, composed outside the CLI (tests, scripts
+    that drive finetune.cli.run in-process), with its run dir set to ``run_dir``."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="finetune.conf", version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    OmegaConf.set_struct(cfg, False)
+    cfg.run_dir = str(run_dir)
+    OmegaConf.set_struct(cfg, True)
+    GlobalHydra.instance().clear()
+    return cfg
+
+
 def validate(cfg: Any) -> None:
     """Check enumerated choices and ranges; raise UserError naming the fix."""
     for dotted, choices in VALID.items():

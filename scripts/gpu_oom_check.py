@@ -21,25 +21,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def compose(run_dir: Path, *overrides: str):
-    from hydra import compose as hcompose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    from finetune.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="finetune.conf", version_base="1.3"):
-        cfg = hcompose(config_name="config", overrides=list(overrides))
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = str(run_dir)
-    OmegaConf.set_struct(cfg, True)
-    GlobalHydra.instance().clear()
-    return cfg
-
-
 def long_texts(path: Path, n: int = 256) -> None:
     """Records longer than train.seq_len, so every sample is a full-length row."""
     from finetune.synthetic import generate
@@ -60,6 +41,7 @@ def main() -> int:
     import torch
 
     from finetune.cli import run
+    from finetune.config import compose
 
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpu_oom_check")
     out.mkdir(parents=True, exist_ok=True)

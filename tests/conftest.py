@@ -7,11 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
-
-from finetune.config import register_configs
+from finetune.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -22,15 +18,7 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 def make_cfg(run_dir: Path | str, *overrides: str) -> Any:
     """Compose conf/ with overrides, exactly as `finetune` would, with run_dir set."""
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="finetune.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    OmegaConf.set_struct(cfg, False)
-    cfg.run_dir = str(run_dir)
-    OmegaConf.set_struct(cfg, True)
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose(run_dir, *overrides)
 
 
 @pytest.fixture
