@@ -65,6 +65,33 @@ def _resolve_device(name: str) -> torch.device:
     return dev
 
 
+def _measure_cuda_contexts(indices: list[int]) -> dict[int, int | None]:
+    """Bytes the CUDA context took on each device when this process created it: NVML's used
+    memory on the device just before and just after ``torch.cuda.mem_get_info`` (which creates
+    the primary context and allocates nothing through torch's allocator).
+
+    None for a device where NVML cannot say, or where torch had already initialized CUDA (a
+    context may exist already, so the difference would not be the context). A lower bound:
+    kernels loaded later (CUDA lazy module loading) and library handles add to the context
+    after this; another process allocating on the device at the same moment would be counted.
+    """
+    out: dict[int, int | None] = dict.fromkeys(indices)
+    if torch.cuda.is_initialized():
+        return out
+    from finetune.accounting.probes import NvmlProbe
+
+    nvml = NvmlProbe()
+    for i in indices:
+        before = nvml.read(i, processes=False)["device_used"]
+        if before is None:
+            continue
+        torch.cuda.mem_get_info(i)
+        after = nvml.read(i, processes=False)["device_used"]
+        if after is not None and after >= before:
+            out[i] = after - before - torch.cuda.memory_reserved(i)
+    return out
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -127,6 +154,7 @@ class CudaBackend:
         self.grad_checkpointing = False
         self.cfg: Any = None
         self.model_dir: Path | None = None
+        self._contexts: dict[int, int | None] = {}  # CUDA context bytes per device, at setup
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
@@ -140,6 +168,10 @@ class CudaBackend:
         _choose("precision", prec, PRECISIONS)
         self.cfg, self.model_dir = cfg, Path(model_dir)
         device = _resolve_device(cfg.backend.device)
+        if device.type == "cuda":  # before anything else touches CUDA in this process
+            split_later = cfg.backend.device_map == "auto"
+            self._contexts = _measure_cuda_contexts(list(range(torch.cuda.device_count())) if split_later
+                                                    else [device.index or 0])
         weight_dtype, self.autocast_dtype = PRECISIONS[prec]
         self._check_precision(prec, device)
         torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
@@ -433,9 +465,12 @@ class CudaBackend:
                 "alloc_retries": int(s.get("num_alloc_retries", 0)),
                 "num_ooms": int(s.get("num_ooms", 0)),
                 "total": int(torch.cuda.get_device_properties(i).total_memory),
+                "cuda_context": self._contexts.get(i),  # measured at setup, see _measure_cuda_contexts
             })
         out: dict[str, Any] = {k: sum(d[k] for d in devices) for k in keys}
         out["device_total"] = sum(d["total"] for d in devices)
+        ctx = [d["cuda_context"] for d in devices]
+        out["cuda_context"] = None if None in ctx else sum(ctx)
         out["devices"] = devices
         return out
 

@@ -67,6 +67,8 @@ def report(run: Path) -> dict[str, Any] | None:
     rules = {e["rule"] for e in mem.get("explanations", [])}
     check("lazy_optimizer_state" in rules, "lazy optimizer-state creation explained")
     check("non_allocator" in rules, "NVML vs reserved gap explained")
+    ctx = last.get("cuda_context_bytes")
+    check(isinstance(ctx, int) and ctx > 0, f"CUDA context measured at setup ({fb(ctx)})")
     check("leak" not in rules, "no leak flagged")
     check((acc.get("own_fraction_of_step_time") or 1) < 0.01, "own sampling overhead under 1% of step time")
     state = (first.get("optimizer_state_bytes") or 0) + (first.get("optimizer_state_paged_bytes") or 0)

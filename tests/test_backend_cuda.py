@@ -288,6 +288,18 @@ def test_unsupported_choices_are_user_errors(tiny_dir):
         make(tiny_dir, "lora", keys=["no_such_layer"])
 
 
+def test_cuda_context_measure_without_nvml_is_unknown():
+    """No driver, no NVML: the context size is unknown (None), never 0, and CUDA is not touched."""
+    import torch
+
+    from backends.cuda import _measure_cuda_contexts
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: test_cuda_memory_figures covers the measurement")
+    assert _measure_cuda_contexts([0]) == {0: None}
+    assert not torch.cuda.is_initialized()
+
+
 @cuda
 @needs_cuda
 def test_cuda_memory_figures(tiny_dir, batch):
@@ -299,6 +311,9 @@ def test_cuda_memory_figures(tiny_dir, batch):
     assert mem["allocated"] > 0 and mem["peak_allocated"] >= mem["allocated"]
     assert mem["reserved"] >= mem["allocated"] and mem["device_total"] > mem["reserved"]
     assert [d["index"] for d in mem["devices"]] == [0]
+    # the context was measured at setup (NVML before/after creating it) unless CUDA was already
+    # initialized in this pytest process by an earlier test
+    assert mem["cuda_context"] is None or 50 << 20 < mem["cuda_context"] < 4 << 30, mem["cuda_context"]
     limits = be.set_memory_limits(mem["device_total"] // 2)
     assert limits["per_process_memory_fraction"]["cuda:0"] == pytest.approx(0.5)
     be.set_memory_limits(mem["device_total"])  # undo: other tests share the process

@@ -256,7 +256,7 @@ def rule_non_allocator(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> li
     if paged:
         parts.append(f"{fb(paged)} is paged optimizer state in unified memory (bitsandbytes, outside the allocator)")
     if ctxb is not None:
-        parts.append(f"{fb(ctxb)} the CUDA context")
+        parts.append(f"{fb(ctxb)} the CUDA context (measured when it was created)")
     if other is not None:
         parts.append(f"{fb(other)} other processes on the device")
     if parts:
@@ -264,7 +264,9 @@ def rule_non_allocator(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> li
     proc = s.get("process_device_used")
     if un is not None and un >= 0:
         text += (f", and {fb(un)} is unexplained" + (" (the CUDA context was not measured: it is part of this)"
-                                                     if ctxb is None else ""))
+                                                     if ctxb is None else
+                                                     " (kernels CUDA loads on first use and library handles grow "
+                                                     "the context after it was measured)"))
     elif un is not None:
         text += (f"; the known parts exceed the gap by {fb(-un)}: part of the paged state is resident "
                  "in host memory, not on the device")
