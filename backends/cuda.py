@@ -155,6 +155,7 @@ class CudaBackend:
         self.cfg: Any = None
         self.model_dir: Path | None = None
         self._contexts: dict[int, int | None] = {}  # CUDA context bytes per device, at setup
+        self._totals: dict[int, int] | None = None  # device memory per CUDA index, read once
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
@@ -453,18 +454,24 @@ class CudaBackend:
         if not indices:
             return {**dict.fromkeys(keys), "device_total": None, "devices": None}
         devices = []
+        if self._totals is None:
+            self._totals = {i: int(torch.cuda.get_device_properties(i).total_memory) for i in indices}
         for i in indices:
-            s = torch.cuda.memory_stats(i)
+            # the nested form: memory_stats() flattens this same dict in Python, which costs
+            # more than the allocator's own C++ call, at every sample
+            s = torch.cuda.memory_stats_as_nested_dict(i)
+            alloc, res, split = (s.get(k, {}).get("all", {}) for k in
+                                 ("allocated_bytes", "reserved_bytes", "inactive_split_bytes"))
             devices.append({
                 "index": i,
-                "allocated": int(s.get("allocated_bytes.all.current", 0)),
-                "reserved": int(s.get("reserved_bytes.all.current", 0)),
-                "peak_allocated": int(s.get("allocated_bytes.all.peak", 0)),
-                "peak_reserved": int(s.get("reserved_bytes.all.peak", 0)),
-                "inactive_split": int(s.get("inactive_split_bytes.all.current", 0)),
+                "allocated": int(alloc.get("current", 0)),
+                "reserved": int(res.get("current", 0)),
+                "peak_allocated": int(alloc.get("peak", 0)),
+                "peak_reserved": int(res.get("peak", 0)),
+                "inactive_split": int(split.get("current", 0)),
                 "alloc_retries": int(s.get("num_alloc_retries", 0)),
                 "num_ooms": int(s.get("num_ooms", 0)),
-                "total": int(torch.cuda.get_device_properties(i).total_memory),
+                "total": self._totals[i],
                 "cuda_context": self._contexts.get(i),  # measured at setup, see _measure_cuda_contexts
             })
         out: dict[str, Any] = {k: sum(d[k] for d in devices) for k in keys}
