@@ -457,6 +457,35 @@ def test_nvml_reconciliation(monkeypatch: pytest.MonkeyPatch) -> None:
     assert nv4.asked == [b"GPU-1234-abcd"] and s4["device_used"] == 3 * GiB
 
 
+def test_nvml_read_within_io_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML is read with the process/system figures: at load and the optimizer phases of steps
+    1-2, then only within io_budget; a sample in between carries the last reading and the gap
+    as it was then, and the explanation cites the sample that read it."""
+    import os
+
+    class Counting(FakeNvml):
+        reads = 0
+
+        def nvmlDeviceGetMemoryInfo(self, h: int, version: int | None = None) -> Any:
+            Counting.reads += 1
+            return super().nvmlDeviceGetMemoryInfo(h, version)
+
+    nv = Counting(used=2 * GiB, own=1500 * MiB, other=0, pids=[os.getpid()])
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    b = CudaLikeBackend()
+    acct = Accountant(b, io_budget=0.0)
+    run(acct, b, 6)
+    assert Counting.reads == 3  # load, optimizer phase of steps 1 and 2
+    read = [s for s in acct.samples if s["system_fresh"]]
+    assert [(s["step"], s["phase"]) for s in read] == [(0, "load"), (1, "optimizer"), (2, "optimizer")]
+    last_read, last = read[-1], acct.samples[-1]
+    assert last["step"] == 6 and not last["system_fresh"] and last["device_used"] == 2 * GiB
+    assert last["non_allocator"] == last_read["non_allocator"] == 2 * GiB - last_read["reserved"]
+    ex = {e["rule"]: e for e in acct.explain()}["non_allocator"]
+    assert "optimizer phase of step 2" in ex["text"]
+
+
 def test_explain_recorded_cache_growth() -> None:
     """MLX with varying batch lengths: the cache grows, allocated does not (seen on this machine:
     reserved 11 MiB -> 182 MiB over 30 steps of the tiny LoRA run)."""

@@ -26,8 +26,9 @@ cannot measure it. Keys (allocator figures summed over this process's devices):
   ``pressure_level`` (macOS). These come from /proc (or psutil) and are read afresh only at
   the load and optimizer phases, and there only while the time spent reading them stays under
   ``io_budget`` of the run's wall time (always at steps 0-2); otherwise the sample repeats the
-  last fresh reading and ``system_fresh`` is False. Allocator and NVML figures are read at
-  every sample; the kernel's RSS high-water mark keeps ``peak_rss`` exact between readings.
+  last fresh reading and ``system_fresh`` is False. NVML (CUDA) follows the same rule: between
+  readings a sample carries each device's last NVML figures and the non-allocator gap as it was
+  then. Allocator figures are read at every sample; the kernel's RSS high-water mark keeps ``peak_rss`` exact between readings.
 - ``census``: bytes by category from backend.census(), plus ``activations_and_other`` =
   allocated - allocator-held categories; ``census_step``: the step it was taken at (the census
   is structural; after step 2 it is retaken within a time budget, see ``census_budget``).
@@ -55,7 +56,10 @@ _MEMORY_STD = {"allocated", "reserved", "peak_allocated", "peak_reserved", "devi
                "cuda_context"}
 COUNT_KEYS = {"alloc_retries", "num_alloc_retries", "num_ooms", "ooms"}  # counts, not bytes
 _FLOAT_KEYS = {"psi_some_avg10", "psi_full_avg10"}
-_ALWAYS_SAMPLED = (0, 1, 2)  # load, and the two steps whose difference shows lazy allocations
+_ALWAYS_SAMPLED = (0, 1, 2)
+# what a device row takes from an NVML reading (kept per device, carried between readings)
+_NVML_KEYS = ("device_used", "process_device_used", "other_processes_used", "non_allocator",
+              "non_allocator_unexplained")  # load, and the two steps whose difference shows lazy allocations
 
 
 def _int(v: Any) -> int | None:
@@ -99,7 +103,7 @@ class Accountant:
             ``census_step`` says which step it is from.
         rank: this process's rank in a distributed run (recorded in each sample).
         io_budget: fraction of the run's wall time that fresh process/system readings (/proc
-            files, psutil) may take. On a model whose steps take a second every optimizer-phase
+            files, psutil) and NVML readings may take. On a model whose steps take a second every optimizer-phase
             sample reads them; on the tiny model, whose steps take milliseconds, every few
             steps (the first system call after a burst of computation can cost 100 us or more
             on a virtualised host).
@@ -142,6 +146,7 @@ class Accountant:
         self._run_peak: dict[str, int | None] = {"allocated": None, "reserved": None}
         self._run_peak_at: dict[str, dict[str, Any] | None] = {"allocated": None, "reserved": None}
         self._dev_peak: dict[int, dict[str, int | None]] = {}
+        self._nvml_last: dict[int, dict[str, Any]] = {}  # device index -> its last NVML figures
         self._census_cache: dict[str, tuple[int, dict[str, int | None], int | None]] = {}
         self._census_cost = math.inf
         self._warm_t: float | None = None  # when step 3's first sample began: census budget clock
@@ -228,7 +233,7 @@ class Accountant:
         if fresh:
             t_io = time.perf_counter()
             sysr = self._sys.read(fresh=True)
-            self._io_cost = time.perf_counter() - t_io
+            self._io_cost = time.perf_counter() - t_io  # NVML adds its part in _devices
             self.io_seconds += self._io_cost
             self.io_reads += 1
         else:
@@ -307,7 +312,7 @@ class Accountant:
             self._swap_base = s["swap_used"]
         s["swap_growth"] = (s["swap_used"] - self._swap_base
                             if s["swap_used"] is not None and self._swap_base is not None else None)
-        self._devices(s, mem, c, heavy=phase not in ("forward", "backward"))
+        self._devices(s, mem, c, fresh=fresh)
         return s
 
     def _thin(self) -> None:
@@ -382,8 +387,10 @@ class Accountant:
         self._census_cache[phase] = got
         return got
 
-    def _devices(self, s: dict[str, Any], mem: dict[str, Any], census: dict[str, Any], heavy: bool) -> None:
-        """Per-device rows with NVML beside the allocator, and their process-wide sums."""
+    def _devices(self, s: dict[str, Any], mem: dict[str, Any], census: dict[str, Any], fresh: bool) -> None:
+        """Per-device rows with NVML beside the allocator, and their process-wide sums. NVML is
+        read when ``fresh`` (the sample's process/system readings are due) or on a device's
+        first sample; otherwise its last reading is carried."""
         rows_in = mem.get("devices")
         use_nvml = self.backend_name == "cuda" and s["allocated"] is not None and self._nvml.ok is not False
         paged = _int(census.get("optimizer_state_paged"))
@@ -417,22 +424,31 @@ class Accountant:
                 r["device_total"] = _int(d.get("total"))  # the cuda backend's per-device name
             if r["cuda_context"] is None and len(rows_in) == 1:
                 r["cuda_context"] = _int(mem.get("cuda_context"))
-            nv = (self._nvml.read(idx, d.get("pci_bus_id"), processes=heavy or idx not in self._dev_peak,
-                                  uuid=d.get("uuid"))
-                  if use_nvml else {})
-            if r["device_total"] is None:
-                r["device_total"] = nv.get("device_total")
-            r["device_used"] = nv.get("device_used")
-            r["process_device_used"] = nv.get("process_used")
-            r["other_processes_used"] = nv.get("other_processes_used")
-            if not heavy and use_nvml and r["other_processes_used"] is None and self.samples:
-                # forward/backward skip the slower NVML process list: carry the last reading
-                prev = next((p for p in self.samples[-1].get("devices", []) if p["index"] == idx), None)
-                if prev is not None:
-                    r["process_device_used"] = prev.get("process_device_used")
-                    r["other_processes_used"] = prev.get("other_processes_used")
             r["paged_optimizer_state"] = paged if len(rows_in) == 1 else None
-            _split_non_allocator(r)
+            last = self._nvml_last.get(idx)
+            if use_nvml and (fresh or last is None):
+                t_nv = time.perf_counter()
+                nv = self._nvml.read(idx, d.get("pci_bus_id"), processes=True, uuid=d.get("uuid"))
+                dt = time.perf_counter() - t_nv
+                self.io_seconds += dt
+                self._io_cost += dt
+                if r["device_total"] is None:
+                    r["device_total"] = nv.get("device_total")
+                r["device_used"] = nv.get("device_used")
+                r["process_device_used"] = nv.get("process_used")
+                r["other_processes_used"] = nv.get("other_processes_used")
+                _split_non_allocator(r)
+                self._nvml_last[idx] = {**{k: r[k] for k in _NVML_KEYS}, "nvml_device_total": nv.get("device_total")}
+            elif use_nvml:
+                # NVML not due (see io_budget): the last reading, with the gap as it was then
+                # (from NVML's used and the reserved bytes of that moment)
+                r.update(last)
+                if r["device_total"] is None:
+                    r["device_total"] = last.get("nvml_device_total")
+            else:
+                r.update(device_used=None, process_device_used=None, other_processes_used=None)
+                _split_non_allocator(r)
+            r.pop("nvml_device_total", None)
             rows.append(r)
             pk = self._dev_peak.setdefault(idx, {"allocated": None, "reserved": None, "device_used": None})
             pk["allocated"] = _max(pk["allocated"], r["peak_allocated"], r["allocated"])
@@ -444,10 +460,14 @@ class Accountant:
         for k in ("device_used", "process_device_used", "other_processes_used", "cuda_context"):
             s[k] = _sum([r[k] for r in rows])
         s["paged_optimizer_state"] = paged
-        tot = {"device_used": s["device_used"], "reserved": s["reserved"], "paged_optimizer_state": paged,
-               "cuda_context": s["cuda_context"], "other_processes_used": s["other_processes_used"]}
-        _split_non_allocator(tot)
-        s["non_allocator"], s["non_allocator_unexplained"] = tot["non_allocator"], tot["non_allocator_unexplained"]
+        if fresh or not use_nvml:
+            tot = {"device_used": s["device_used"], "reserved": s["reserved"], "paged_optimizer_state": paged,
+                   "cuda_context": s["cuda_context"], "other_processes_used": s["other_processes_used"]}
+            _split_non_allocator(tot)
+            s["non_allocator"], s["non_allocator_unexplained"] = tot["non_allocator"], tot["non_allocator_unexplained"]
+        else:  # as of each device's last NVML reading
+            s["non_allocator"] = _sum([r["non_allocator"] for r in rows])
+            s["non_allocator_unexplained"] = _sum([r["non_allocator_unexplained"] for r in rows])
 
     # -- outputs -----------------------------------------------------------------------------
     def _latest(self) -> dict[str, Any] | None:

@@ -244,6 +244,8 @@ def rule_non_allocator(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> li
     cands = [s for s in samples if s.get("non_allocator") is not None]
     if not cands:
         return []
+    # the samples that read NVML (between readings a sample carries the last gap)
+    cands = [s for s in cands if s.get("system_fresh", True)] or cands
     opt = [s for s in cands if s["phase"] == "optimizer"]
     s = (opt or cands)[-1]
     na, used, res = s["non_allocator"], s["device_used"], s["reserved"]
