@@ -38,7 +38,9 @@ def run_once(backend: str, sample_every: int, steps: int, run_dir: Path) -> dict
     cmd = [sys.executable, "-m", "finetune.cli", f"backend={backend}", f"train.steps={steps}",
            f"memory.sample_every={sample_every}", "train.eval_every=0", "train.save_every=0",
            f"hydra.run.dir={run_dir}"]
-    p = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    # from the run's own folder: the installed finetune, not a checkout's copy on sys.path
+    run_dir.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=run_dir)
     if p.returncode != 0:
         sys.exit(f"benchmark run failed ({' '.join(cmd)}):\n{p.stderr[-2000:]}")
     return json.loads((run_dir / "summary.json").read_text())
