@@ -160,7 +160,10 @@ class Governor:
         if self.budget_bytes and peak is not None and peak > self.budget_bytes and self.cfg.memory.budget is not None:
             if not self.adapt or not self._lower_micro(step, "peak_above_budget"):
                 log.warning("step %d: measured peak %d B is above memory.budget %d B", step, peak, self.budget_bytes)
-        swap = sample.get("swap_used")
+        # swap and pressure only from a sample that read them: between readings a sample
+        # repeats the last one (Accountant io_budget), which must not be acted on twice
+        fresh = sample.get("system_fresh", True)
+        swap = sample.get("swap_used") if fresh else None
         if swap is not None:
             if self._swap_base is None:
                 self._swap_base = int(swap)
@@ -172,7 +175,7 @@ class Governor:
                 if not self.adapt or not self._lower_micro(step, "swap_growth"):
                     log.warning("step %d: system swap grew %d B since the run started; steps will be slow", step, grown)
                 self._swap_base = int(swap)
-        psi = sample.get("psi_some_avg10")
+        psi = sample.get("psi_some_avg10") if fresh else None
         if psi is not None and psi > PSI_SOME_AVG10 and self.adapt and (self._swap_acted_at is None or step - self._swap_acted_at > 5):
             self._swap_acted_at = step
             self._lower_micro(step, "memory_pressure")

@@ -141,3 +141,46 @@ def test_nothing_fits_stops_before_any_download(tmp_path):
     assert len(err) == 1 and "does not fit memory.budget=64GiB" in err[0] and "Traceback" not in r.stderr
     assert "peak allocated" in r.stderr  # the plan table came first
     assert "hub" not in err[0]  # it never got as far as fetching the model
+
+
+class _Releases:
+    """What the governor asks of a backend while training: release_cache (counted)."""
+
+    def __init__(self) -> None:
+        self.released = 0
+
+    def release_cache(self) -> None:
+        self.released += 1
+
+    def set_grad_checkpointing(self, on: bool) -> None:
+        pass
+
+
+def test_swap_pressure_and_fragmentation_reactions_on_recorded_samples(cfg_factory):
+    """Swap growth and PSI pressure (which no CPU test machine can be made to show) and CUDA
+    fragmentation, as samples: each is acted on once per fresh reading, by an event that keeps
+    the effective batch; a sample repeating a stale reading (system_fresh False) is not acted
+    on again."""
+    from finetune.governor import Governor
+
+    MiB = 1 << 20
+    events = []
+    cfg = cfg_factory("train.batch_size=8", "train.grad_accum=1", "backend=cuda")
+    gov = Governor(cfg, "cuda", events.append)
+    gov.backend = be = _Releases()
+    base = {"swap_used": 100 * MiB, "psi_some_avg10": 0.0, "system_fresh": True}
+    gov.after_step(1, base)
+    gov.after_step(2, {**base, "swap_used": 500 * MiB})  # +400 MiB of swap since the start
+    assert [(e["trigger"], e["after"]["batch_size"], e["after"]["grad_accum"]) for e in events] == [("swap_growth", 4, 2)]
+    assert be.released == 1
+    for step in range(3, 12):  # the same reading carried by later samples: no second action
+        gov.after_step(step, {**base, "swap_used": 900 * MiB, "system_fresh": False})
+    assert len(events) == 1
+    gov.after_step(12, {**base, "swap_used": 500 * MiB, "psi_some_avg10": 35.0})  # fresh: pressure
+    assert events[-1]["trigger"] == "memory_pressure" and events[-1]["after"] == {"batch_size": 2, "grad_accum": 4}
+    gov.after_step(13, {**base, "swap_used": 500 * MiB, "psi_some_avg10": 35.0, "system_fresh": False})
+    assert len(events) == 2
+    # fragmentation: inactive split blocks above 25% of reserved (and 512 MiB) -> release cached blocks
+    gov.after_step(20, {**base, "swap_used": 500 * MiB, "inactive_split": 900 * MiB, "reserved": 2048 * MiB})
+    assert events[-1]["trigger"] == "fragmentation" and events[-1]["action"] == "release_cache"
+    assert be.released == 2 and gov.micro * (gov.effective // gov.micro) == 8
