@@ -305,7 +305,6 @@ class MlxBackend:
 
     # ---- memory ------------------------------------------------------------------------
     def memory(self) -> dict[str, int | None]:
-        active, cache, peak = mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory()
         if self._limits is None:
             # The limits change only through set_memory_limits, which keeps this current; read
             # once. There is no getter for the cache limit: swap in a harmless value and put the
@@ -320,6 +319,12 @@ class MlxBackend:
                 "mlx_wired_limit": self._wired_limit,  # None off Metal: nothing is wired on CPU
                 "mlx_recommended_working_set": info.get("max_recommended_working_set_size"),
             }
+        return {**self.peaks(), **self._limits}
+
+    def peaks(self) -> dict[str, int | None]:
+        """The allocator counters of memory(), without the limits and device facts: what the
+        accountant folds into the run peak before reset_peak."""
+        active, cache, peak = mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory()
         return {
             "allocated": active,
             "reserved": active + cache,
@@ -330,15 +335,7 @@ class MlxBackend:
             "mlx_active": active,
             "mlx_cache": cache,
             "mlx_peak": peak,
-            **self._limits,
         }
-
-    def peaks(self) -> dict[str, int]:
-        """What the accountant folds into the run peak before reset_peak: the subset of
-        memory() it needs, without the limits and device facts."""
-        active = mx.get_active_memory()
-        return {"allocated": active, "reserved": active + mx.get_cache_memory(),
-                "peak_allocated": max(mx.get_peak_memory(), active)}
 
     def reset_peak(self) -> None:
         mx.reset_peak_memory()

@@ -28,7 +28,8 @@ cannot measure it. Keys (allocator figures summed over this process's devices):
   ``io_budget`` of the run's wall time (always at steps 0-2); otherwise the sample repeats the
   last fresh reading and ``system_fresh`` is False. NVML (CUDA) follows the same rule: between
   readings a sample carries each device's last NVML figures and the non-allocator gap as it was
-  then. Allocator figures are read at every sample; the kernel's RSS high-water mark keeps ``peak_rss`` exact between readings.
+  then. Allocator figures are read at every sample; the kernel's RSS high-water mark keeps
+  ``peak_rss`` exact between readings.
 - ``census``: bytes by category from backend.census(), plus ``activations_and_other`` =
   allocated - allocator-held categories; ``census_step``: the step it was taken at (the census
   is structural; after step 2 it is retaken within a time budget, see ``census_budget``).
@@ -56,10 +57,10 @@ _MEMORY_STD = {"allocated", "reserved", "peak_allocated", "peak_reserved", "devi
                "cuda_context"}
 COUNT_KEYS = {"alloc_retries", "num_alloc_retries", "num_ooms", "ooms"}  # counts, not bytes
 _FLOAT_KEYS = {"psi_some_avg10", "psi_full_avg10"}
-_ALWAYS_SAMPLED = (0, 1, 2)
+_ALWAYS_SAMPLED = (0, 1, 2)  # load, and the two steps whose difference shows lazy allocations
 # what a device row takes from an NVML reading (kept per device, carried between readings)
 _NVML_KEYS = ("device_used", "process_device_used", "other_processes_used", "non_allocator",
-              "non_allocator_unexplained")  # load, and the two steps whose difference shows lazy allocations
+              "non_allocator_unexplained")
 
 
 def _int(v: Any) -> int | None:
@@ -103,10 +104,10 @@ class Accountant:
             ``census_step`` says which step it is from.
         rank: this process's rank in a distributed run (recorded in each sample).
         io_budget: fraction of the run's wall time that fresh process/system readings (/proc
-            files, psutil) and NVML readings may take. On a model whose steps take a second every optimizer-phase
-            sample reads them; on the tiny model, whose steps take milliseconds, every few
-            steps (the first system call after a burst of computation can cost 100 us or more
-            on a virtualised host).
+            files, psutil) and NVML readings may take. On a model whose steps take a second
+            every optimizer-phase sample reads them; on the tiny model, whose steps take
+            milliseconds, every few steps (the first system call after a burst of computation
+            can cost 100 us or more on a virtualised host).
         max_samples: bound on the timeline kept in memory (a sample is a few KB). Past it, the
             older half is thinned: steps 0-2 and the recent half stay whole, older steps keep
             only every other optimizer-phase sample. Run peaks are tracked apart and stay exact.
@@ -438,17 +439,16 @@ class Accountant:
                 r["process_device_used"] = nv.get("process_used")
                 r["other_processes_used"] = nv.get("other_processes_used")
                 _split_non_allocator(r)
-                self._nvml_last[idx] = {**{k: r[k] for k in _NVML_KEYS}, "nvml_device_total": nv.get("device_total")}
+                self._nvml_last[idx] = {k: r[k] for k in ("device_total", *_NVML_KEYS)}
             elif use_nvml:
                 # NVML not due (see io_budget): the last reading, with the gap as it was then
                 # (from NVML's used and the reserved bytes of that moment)
-                r.update(last)
+                r.update((k, last[k]) for k in _NVML_KEYS)
                 if r["device_total"] is None:
-                    r["device_total"] = last.get("nvml_device_total")
+                    r["device_total"] = last["device_total"]
             else:
                 r.update(device_used=None, process_device_used=None, other_processes_used=None)
                 _split_non_allocator(r)
-            r.pop("nvml_device_total", None)
             rows.append(r)
             pk = self._dev_peak.setdefault(idx, {"allocated": None, "reserved": None, "device_used": None})
             pk["allocated"] = _max(pk["allocated"], r["peak_allocated"], r["allocated"])
