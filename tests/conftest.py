@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +13,19 @@ import pytest
 from finetune.config import compose
 
 REPO = Path(__file__).resolve().parents[1]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _gsm8k_path() -> Path:
+    """GSM8K's train.jsonl: $FINETUNE_GSM8K (the file), else $FINETUNE_SHARED/data/gsm8k/,
+    else the conventional ../shared beside the checkout (where CI puts its copy)."""
+    if os.environ.get("FINETUNE_GSM8K"):
+        return Path(os.environ["FINETUNE_GSM8K"]).expanduser()
+    shared = Path(os.environ.get("FINETUNE_SHARED") or REPO.parent / "shared").expanduser()
+    return shared / "data" / "gsm8k" / "train.jsonl"
+
+
+GSM8K = _gsm8k_path()
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -31,4 +46,30 @@ def cfg_factory(tmp_path: Path):
 
 needs_mlx = pytest.mark.skipif(not HAS_MLX, reason="mlx not installed (pip install '.[mlx]')")
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed (bash scripts/setup.sh)")
-needs_gsm8k = pytest.mark.skipif(not GSM8K.is_file(), reason=f"{GSM8K} absent (it ships beside the project checkout)")
+_NO_GSM8K = (f"{GSM8K} absent: set FINETUNE_GSM8K=/path/to/train.jsonl or FINETUNE_SHARED=/path/to/shared "
+             "(it ships beside the project checkout as ../shared)")
+
+
+@pytest.fixture
+def gsm8k() -> Path:
+    """The GSM8K file; a test that needs it skips where it is absent, and fails in CI
+    (CI=true), where a missing copy is a broken setup rather than a smaller machine."""
+    if not GSM8K.is_file():
+        if IN_CI:
+            pytest.fail(_NO_GSM8K)
+        pytest.skip(_NO_GSM8K)
+    return GSM8K
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"gsm8k: {GSM8K} ({'found' if GSM8K.is_file() else 'ABSENT: tests that need it ' + ('FAIL (CI)' if IN_CI else 'skip')})"
+
+
+def finetune_cmd() -> list[str]:
+    """The installed `finetune` console script of this interpreter's environment (it imports
+    the package first on sys.path, so PYTHONPATH picks which copy runs), else `python -m
+    finetune.cli`."""
+    script = Path(sysconfig.get_path("scripts")) / "finetune"
+    if script.is_file() and Path(sys.executable).parent == script.parent:
+        return [str(script)]
+    return [sys.executable, "-m", "finetune.cli"]

@@ -13,7 +13,7 @@ from finetune import data as data_mod
 from finetune.config import ModelConfig, UserError
 from finetune.tiny import build_tiny
 
-from conftest import GSM8K, make_cfg, needs_gsm8k
+from conftest import make_cfg
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +92,9 @@ def test_length_grouping_reduces_padding(tok, tmp_path):
     assert padded / real < 1.15
 
 
-@needs_gsm8k
-def test_gsm8k_real_text(tok, tmp_path):
-    cfg = make_cfg(tmp_path, "data=jsonl", f"data.path={GSM8K}", "data.max_samples=500", "train.seq_len=128")
+def test_gsm8k_real_text(tok, tmp_path, gsm8k):
+    cfg = make_cfg(tmp_path, "data=jsonl", f"data.path={gsm8k}", "data.max_samples=500", "train.seq_len=128")
     src, stats = data_mod.build(cfg, tok)
     assert stats["records"] == 500 and stats["truncated"] > 0
-    first = json.loads(GSM8K.read_text().splitlines()[0])
+    first = json.loads(gsm8k.read_text().splitlines()[0])
     assert first["answer"].split("####")[-1].strip() == "72"

@@ -11,7 +11,7 @@ import pytest
 
 from finetune.loop import train
 
-from conftest import GSM8K, needs_gsm8k, needs_mlx, needs_torch
+from conftest import needs_mlx, needs_torch
 
 FAST = ("train.steps=30", "train.eval_every=15", "train.progress=false", "data.num_samples=400",
         "train.warmup_steps=2", "optim.lr=1e-2")
@@ -71,9 +71,8 @@ def test_mlx_backend_trains_tiny(cfg_factory, method):
 
 
 @needs_torch
-@needs_gsm8k
-def test_cuda_trains_on_real_text(cfg_factory):
-    cfg = cfg_factory("backend=cuda", "data=jsonl", f"data.path={GSM8K}", "data.max_samples=600",
+def test_cuda_trains_on_real_text(cfg_factory, gsm8k):
+    cfg = cfg_factory("backend=cuda", "data=jsonl", f"data.path={gsm8k}", "data.max_samples=600",
                       "train.seq_len=192", *FAST[1:], "train.steps=60",
                       "method.lora.keys=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
     summary = train(cfg)
