@@ -99,7 +99,9 @@ def test_mlx_budget_below_need_adapts_with_equal_losses(cfg_factory, tmp_path):
     assert adapted["adaptations"], "nothing adapted"
     assert adapted["micro_batch"] < 8 and adapted["effective_batch"] == 8
     assert adapted["tokens"] == big["tokens"] == small["tokens"]
-    assert _losses(tmp_path / "adapted") == pytest.approx(_losses(tmp_path / "big"), abs=2e-4)
+    # Adapted and unadapted mlx runs differ by under 4e-6 per token (float sums in another
+    # order); a per-micro-batch loss scale moves them ~2.5e-5: the tolerance sits between.
+    assert _losses(tmp_path / "adapted") == pytest.approx(_losses(tmp_path / "big"), abs=1e-5)
 
 
 @needs_mlx
@@ -124,7 +126,7 @@ def test_supervisor_restarts_an_aborted_run_from_its_checkpoint(tmp_path):
     plain = subprocess.run([sys.executable, "-m", "finetune.cli", *args, f"hydra.run.dir={tmp_path}/plain"],
                            capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    assert _losses(tmp_path / "sup") == pytest.approx(_losses(tmp_path / "plain"), abs=2e-4)
+    assert _losses(tmp_path / "sup") == pytest.approx(_losses(tmp_path / "plain"), abs=1e-5)  # see above
 
 
 def test_nothing_fits_stops_before_any_download(tmp_path):
