@@ -190,7 +190,7 @@ class Trainer:
                 print(f"stopped by {stop.requested} after step {step - 1}; checkpoint saved: continue with "
                       f"train.resume=true hydra.run.dir={self.run_dir}", file=sys.stderr)
                 stop.close()
-                raise SystemExit(143)
+                raise SystemExit(stop.exit_code)
             self.acct.start_step(step)
             t0 = time.perf_counter()
             loss, ntok, nsamp, gnorm = self._train_step(step)
@@ -310,27 +310,44 @@ def _fault_injection(step: int, micro: int) -> None:
 
 
 class _StopOnSignal:
-    """SIGTERM (a scheduler's preemption) or SIGINT: finish the step in flight, checkpoint, exit."""
+    """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): finish the step in flight,
+    checkpoint, exit 128 + the signal's number (143, 130), as a shell reports a signal.
+
+    A second Ctrl-C interrupts at once (the previous handler is back after the first). A
+    signal the process was started ignoring (SIGINT in a background job) stays ignored.
+    """
 
     def __init__(self) -> None:
         import signal
         import threading
 
         self.requested: str | None = None
-        self._previous = None
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handler)
+
+    @property
+    def exit_code(self) -> int:
+        import signal
+
+        return 128 + int(signal.Signals[self.requested or "SIGTERM"])
 
     def close(self) -> None:
         import signal
 
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous = {}
 
     def _handler(self, signum: int, frame: Any) -> None:
         import signal
 
         self.requested = signal.Signals(signum).name
+        if signum == signal.SIGINT and signum in self._previous:
+            previous = self._previous.pop(signum)
+            signal.signal(signum, signal.default_int_handler if previous is None else previous)
 
 
 def _progress(cfg: Any, start: int) -> Any:
