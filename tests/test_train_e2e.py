@@ -36,11 +36,19 @@ def _check_run_dir(run: Path, summary: dict, backend: str) -> None:
     assert not list(run.glob(".*.tmp")), "a temporary file was left behind"
 
 
-def _loss_fell(run: Path, by: float = 0.1) -> None:
+# Drop of the mean loss over the first 5 steps to the last 5 of FAST (nats per token), as
+# measured on both backends (cuda on CPU | mlx on CPU): lora 0.193 | 0.183, dora 0.159 | 0.152,
+# qlora 0.193, lora+adafactor 0.221, lora+bf16-mixed 0.193, full+8-bit adamw 2.647 | 2.643.
+# Each bar is ~70% of the smaller measurement: a random-init model's adapters learn slowly,
+# the full model fast, so one bar for all would say nothing about full.
+DROP = {"lora": 0.13, "dora": 0.11, "qlora": 0.13, "full": 1.9}
+
+
+def _loss_fell(run: Path, by: float) -> None:
     m = _metrics(run)
     first = sum(r["loss"] for r in m[:5]) / 5
     last = sum(r["loss"] for r in m[-5:]) / 5
-    assert last < first - by, (first, last)  # nats per token; a random-init model learns slowly
+    assert last < first - by, (first, last, by)
 
 
 @needs_torch
@@ -53,7 +61,7 @@ def test_cuda_backend_trains_tiny_on_cpu(cfg_factory, tmp_path, overrides):
     summary = train(cfg)
     run = Path(cfg.run_dir)
     _check_run_dir(run, summary, "cuda")
-    _loss_fell(run)
+    _loss_fell(run, DROP[cfg.method.name])
     if "method=full" not in overrides:
         assert (run / "adapter" / "adapter_config.json").is_file()  # PEFT format
 
@@ -65,7 +73,7 @@ def test_mlx_backend_trains_tiny(cfg_factory, method):
     summary = train(cfg)
     run = Path(cfg.run_dir)
     _check_run_dir(run, summary, "mlx")
-    _loss_fell(run)
+    _loss_fell(run, DROP[method])
     if method != "full":
         assert (run / "adapter" / "adapters.safetensors").is_file()  # mlx-lm format
 
@@ -77,7 +85,7 @@ def test_cuda_trains_on_real_text(cfg_factory, gsm8k):
                       "method.lora.keys=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
     summary = train(cfg)
     assert summary["data"]["records"] == 600 and summary["data"]["truncated"] > 0
-    _loss_fell(Path(cfg.run_dir), by=0.05)  # real text is harder than the built-in arithmetic
+    _loss_fell(Path(cfg.run_dir), by=0.07)  # real text is harder than the built-in arithmetic: measured 0.097
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs_torch), pytest.param("mlx", marks=needs_mlx)])
