@@ -98,3 +98,41 @@ def test_gsm8k_real_text(tok, tmp_path, gsm8k):
     assert stats["records"] == 500 and stats["truncated"] > 0
     first = json.loads(gsm8k.read_text().splitlines()[0])
     assert first["answer"].split("####")[-1].strip() == "72"
+
+
+def _tok(lengths: list[int]) -> data_mod.Tokenized:
+    """Token ids 1..n per sample with every token a target: what DataSource needs, no tokenizer."""
+    ids = [np.arange(1, n + 1, dtype=np.int32) for n in lengths]
+    return data_mod.Tokenized(ids, [np.ones(n, np.int8) for n in lengths], 0, 0, max(lengths))
+
+
+def test_validation_split_sizes():
+    lengths = list(range(8, 48))  # 40 samples
+    assert len(data_mod.DataSource(_tok(lengths), 0, 4, 0, 0.0, 64).val_idx) == 0  # val_fraction=0: none
+    assert len(data_mod.DataSource(_tok(lengths), 0, 4, 0, 0.1, 64).val_idx) == 4
+    assert len(data_mod.DataSource(_tok(lengths), 0, 4, 0, 0.1, 3).val_idx) == 3  # max_val_samples caps it
+    # a fraction that rounds to no sample still keeps one to validate on ...
+    assert len(data_mod.DataSource(_tok(lengths), 0, 4, 0, 0.01, 64).val_idx) == 1
+    two = data_mod.DataSource(_tok([8, 9]), 0, 1, 0, 0.05, 64)  # ... down to two samples
+    assert (len(two.val_idx), len(two.train_idx)) == (1, 1)
+    assert len(data_mod.DataSource(_tok([8]), 0, 1, 0, 0.05, 64).val_idx) == 0  # one sample: it trains
+
+
+def test_an_epoch_is_every_kept_sample_once_in_full_batches():
+    lengths = [int(x) for x in np.random.default_rng(1).integers(8, 64, 150)]
+    src = data_mod.DataSource(_tok(lengths), 0, 4, 0, 0.05, 64)
+    eff = 4
+    assert src.steps_per_epoch == len(src.train_idx) // eff  # the ragged tail is dropped
+    seen = [i for s in range(src.steps_per_epoch) for i in src.train_batch(s).indices.tolist()]
+    assert all(len(src.train_batch(s).lengths) == eff for s in range(src.steps_per_epoch))
+    assert len(seen) == len(set(seen)) == src.steps_per_epoch * eff and set(seen) <= set(src.train_idx.tolist())
+    nxt = [i for s in range(src.steps_per_epoch, 2 * src.steps_per_epoch) for i in src.train_batch(s).indices.tolist()]
+    assert nxt != seen and len(set(nxt)) == len(nxt)  # the next epoch: a new order, again each once
+
+
+def test_val_batches_cover_every_val_sample_unless_capped():
+    src = data_mod.DataSource(_tok(list(range(8, 108))), 0, 4, 0, 0.1, 64)  # 10 validation samples
+    every = src.val_batches(3, 0)  # 0: no cap
+    assert [len(b.lengths) for b in every] == [3, 3, 3, 1]
+    assert sorted(i for b in every for i in b.indices.tolist()) == sorted(src.val_idx.tolist())
+    assert [len(b.lengths) for b in src.val_batches(3, 2)] == [3, 3]

@@ -17,7 +17,7 @@ import pytest
 import finetune.loop as loop_mod
 from finetune.config import UserError
 from finetune.governor import (FRAGMENTED_FRACTION, FRAGMENTED_MIN_BYTES, PSI_SOME_AVG10, SWAP_GROWTH_BYTES,
-                               Governor)
+                               Governor, smaller_divisor)
 from finetune.loop import Trainer, train
 
 from conftest import needs_mlx, needs_torch
@@ -258,3 +258,30 @@ def test_oom_reactions_in_order(cfg_factory):
     with pytest.raises(UserError, match="memory.adapt=false"):
         off.on_oom(1, RuntimeError("oom"))
     assert off_events == [] and off.micro == 8
+
+
+def test_smaller_divisor_is_the_largest_divisor_at_or_below_half():
+    """Where half is no divisor the next one down is taken, not one further."""
+    assert [smaller_divisor(12, b) for b in (12, 10, 8, 6, 4, 2, 1)] == [6, 4, 4, 3, 2, 1, None]
+    assert smaller_divisor(10, 10) == 5 and smaller_divisor(9, 9) == 3 and smaller_divisor(9, 8) == 3
+    assert smaller_divisor(7, 7) == 1 and smaller_divisor(7, 1) is None
+
+
+def test_swap_with_nothing_left_to_lower_says_so(cfg_factory, caplog):
+    """At micro-batch 1 (and with memory.adapt=false) swap growth cannot be acted on: no event,
+    but a warning that steps will be slow."""
+    for over, micro in ((("train.grad_accum=1",), 1), (("memory.adapt=false",), 8)):
+        gov, events, _ = _governor(cfg_factory, *over, micro=micro)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="finetune"):
+            gov.after_step(1, {"swap_used": 0})
+            gov.after_step(2, {"swap_used": 2 * SWAP_GROWTH_BYTES})
+        assert events == [] and gov.micro == micro
+        assert [r.getMessage() for r in caplog.records] == [
+            f"step 2: system swap grew {2 * SWAP_GROWTH_BYTES} B since the run started; steps will be slow"]
+    gov, events, _ = _governor(cfg_factory)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="finetune"):
+        gov.after_step(1, {"swap_used": 0})
+        gov.after_step(2, {"swap_used": 2 * SWAP_GROWTH_BYTES})
+    assert len(events) == 1 and not caplog.records  # acted on: nothing to warn about

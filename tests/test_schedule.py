@@ -39,6 +39,7 @@ def test_linear_decays_to_zero_at_the_last_step():
     # warmup 2 of 6 steps: after it, frac = (step - 2) / 4 -> 0.25, 0.5, 0.75, 1
     assert _lrs("linear", 6, 2) == pytest.approx([0.5, 1.0, 0.75, 0.5, 0.25, 0.0], abs=1e-12)
     assert _lrs("linear", 4, 0) == pytest.approx([0.75, 0.5, 0.25, 0.0], abs=1e-12)
+    assert _lrs("linear", 3, 2) == pytest.approx([0.5, 1.0, 0.0], abs=1e-12)  # one step after warmup: frac 1
 
 
 def test_cosine_by_hand():

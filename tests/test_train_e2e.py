@@ -109,6 +109,24 @@ def test_resume_equals_uninterrupted(cfg_factory, tmp_path, backend):
     assert resumed["tokens"] == straight["tokens"] and resumed["samples"] == straight["samples"]
 
 
+@needs_torch
+def test_resume_needs_the_same_effective_batch_not_the_same_split(cfg_factory, tmp_path):
+    """A checkpoint of micro-batch 4 x 1 resumes as 2 x 2 (the same 4 samples a step); as 2 x 1
+    it is refused, naming the rule."""
+    from finetune.config import UserError
+
+    common = ("backend=cuda", "train.progress=false", "data.num_samples=100", "train.eval_every=0",
+              "train.save_every=1")
+    run = tmp_path / "r"
+    train(cfg_factory(*common, "train.steps=1", "train.batch_size=4", "train.grad_accum=1", run_dir=run))
+    with pytest.raises(UserError, match=r"effective batch 4, this run has 2; keep train.batch_size \* train.grad_accum"):
+        train(cfg_factory(*common, "train.steps=2", "train.batch_size=2", "train.grad_accum=1", "train.resume=true",
+                          run_dir=run))
+    resumed = train(cfg_factory(*common, "train.steps=2", "train.batch_size=2", "train.grad_accum=2",
+                                "train.resume=true", run_dir=run))
+    assert resumed["steps_this_run"] == 1 and resumed["samples"] == 8
+
+
 def test_cli_default_job_end_to_end(tmp_path):
     """`finetune` with no group overrides, as a newcomer runs it (steps shortened for the suite)."""
     r = subprocess.run([sys.executable, "-m", "finetune.cli", f"hydra.run.dir={tmp_path}/run", "train.steps=20",

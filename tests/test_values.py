@@ -242,3 +242,14 @@ def test_mlx_final_val_loss_is_the_token_mean_of_the_saved_adapter(mlx_run):
         total += float((nn.losses.cross_entropy(logits, ids[:, 1:]) * mask).sum())
         count += float(mask.sum())
     assert r["summary"]["final_val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+@needs_torch
+def test_eval_every_step_evaluates_every_step(tmp_path):
+    """train.eval_every=1: a val_loss on every step (0 is the value that turns evaluation off)."""
+    cfg = make_cfg(tmp_path / "run", "backend=cuda", "train.progress=false", "data.num_samples=100",
+                   "train.steps=2", "train.eval_every=1", "train.eval_batches=1")
+    summary = train(cfg)
+    vals = [m.get("val_loss") for m in _records(tmp_path / "run")]
+    assert len(vals) == 2 and all(isinstance(v, float) and v > 0 for v in vals), vals
+    assert summary["final_val_loss"] == vals[-1]
