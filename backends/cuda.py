@@ -35,13 +35,7 @@ from finetune.config import UserError
 
 METHODS = ("lora", "dora", "qlora", "full")
 OPTIMIZERS = ("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd")
-# precision: (weight dtype, autocast dtype or None)
-PRECISIONS = {
-    "32-true": (torch.float32, None),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "bf16-true": (torch.bfloat16, None),
-    "16-mixed": (torch.float32, torch.float16),
-}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state",
                "optimizer_state_paged", "quant_buffers")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -166,15 +160,25 @@ class CudaBackend:
         m, o, prec = cfg.method, cfg.optim, cfg.precision.name
         _choose("method", m.name, METHODS)
         _choose("optim", o.name, OPTIMIZERS)
-        _choose("precision", prec, PRECISIONS)
+        from finetune import precision as precision_mod
+        from finetune.model_source import stored_dtype, stored_quantization
+
+        _choose("precision", prec, tuple(precision_mod.CUDA))
         self.cfg, self.model_dir = cfg, Path(model_dir)
+        if stored_quantization(cfg.model, model_dir):
+            raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
+                            "cannot load; use backend=mlx, or the unquantized checkpoint with method=qlora")
+        stored, _ = stored_dtype(cfg.model, model_dir)
+        # the same dtypes the planner priced (finetune/precision.py)
+        self.dtypes = precision_mod.resolve("cuda", prec, m.name, stored)
         device = _resolve_device(cfg.backend.device)
         if device.type == "cuda":  # before anything else touches CUDA in this process
             split_later = cfg.backend.device_map == "auto"
             self._contexts = _measure_cuda_contexts(list(range(torch.cuda.device_count())) if split_later
                                                     else [device.index or 0])
-        weight_dtype, self.autocast_dtype = PRECISIONS[prec]
-        self._check_precision(prec, device)
+        weight_dtype = _TORCH_DTYPES[self.dtypes.weights]
+        self.autocast_dtype = _TORCH_DTYPES[self.dtypes.autocast] if self.dtypes.autocast else None
+        self._check_precision("bf16-true" if prec == "auto" and self.dtypes.weights == "bfloat16" else prec, device)
         torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
 
         kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": cfg.backend.attn_implementation}
@@ -219,7 +223,7 @@ class CudaBackend:
             device=str(self.device),
             dtype=m.quant_type if m.name == "qlora" else _dtype_name(weight_dtype),
             model_path=str(Path(model_dir).resolve()),
-            extra={"devices": devices, "precision": prec,
+            extra={"devices": devices, "precision": prec, "dtypes": self.dtypes.__dict__,
                    "optimizer": type(self.optimizer).__name__,
                    "autocast": _dtype_name(self.autocast_dtype) if self.autocast_dtype else None,
                    "grad_scaler": self.scaler is not None,

@@ -48,13 +48,6 @@ _BLOCK_PATHS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_at
                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CUDA_PRECISIONS = {  # precision: (weight dtype, autocast dtype or None), as backends/cuda.py PRECISIONS
-    "32-true": ("float32", None),
-    "bf16-mixed": ("float32", "bfloat16"),
-    "bf16-true": ("bfloat16", None),
-    "16-mixed": ("float32", "float16"),
-}
-MLX_PRECISIONS = {"32-true": "float32", "bf16-true": "bfloat16"}
 
 # bitsandbytes 0.50 constants (bitsandbytes/functional.py quantize_4bit: default blocksize 64;
 # compress_statistics -> quantize_blockwise(absmax, blocksize=256); optim/optimizer.py
@@ -258,6 +251,8 @@ class Setup:
     clip: bool
     budget_text: Any
     notes: list[str] = field(default_factory=list)
+    dtype_source: str = ""  # where the stored dtype was read (precision=auto plans it)
+    pre_quant: dict[str, Any] | None = None  # an MLX pre-quantized checkpoint's bits and group size
 
     @property
     def wd(self) -> int:
@@ -314,37 +309,55 @@ def resolve(cfg: Any, seq_len: int | None = None) -> tuple[Arch, Setup]:
     if method not in ("lora", "dora", "qlora", "full"):
         raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
     notes: list[str] = []
+    from finetune import precision as prec_mod
+    from finetune.model_source import stored_dtype, stored_quantization
+
+    model_cfg = _get(cfg, "model")
+    stored, dtype_source = stored_dtype(model_cfg)
+    pre_quant = stored_quantization(model_cfg)
+    mode = str(_get(cfg, "mode", "train") or "train")
+    n_wanted = _get(b, "num_devices")
     if backend == "mlx":
         check_backend_support("mlx", cfg)  # the same refusal the backend gives at setup
         device = run_device("mlx")
         n_devices = 1
-        # backends/mlx.py: model.set_dtype(bfloat16) after the adapters exist -> adapters too.
-        weight_dtype = adapter_dtype = compute_dtype = MLX_PRECISIONS[precision]
         autocast = False
-        notes.append("mlx: weights in the precision's dtype (32-true = float32); mlx_lm.load keeps "
-                     "a checkpoint's stored dtype unless the backend casts it")
+        if precision not in prec_mod.MLX:
+            raise UserError(f"precision={precision} is not valid; choose one of: {', '.join(prec_mod.MLX)}")
     else:
-        if precision not in CUDA_PRECISIONS:
-            raise UserError(f"precision={precision} is not valid; choose one of: {', '.join(CUDA_PRECISIONS)}")
-        device = run_device("cuda", str(_get(b, "device", "auto")))
+        if precision not in prec_mod.CUDA:
+            raise UserError(f"precision={precision} is not valid; choose one of: {', '.join(prec_mod.CUDA)}")
+        if pre_quant:
+            raise UserError(f"model.path={_get(model_cfg, 'path')} is MLX-quantized ({pre_quant['bits']}-bit, "
+                            "config.json 'quantization'), which transformers cannot load; use backend=mlx, "
+                            "or the unquantized checkpoint with method=qlora")
+        want_device = str(_get(b, "device", "auto"))
         count, _ = cuda_devices()
+        if mode == "plan" and str(_get(b, "name", "auto")) == "cuda" and want_device == "auto":
+            # Planning a CUDA job for a target machine: backend=cuda means a GPU whether or not
+            # this one has one (backend.device=cpu plans the CPU run).
+            device = "cuda"
+        else:
+            device = run_device("cuda", want_device)
         split = _get(b, "device_map") == "auto" and device == "cuda"
-        # extra.num_devices plans a split over N GPUs this machine does not have.
-        wanted = _get(_get(cfg, "extra") or {}, "num_devices")
-        n_devices = (int(wanted) if wanted else max(count, 1)) if split else 1
-        if split and count == 0 and not wanted:
+        # backend.num_devices plans a split over N GPUs this machine need not have.
+        n_devices = (int(n_wanted) if n_wanted else max(count, 1)) if split else 1
+        if split and count == 0 and not n_wanted:
             notes.append("backend.device_map=auto: no GPU visible here, planned for 1 device "
-                         "(set +extra.num_devices=N to plan a split over N GPUs)")
-        weight_dtype, ac = CUDA_PRECISIONS[precision]
-        autocast = ac is not None
-        compute_dtype = ac or weight_dtype
-        # backends/cuda.py _add_adapters: get_peft_model(autocast_adapter_dtype=prec != "bf16-true")
-        # -> PEFT (tuners_utils.BaseTuner._cast_adapter_dtype) upcasts adapters to fp32 unless bf16-true.
-        adapter_dtype = "bfloat16" if precision == "bf16-true" else "float32"
+                         "(set backend.num_devices=N to plan a split over N GPUs)")
         bits, qtype = int(_get(m, "quant_bits", 4)), str(_get(m, "quant_type", "nf4"))
         if method == "qlora" and (bits != 4 or qtype not in ("nf4", "fp4")):
             raise UserError("method=qlora on backend=cuda quantizes to 4 bits as nf4 or fp4; "
                             "set method.quant_bits=4 method.quant_type=nf4")
+    # backends/cuda.py and backends/mlx.py load with these same dtypes (finetune/precision.py)
+    dt = prec_mod.resolve(backend, precision, method, stored)
+    weight_dtype, adapter_dtype, compute_dtype = dt.weights, dt.adapters, dt.compute
+    autocast = dt.autocast is not None
+    if dt.note:
+        notes.append(dt.note)
+    if precision == "auto":
+        notes.append(f"precision=auto: the checkpoint stores {stored} ({dtype_source}); weights {weight_dtype}"
+                     + (f", adapters {adapter_dtype}" if method in ("lora", "dora", "qlora") else ""))
     lc = _get(m, "lora")
     keys = _block_keys(_seq(_get(lc, "keys", ["q_proj", "v_proj"])))
     n = int(_get(lc, "num_layers", -1))
@@ -371,8 +384,15 @@ def resolve(cfg: Any, seq_len: int | None = None) -> tuple[Arch, Setup]:
         batch=int(_get(t, "batch_size", 1)), seq_len=T, grad_accum=int(_get(t, "grad_accum", 1)),
         ckpt=bool(_get(t, "grad_checkpointing", False)), attn="sdpa" if attn == "flash_attention_2" else attn,
         momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
-        budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes,
+        budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
+        pre_quant=pre_quant if backend == "mlx" else None,
     )
+    if setup.pre_quant:
+        # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
+        # QuantizedEmbedding); method=qlora quantizes nothing more
+        setup.quant_bits, setup.quant_group = setup.pre_quant["bits"], setup.pre_quant["group_size"]
+        notes.append(f"model is pre-quantized ({setup.pre_quant['bits']}-bit, group {setup.pre_quant['group_size']}, "
+                     f"from {setup.pre_quant['source']}): LoRA trains on the quantized base")
     return arch, setup
 
 
@@ -437,7 +457,7 @@ def inventory(arch: Arch, s: Setup) -> list[Tensor]:
     wd, ad = s.wd, s.ad
     h, V = arch.hidden, arch.vocab
     adapted = set(s.lora_layers) if s.adapters else set()
-    qlora = s.method == "qlora"
+    qlora = s.method == "qlora" or s.pre_quant is not None
     out: list[Tensor] = []
 
     def quant_of(role: str, in_f: int) -> str | None:
@@ -749,7 +769,7 @@ def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
         if backward_layers == 1 and s.method != "full" and not s.ckpt:
             tt -= MLX_LOWEST_ONLY_TT_SAVING
         transient = int((MLX_TRANSIENT_NH * n * h + MLX_TRANSIENT_NF * n * f
-                         + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" else 0)
+                         + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
                          + tt * s.batch * arch.heads * T * T) * a)
         logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
         ckpt_input = n * h * a  # mlx.core.checkpoint keeps the layer's input
@@ -1120,9 +1140,11 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "precision": s.precision,
         "dtypes": {"weights": s.weight_dtype, "adapters": s.adapter_dtype if s.adapters else None,
                    "compute": s.compute_dtype, "autocast": s.autocast,
+                   "stored": s.dtype_source,  # where the checkpoint's dtype was read
                    "quantized": ("nf4" if s.quant_type == "nf4" else s.quant_type) + "/bitsandbytes"
                    if s.method == "qlora" and s.backend == "cuda" else
-                   (f"int{s.quant_bits}/affine/group{s.quant_group}" if s.method == "qlora" else None)},
+                   (f"int{s.quant_bits}/affine/group{s.quant_group}" + (" (pre-quantized)" if s.pre_quant else "")
+                    if s.method == "qlora" or s.pre_quant else None)},
         "lora": {"rank": s.rank, "keys": list(s.keys), "layers": len(s.lora_layers)} if s.adapters else None,
         "batch_size": s.batch,
         "grad_accum": s.grad_accum,
@@ -1295,6 +1317,7 @@ def format_table(plan: dict[str, Any]) -> str:
     b = plan["bytes"]
     fits = plan.get("fits")
     verdict = "unknown (no budget)" if fits is None else ("yes" if fits else "NO")
+    dt = plan.get("dtypes") or {}
     head = (f"plan: {plan['model'].get('name') or 'model'} {plan['method']} {plan['optim']} {plan['precision']} "
             f"on {plan['backend']} ({plan['device']}{' x' + str(plan['devices']) if plan['devices'] > 1 else ''}): "
             f"peak {plan['max_device_peak_bytes'] / GIB:.2f} GiB per device vs budget "
@@ -1305,6 +1328,9 @@ def format_table(plan: dict[str, Any]) -> str:
              (f"  micro-batch {plan['batch_size']} x grad_accum {plan['grad_accum']} = {plan['effective_batch']}, "
               f"seq_len {plan['seq_len']}, grad_checkpointing {plan['grad_checkpointing']}, "
               f"attention {plan['attn_implementation']}"),
+             (f"  dtypes: weights {dt.get('weights')}" + (f", adapters {dt['adapters']}" if dt.get("adapters") else "")
+              + f", compute {dt.get('compute')}" + (f", quantized {dt['quantized']}" if dt.get("quantized") else "")
+              + (f" (stored dtype from {dt['stored']})" if dt.get("stored") else "")),
              f"  {'category':32s}{'GiB':>9s} {'bytes':>16s}"]
     for k in ("weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
               "activations", "logits", "overhead"):
@@ -1314,9 +1340,20 @@ def format_table(plan: dict[str, Any]) -> str:
     lines.append(f"  {'peak allocated':32s}{_gib(plan['peak_allocated_bytes'])}  ({plan['peak_phase']})")
     lines.append(f"  {'peak (with overhead)':32s}{_gib(plan['peak_bytes'])}")
     if plan["devices"] > 1:
+        budget = plan.get("budget_bytes")
+        lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"
+                     f"{'logits':>9s}{'peak':>9s}  fits  modules")
         for dv in plan["per_device"]:
-            lines.append(f"    {'gpu ' + str(dv['index']) + ' [' + dv['modules'] + '] peak':30s}{_gib(dv['peak_bytes'])}")
+            db = dv["bytes"]
+            ok = "?" if budget is None else ("yes" if dv["peak_bytes"] <= budget else "NO")
+            lines.append(f"    gpu {dv['index']:<16d}" + "".join(f"{db[k] / GIB:9.2f}" for k in (
+                "weights", "grads", "optimizer_state", "optimizer_state_paged", "activations", "logits"))
+                + f"{dv['peak_bytes'] / GIB:9.2f}  {ok:4s}  {dv['modules']}")
     lines.append(f"  {'budget':32s}{_gib(plan.get('budget_bytes'))}  ({plan.get('budget_source')})")
+    if plan.get("budget_bytes") is None:
+        where = "per GPU" if plan["device"] == "cuda" else "of this device"
+        lines.append(f"  fits is unknown: {'no CUDA device is visible here' if plan['device'] == 'cuda' else 'the device size is unknown'}; "
+                     f"set memory.budget (bytes {where}), e.g. memory.budget=48GiB")
     rec = plan.get("recommendation")
     if rec:
         lines.append(f"  largest micro-batch that fits: {rec.get('max_micro_batch')}"

@@ -464,7 +464,7 @@ def test_split_over_gpus_prices_each_device(tmp_path):
     over = ("model=qwen2-72b", "method=qlora", "backend=cuda", "backend.device=cuda", "precision=bf16-true",
             "memory.budget=40GiB")
     one = planner.plan(_cfg(tmp_path, *over), recommend=False)
-    four = planner.plan(_cfg(tmp_path, *over, "backend.device_map=auto", "+extra.num_devices=4"), recommend=False)
+    four = planner.plan(_cfg(tmp_path, *over, "backend.device_map=auto", "backend.num_devices=4"), recommend=False)
     assert one["devices"] == 1 and len(one["per_device"]) == 1 and four["devices"] == 4
     devs = four["per_device"]
     assert sum(d["bytes"]["weights"] for d in devs) == one["bytes"]["weights"]
