@@ -33,6 +33,12 @@ class Batch:
     loss_mask: np.ndarray  # [B, T] int8: 1 where the token is a target that counts in the loss
     lengths: np.ndarray  # [B] int32 real (unpadded) lengths
     indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # dataset ids
+    # Micro-batches are padded so the model's input length (T - 1: targets are ids[:, 1:]) is
+    # a multiple of ``pad_multiple``, never beyond ``max_len``: shapes repeat from step to
+    # step, so the framework's buffer cache reuses them instead of growing (see
+    # padded_length). 1 trims each micro-batch to its own longest sample.
+    pad_multiple: int = 1
+    max_len: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -45,21 +51,34 @@ class Batch:
         return int(self.loss_mask[:, 1:].sum())
 
     def split(self, micro: int) -> list[Batch]:
-        """Split into consecutive micro-batches of at most ``micro`` samples, each trimmed to
-        its own longest sample so no padding column is computed."""
+        """Split into consecutive micro-batches of at most ``micro`` samples, each cut to its
+        own longest sample padded as ``padded_length`` says (pad columns count in no loss)."""
         out = []
         for i in range(0, len(self.lengths), micro):
             lens = self.lengths[i : i + micro]
-            t = int(lens.max())
+            t = min(padded_length(int(lens.max()), self.pad_multiple, self.max_len), self.input_ids.shape[1])
             out.append(
                 Batch(
                     self.input_ids[i : i + micro, :t],
                     self.loss_mask[i : i + micro, :t],
                     lens,
                     self.indices[i : i + micro] if len(self.indices) else self.indices,
+                    self.pad_multiple,
+                    self.max_len,
                 )
             )
         return out
+
+
+def padded_length(longest: int, multiple: int, max_len: int | None = None) -> int:
+    """Columns of a micro-batch whose longest sample has ``longest`` tokens: the model input
+    (``longest - 1`` tokens) rounded up to a multiple of ``multiple``, plus the last target,
+    capped at ``max_len`` (never below ``longest``). mlx-lm pads the same way (to 1 + a
+    multiple of 32, ``tuner/trainer.py iterate_batches``)."""
+    if multiple <= 1 or longest <= 1:
+        return longest
+    t = 1 + multiple * -(-(longest - 1) // multiple)
+    return max(longest, min(t, max_len)) if max_len else t
 
 
 @dataclass

@@ -26,7 +26,6 @@ from backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
 from finetune.config import UserError, check_backend_support
 
 _SCALARS = ("step", "learning_rate")  # optimizer bookkeeping, not per-parameter state
-_CACHE_FRACTION = 4  # cache limit = budget / 4, see set_memory_limits
 
 
 def _nbytes(tree: Any) -> int:
@@ -73,16 +72,25 @@ class MlxBackend:
         self.cfg, self.model_dir, self.method = cfg, Path(model_dir), method
         self.seed = int(cfg.train.seed)
         mx.random.seed(self.seed)  # LoRA init draws from the global key
+        from finetune.model_source import stored_quantization
+
         model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True)
         self.model = model
         if prec == "32-true":
             # mlx_lm.load keeps a checkpoint's stored dtype (often bf16 on the hub); 32-true
             # means fp32 weights, and the planner counts them so. Before quantizing, so the
-            # quantization scales are fp32 too.
+            # quantization scales are fp32 too. precision=auto keeps what was stored.
             model.set_dtype(mx.float32)
         self._block_classes = [type(layer) for layer in model.layers]
         self.quant: dict[str, int] | None = None
-        if method == "qlora":
+        stored_q = stored_quantization(cfg.model, model_dir)
+        self.pre_quantized = stored_q is not None
+        if stored_q:
+            # A pre-quantized checkpoint (mlx_lm.convert -q, the mlx-community repos):
+            # mlx_lm.load rebuilt its QuantizedLinear layers; LoRA trains on top of them, and
+            # method=qlora has nothing more to quantize.
+            self.quant = {"bits": stored_q["bits"], "group_size": stored_q["group_size"]}
+        elif method == "qlora":
             self.quant = {"bits": int(cfg.method.quant_bits), "group_size": int(cfg.method.quant_group_size)}
             g = self.quant["group_size"]
             # As mlx_lm.utils.quantize_model: layers whose input width the group does not
@@ -270,6 +278,7 @@ class MlxBackend:
             "lora_parameters": self.lora,
             # Informational: trained on this quantized base (mlx_lm.convert -q reproduces it).
             "quantization": self.quant,
+            "pre_quantized": self.pre_quantized,  # the base checkpoint itself is quantized
         }
         (path / "adapter_config.json").write_text(json.dumps(config, indent=4))
 
@@ -370,16 +379,14 @@ class MlxBackend:
         mx.clear_cache()
 
     def set_memory_limits(self, budget_bytes: int) -> dict[str, Any]:
-        """Apply ``budget_bytes`` as MLX's memory limit. The cache (freed buffers kept for
-        reuse) is capped at a quarter of the budget: enough to recycle a step's activation
-        buffers on models where weights and state dominate, while most of the budget stays
-        for live arrays. The wired limit (Metal only) keeps up to the budget resident, never
-        above the device's recommended working set."""
+        """Apply ``budget_bytes`` as MLX's memory limit. The wired limit (Metal only) keeps up
+        to the budget resident, never above the device's recommended working set. The cache
+        limit is not derived from the budget (a quarter of a 192 GB Mac's budget is tens of
+        GB of freed buffers held for reuse): the governor sets it from the measured step
+        through ``set_cache_limit``."""
         budget = int(budget_bytes)
         out: dict[str, Any] = {"memory_limit": budget,
                                "memory_limit_prev": mx.set_memory_limit(budget)}
-        out["cache_limit"] = budget // _CACHE_FRACTION
-        out["cache_limit_prev"] = mx.set_cache_limit(out["cache_limit"])
         out["wired_limit"] = out["wired_limit_prev"] = None
         if _metal():
             rec = mx.device_info().get("max_recommended_working_set_size") or budget
@@ -388,3 +395,12 @@ class MlxBackend:
             self._wired_limit = out["wired_limit"]
         self._limits = None  # memory() reads the new limits once
         return out
+
+    def set_cache_limit(self, limit_bytes: int) -> int:
+        """Cap the bytes of freed buffers MLX keeps for reuse; returns the previous cap. Buffers
+        above the new cap are released now, not at the next free."""
+        prev = int(mx.set_cache_limit(int(limit_bytes)))
+        if mx.get_cache_memory() > limit_bytes:
+            mx.clear_cache()
+        self._limits = None
+        return prev

@@ -24,6 +24,9 @@ class BackendConfig:
     # cuda backend: "auto" splits the model over every visible GPU (as qlora.py does); null
     # keeps it on one device.
     device_map: str | None = None
+    # cuda backend: GPUs to plan a device_map=auto split over (mode=plan on a machine without
+    # them); null: the GPUs visible here, else 1.
+    num_devices: int | None = None
     # cuda backend: "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them), or
     # "flash_attention_2" (needs the flash-attn package and a CUDA GPU)
     attn_implementation: str = "sdpa"
@@ -50,6 +53,9 @@ class ModelConfig:
     max_position: int = 2048
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    # The dtype the checkpoint stores (bfloat16 for today's hub models): precision=auto loads
+    # it as stored. A local config.json's dtype/torch_dtype wins over this.
+    dtype: str | None = None
     trust_remote_code: bool = False
 
 
@@ -87,8 +93,9 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
-    # 32-true | bf16-mixed (fp32 master weights, bf16 autocast) | bf16-true | 16-mixed
-    name: str = "32-true"
+    # auto (the checkpoint's stored dtype; LoRA/DoRA matrices fp32) | 32-true | bf16-mixed
+    # (fp32 master weights, bf16 autocast) | bf16-true | 16-mixed
+    name: str = "auto"
 
 
 @dataclass
@@ -118,6 +125,12 @@ class TrainConfig:
     save_every: int = 0  # checkpoint cadence in steps; 0: only the final adapter
     seed: int = 0
     grad_checkpointing: bool = False
+    # Pad each micro-batch so its model input is a multiple of this many tokens (capped at
+    # seq_len): shapes repeat, so allocator caches reuse buffers instead of growing. 1: trim
+    # to the longest sample. 0 (auto): 32 on an Apple GPU (as mlx-lm pads), 1 elsewhere
+    # (benchmarks/mlx_footprint.py on CPU: padding cost 3-8% tokens/s and saved no memory
+    # once memory.cache_limit=auto bounds the cache).
+    pad_multiple: int = 0
     resume: bool = False  # continue from the latest checkpoint in the run dir
     progress: bool = True  # progress bar on stderr
 
@@ -128,6 +141,10 @@ class MemoryConfig:
     budget: str | None = None  # bytes, "40GiB", "90%" of the device; null: from the device
     adapt: bool = True  # let the governor change micro-batch / checkpointing / limits
     supervise: bool = False  # mlx: restart from the last checkpoint after an uncatchable OOM
+    # mlx: bytes of freed buffers MLX keeps for reuse. "auto": after step 1, what that step
+    # freed and will ask for again (its measured peak above the live bytes), so the footprint
+    # stays near the peak; a size ("512MiB") fixes it; null leaves MLX's default (32 MiB).
+    cache_limit: str | None = "auto"
 
 
 @dataclass
@@ -151,7 +168,7 @@ VALID = {
     "backend.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "method.name": ("lora", "dora", "qlora", "full"),
     "optim.name": ("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd"),
-    "precision.name": ("32-true", "bf16-mixed", "bf16-true", "16-mixed"),
+    "precision.name": ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"),
     "data.name": ("synthetic", "jsonl", "hf"),
     "train.schedule": ("constant", "linear", "cosine"),
     "mode": ("train", "plan"),
@@ -162,7 +179,7 @@ VALID = {
 # configuration against this one table, so `mode=plan` refuses exactly what training would.
 BACKEND_SUPPORT: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
     "mlx": {
-        "precision.name": (("32-true", "bf16-true"), "needs autocast, which MLX lacks"),
+        "precision.name": (("auto", "32-true", "bf16-true"), "needs autocast, which MLX lacks"),
         "optim.name": (("adamw", "adam", "sgd", "adafactor"), "needs backend=cuda (bitsandbytes)"),
     },
 }
@@ -228,5 +245,9 @@ def validate(cfg: Any) -> None:
         raise UserError("data=jsonl needs a file: add data.path=/path/to/train.jsonl")
     if cfg.data.name == "hf" and not cfg.data.hf_name:
         raise UserError("data=hf needs a data set: add data.hf_name=<hub id>")
+    if cfg.backend.num_devices is not None and cfg.backend.num_devices < 1:
+        raise UserError(f"backend.num_devices={cfg.backend.num_devices} must be >= 1 (or null: the GPUs visible)")
+    if cfg.train.pad_multiple < 0:
+        raise UserError(f"train.pad_multiple={cfg.train.pad_multiple} must be >= 0 (1: no padding; 0: auto)")
     if cfg.memory.sample_every < 0:
         raise UserError("memory.sample_every must be >= 0 (0 turns sampling off)")

@@ -19,6 +19,9 @@ SWAP_GROWTH_BYTES = 256 << 20  # swap grown this much since the run started: we 
 PSI_SOME_AVG10 = 20.0  # % of the last 10 s some task stalled on memory (Linux PSI)
 FRAGMENTED_FRACTION = 0.25  # inactive split blocks / reserved
 FRAGMENTED_MIN_BYTES = 512 << 20
+# memory.cache_limit=auto: never cap MLX's cache below its own default (32 MiB, mlx
+# allocator.cpp), so small steps keep the reuse they had.
+MLX_MIN_CACHE_LIMIT = 32 << 20
 
 
 def smaller_divisor(n: int, below: int) -> int | None:
@@ -57,6 +60,7 @@ class Governor:
             self.budget_bytes = total
         self._swap_base: int | None = None
         self._swap_acted_at: int | None = None
+        self._cache_limit_pending = False  # memory.cache_limit=auto: set after the first measured step
 
     def _act(self, step: int, trigger: str, action: str, before: dict[str, Any], after: dict[str, Any]) -> None:
         self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after})
@@ -121,13 +125,44 @@ class Governor:
         self.grad_checkpointing = res.grad_checkpointing
 
     def attach(self, backend: Any) -> None:
-        """Apply framework limits from the budget (MLX: memory, cache and wired limits)."""
+        """Apply framework limits from the budget (MLX: memory and wired limits) and the cache
+        limit (``memory.cache_limit``: a size now, ``auto`` once step 1 is measured)."""
         self.backend = backend
-        if self.backend_name == "mlx" and self.adapt and self.budget_bytes:
+        if self.backend_name != "mlx" or not self.adapt:
+            return
+        if self.budget_bytes:
             got = backend.set_memory_limits(self.budget_bytes)
             if got:  # {name: new, name_prev: old}
                 self._act(0, "budget", "set_mlx_limits", {k[:-5]: v for k, v in got.items() if k.endswith("_prev")},
                           {k: v for k, v in got.items() if not k.endswith("_prev")})
+        want = self.cfg.memory.cache_limit
+        if want is None:
+            return
+        if str(want) == "auto":
+            self._cache_limit_pending = True
+            return
+        from finetune.budget import parse_budget
+
+        limit = parse_budget(want, self.budget_bytes)
+        prev = backend.set_cache_limit(limit)
+        self._act(0, "memory.cache_limit", "set_mlx_cache_limit", {"cache_limit": prev}, {"cache_limit": limit})
+
+    def _derive_cache_limit(self, step: int, sample: dict[str, Any]) -> None:
+        """memory.cache_limit=auto: cap MLX's cache at what one step frees and asks for again,
+        its measured peak above the bytes still live after it. A cache that size serves the
+        next step of the same shape entirely from reuse; a larger one (the old default: a
+        quarter of the budget) only holds buffers of shapes that do not come back."""
+        peak, live = sample.get("step_peak_allocated"), sample.get("allocated")
+        if peak is None or live is None:
+            return
+        self._cache_limit_pending = False
+        limit = max(MLX_MIN_CACHE_LIMIT, int(peak) - int(live))
+        if self.budget_bytes:
+            limit = min(limit, self.budget_bytes)
+        prev = self.backend.set_cache_limit(limit)
+        self._act(step, "measured_step_peak", "set_mlx_cache_limit",
+                  {"cache_limit": prev, "step_peak_allocated": int(peak), "allocated": int(live)},
+                  {"cache_limit": limit})
 
     def restore(self, state: dict[str, Any]) -> None:
         # a supervisor restart may have lowered train.batch_size below the checkpoint's micro
@@ -156,6 +191,8 @@ class Governor:
         """React to measured peak above budget, swap growth, memory pressure, fragmentation."""
         if sample is None:
             return
+        if self._cache_limit_pending and self.backend is not None:
+            self._derive_cache_limit(step, sample)
         peak = _measured_peak(sample)
         if self.budget_bytes and peak is not None and peak > self.budget_bytes and self.cfg.memory.budget is not None:
             if not self.adapt or not self._lower_micro(step, "peak_above_budget"):

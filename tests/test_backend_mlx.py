@@ -182,15 +182,31 @@ def test_memory_counters_are_real(model_dir: Path, batch: Batch) -> None:
 
 def test_set_memory_limits(model_dir: Path) -> None:
     b, _ = backend(model_dir, "lora")
+    cache_before = b.memory()["mlx_cache_limit"]
     got = b.set_memory_limits(8 << 30)
     try:
-        assert got["memory_limit"] == 8 << 30 and got["cache_limit"] == 2 << 30
+        assert got["memory_limit"] == 8 << 30
         assert got["wired_limit"] is None  # wired memory is a Metal notion
+        assert "cache_limit" not in got  # the budget no longer sizes the cache (see set_cache_limit)
         m = b.memory()
-        assert (m["mlx_memory_limit"], m["mlx_cache_limit"]) == (8 << 30, 2 << 30)
+        assert (m["mlx_memory_limit"], m["mlx_cache_limit"]) == (8 << 30, cache_before)
     finally:
         mx.set_memory_limit(got["memory_limit_prev"])
-        mx.set_cache_limit(got["cache_limit_prev"])
+
+
+def test_set_cache_limit_releases_what_is_above_it(model_dir: Path, batch: Batch) -> None:
+    b, _ = backend(model_dir, "lora")
+    prev = b.set_cache_limit(1 << 30)
+    try:
+        x = mx.zeros((1 << 22,), mx.float32)  # 16 MiB, then freed into the cache
+        mx.eval(x)
+        del x
+        assert b.memory()["mlx_cache"] >= 16 << 20
+        assert b.set_cache_limit(1 << 20) == 1 << 30  # returns the previous cap
+        m = b.memory()
+        assert m["mlx_cache_limit"] == 1 << 20 and m["mlx_cache"] <= 1 << 20  # released now, not at the next free
+    finally:
+        b.set_cache_limit(prev)
 
 
 def test_resume_equals_uninterrupted(model_dir: Path, batch: Batch, tmp_path: Path) -> None:
