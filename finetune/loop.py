@@ -77,7 +77,7 @@ class Trainer:
         self.data, self.data_stats = data_mod.build(cfg, self.tokenizer)
         self.backend = get_backend(self.backend_name)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample
-        self.governor.before_load(seq_len=min(cfg.train.seq_len, self.data_stats["max_tokens"]))
+        self.governor.before_load(seq_len=self.data_stats["max_padded_tokens"])
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak. Objects an earlier
         # run left in reference cycles are collected now, not in the middle of this one.
@@ -88,6 +88,8 @@ class Trainer:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
         self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every)
+        self.acct.run_facts = {"adaptations": self.events, "adapt": bool(cfg.memory.adapt),
+                               "budget_set": cfg.memory.budget is not None}
         self.acct.sample(0, "load")
 
     def _event(self, ev: dict[str, Any]) -> None:
@@ -141,7 +143,7 @@ class Trainer:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
         _fault_injection(step, self.governor.micro)
         batch = self.data.train_batch(step - 1)
-        self._step_max_len = int(batch.lengths.max())
+        self._step_max_len = int(batch.input_ids.shape[1])  # the widest micro-batch, padded
         scale = 1.0 / batch.label_tokens
         def hook(phase: str) -> None:
             self.acct.sample(step, phase)
@@ -230,7 +232,7 @@ class Trainer:
         summary = self._summary(losses, val_loss, wall, step_seconds)
         atomic_write_json(self.run_dir / "summary.json", summary)
         try:
-            self.acct.write_plot(self.run_dir / "memory.png")
+            self.acct.write_plot(self.run_dir / "memory.png", budget=self.governor.budget_bytes)
         except Exception as e:  # a plot must never cost the run its results
             log.warning("memory.png not written: %s", e)
         print(self.acct.table(), file=sys.stderr)

@@ -603,8 +603,11 @@ def _train(acct: Accountant, b: Any, batch: Any, steps: int) -> float:
 @pytest.mark.mlx
 @pytest.mark.skipif(not HAS_MLX, reason="mlx not installed")
 def test_mlx_tiny_real(tmp_path: Path) -> None:
+    import gc
+
     import mlx.core as mx
 
+    gc.collect()  # MLX's counters are process-wide: an earlier test's model in a cycle is not ours
     b, info, batch = _setup("mlx", "full")
     acct = Accountant(b)
     secs = _train(acct, b, batch, 4)

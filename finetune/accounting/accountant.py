@@ -55,7 +55,7 @@ CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state"
 ALLOCATOR_HELD = ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "quant_buffers")
 _MEMORY_STD = {"allocated", "reserved", "peak_allocated", "peak_reserved", "device_total", "devices",
                "cuda_context"}
-COUNT_KEYS = {"alloc_retries", "num_alloc_retries", "num_ooms", "ooms"}  # counts, not bytes
+COUNT_KEYS = {"alloc_retries", "num_alloc_retries", "num_ooms", "ooms", "major_faults"}  # counts, not bytes
 _FLOAT_KEYS = {"psi_some_avg10", "psi_full_avg10"}
 _ALWAYS_SAMPLED = (0, 1, 2)  # load, and the two steps whose difference shows lazy allocations
 # what a device row takes from an NVML reading (kept per device, carried between readings)
@@ -162,6 +162,9 @@ class Accountant:
         self._base_metrics: dict[str, Any] | None = None
         self._derived: dict[str, Any] | None = None
         self._mem_none: dict[str, Any] = {}
+        # what the run tells the rules beside the samples: the governor's actions
+        # ("adaptations", the same list summary.json keeps), "adapt", "budget_set"
+        self.run_facts: dict[str, Any] = {}
 
     # -- sampling ----------------------------------------------------------------------------
     def will_sample(self, step: int) -> bool:
@@ -517,7 +520,7 @@ class Accountant:
     def context(self) -> dict[str, Any]:
         """Run facts the explanation rules use beside the samples."""
         return {"backend": self.backend_name, "system_total": self._sys.system_total,
-                "sample_every": self.sample_every}
+                "sample_every": self.sample_every, **self.run_facts}
 
     def explain(self) -> list[dict[str, Any]]:
         """Plain-sentence explanations of every sample so far (see accounting.rules)."""
@@ -616,13 +619,15 @@ class Accountant:
         return render_table(self.samples, self._run_peak, self._dev_peak,
                             sampling_seconds=self.sampling_seconds)
 
-    def write_plot(self, path: str | Path) -> None:
-        """Write memory.png: the census as stacked areas under the measured lines."""
+    def write_plot(self, path: str | Path, budget: int | None = None) -> None:
+        """Write memory.png: the census as stacked areas under the measured lines, the budget
+        as a line and each governor action (``run_facts["adaptations"]``) at its step."""
         from finetune.accounting.report import write_plot
 
         peak = self._run_peak["allocated"]
         write_plot(self.samples, path, title=f"{self.backend_name} memory: {len(self.samples)} samples"
-                   + (f", run peak allocated {fmt_bytes(peak)}" if peak is not None else ""))
+                   + (f", run peak allocated {fmt_bytes(peak)}" if peak is not None else ""),
+                   budget=budget, events=self.run_facts.get("adaptations"))
 
 
 def _split_non_allocator(r: dict[str, Any]) -> None:

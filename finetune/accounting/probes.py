@@ -18,7 +18,10 @@ from typing import Any
 _LINUX = sys.platform.startswith("linux")
 _DARWIN = sys.platform == "darwin"
 _SYSTEM_KEYS = ("swap_used", "swap_total", "system_total", "system_available", "psi_some_avg10", "psi_full_avg10",
-                "pressure_level")
+                "pressure_level", "compressed", "swapped_in", "swapped_out")
+# per process: phys_footprint (macOS: what the OS charges the process, compressed and swapped
+# pages included), compressed_process (macOS), major_faults (count: page-ins from disk or swap)
+_PROCESS_KEYS = ("phys_footprint", "compressed_process", "major_faults")
 
 
 def _kib_field(text: bytes, key: bytes) -> int | None:
@@ -95,7 +98,10 @@ class SystemProbe:
             except OSError:
                 pass
         self._meminfo = _ProcFile("/proc/meminfo")
+        self._stat = _ProcFile("/proc/self/stat")
+        self._vmstat = _ProcFile("/proc/vmstat")
         self._psi = _ProcFile("/proc/pressure/memory")
+        self._darwin_vm: DarwinVM | None = DarwinVM() if _DARWIN else None
         self._psi_ok = _LINUX and os.path.exists("/proc/pressure/memory")
         self._proc: Any = None  # psutil.Process, non-Linux only
         self._darwin_sysctl: Any = None
@@ -126,7 +132,7 @@ class SystemProbe:
         """
         if self._last is not None and not fresh:
             return self._last
-        out: dict[str, Any] = {"rss": None, "peak_rss": None, "swap_process": None}
+        out: dict[str, Any] = {"rss": None, "peak_rss": None, "swap_process": None, **dict.fromkeys(_PROCESS_KEYS)}
         if _LINUX:
             sm = self._statm.read()
             if sm:
@@ -138,6 +144,7 @@ class SystemProbe:
                 self._peak_rss = max(self._peak_rss, _kib_field(st, b"VmHWM:") or 0)
             self._peak_rss = max(self._peak_rss, out["rss"] or 0)
             out["peak_rss"] = self._peak_rss or None
+            out["major_faults"] = _parse_majflt(self._stat.read())
             sysf: dict[str, Any] = dict.fromkeys(_SYSTEM_KEYS)
             sysf["system_total"] = self.system_total
             mi = self._meminfo.read()
@@ -147,6 +154,12 @@ class SystemProbe:
                 # psutil's definition of used swap: total - free
                 sysf["swap_used"] = total - free if total is not None and free is not None else None
                 sysf["system_available"] = _kib_field(mi, b"MemAvailable:")
+                sysf["compressed"] = _kib_field(mi, b"Zswap:")  # zswap's compressed pool, where enabled
+            vm = self._vmstat.read()
+            if vm:  # pages swapped in/out since boot, system-wide
+                sysf["swapped_in"], sysf["swapped_out"] = (_count_field(vm, k) for k in (b"pswpin ", b"pswpout "))
+                sysf["swapped_in"] = sysf["swapped_in"] * _PAGE if sysf["swapped_in"] is not None else None
+                sysf["swapped_out"] = sysf["swapped_out"] * _PAGE if sysf["swapped_out"] is not None else None
             if self._psi_ok:
                 psi = self._psi.read()
                 if psi:
@@ -178,6 +191,10 @@ class SystemProbe:
             pass
         if _DARWIN:
             sysf["pressure_level"] = self._darwin_pressure()
+            if self._darwin_vm is not None:
+                proc, system = self._darwin_vm.read()
+                out.update(proc)
+                sysf.update(system)
         out.update(sysf)
         try:
             import resource
@@ -203,6 +220,110 @@ class SystemProbe:
             return int(val.value) if rc == 0 else None
         except Exception:
             return None
+
+
+def _count_field(text: bytes, key: bytes) -> int | None:
+    """The number after ``key`` at the start of a line of /proc/vmstat."""
+    i = text.find(b"\n" + key)
+    i = i + 1 if i >= 0 else (0 if text.startswith(key) else -1)
+    if i < 0:
+        return None
+    try:
+        return int(text[i + len(key) :].split(None, 1)[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def _parse_majflt(stat: bytes | None) -> int | None:
+    """Field 12 of /proc/self/stat (majflt: faults that read a page from disk or swap)."""
+    if not stat:
+        return None
+    try:
+        return int(stat[stat.rindex(b")") + 2 :].split()[9])  # fields after "comm)": state=3 ... majflt=12
+    except (ValueError, IndexError):
+        return None
+
+
+class DarwinVM:
+    """macOS memory figures through the Mach calls Activity Monitor reads, via ctypes (a few
+    microseconds; no subprocess):
+
+    - ``task_info(mach_task_self(), TASK_VM_INFO)`` -> ``task_vm_info_data_t`` (osfmk/mach/
+      task_info.h, ``#pragma pack(4)``): ``phys_footprint`` (rev1: what the kernel charges the
+      process, including its compressed and swapped-out pages, the figure Activity Monitor's
+      "Memory" column shows) and ``compressed`` (this task's bytes in the compressor).
+    - ``host_statistics64(mach_host_self(), HOST_VM_INFO64)`` -> ``vm_statistics64``
+      (osfmk/mach/vm_statistics.h): ``compressor_page_count`` (pages the compressor occupies),
+      ``swapins``/``swapouts`` (pages, cumulative since boot), times the page size.
+
+    Every figure is None where a call fails (never 0 for unknown)."""
+
+    TASK_VM_INFO = 22
+    HOST_VM_INFO64 = 4
+
+    def __init__(self) -> None:
+        import ctypes
+
+        c = ctypes
+        self._c = c
+
+        class TaskVmInfo(c.Structure):  # rev1: up to phys_footprint
+            _pack_ = 4
+            _fields_ = [("virtual_size", c.c_uint64), ("region_count", c.c_int32), ("page_size", c.c_int32),
+                        *[(n, c.c_uint64) for n in (
+                            "resident_size", "resident_size_peak", "device", "device_peak", "internal",
+                            "internal_peak", "external", "external_peak", "reusable", "reusable_peak",
+                            "purgeable_volatile_pmap", "purgeable_volatile_resident",
+                            "purgeable_volatile_virtual", "compressed", "compressed_peak",
+                            "compressed_lifetime", "phys_footprint")]]
+
+        class VmStatistics64(c.Structure):
+            _fields_ = [*[(n, c.c_uint32) for n in ("free_count", "active_count", "inactive_count", "wire_count")],
+                        *[(n, c.c_uint64) for n in ("zero_fill_count", "reactivations", "pageins", "pageouts",
+                                                    "faults", "cow_faults", "lookups", "hits", "purges")],
+                        ("purgeable_count", c.c_uint32), ("speculative_count", c.c_uint32),
+                        *[(n, c.c_uint64) for n in ("decompressions", "compressions", "swapins", "swapouts")],
+                        *[(n, c.c_uint32) for n in ("compressor_page_count", "throttled_count",
+                                                    "external_page_count", "internal_page_count")],
+                        ("total_uncompressed_pages_in_compressor", c.c_uint64)]
+
+        self.TaskVmInfo, self.VmStatistics64 = TaskVmInfo, VmStatistics64
+        self._task_info = self._host_stats = None
+        self._task = self._host = None
+        self.page = _PAGE
+        try:
+            libc = c.CDLL("/usr/lib/libSystem.B.dylib")
+            self._task = c.c_uint32.in_dll(libc, "mach_task_self_").value  # mach_task_self() is this global
+            libc.mach_host_self.restype = c.c_uint32
+            self._host = libc.mach_host_self()
+            self._task_info, self._host_stats = libc.task_info, libc.host_statistics64
+            page = c.c_uint64(0)
+            if libc.host_page_size(self._host, c.byref(page)) == 0 and page.value:
+                self.page = int(page.value)  # the VM page size (16 KiB on Apple Silicon)
+        except (OSError, AttributeError, ValueError):
+            pass
+
+    @staticmethod
+    def counts(struct: type) -> int:
+        """The ``*_COUNT`` a Mach call takes for ``struct``: its size in 32-bit words."""
+        import ctypes
+
+        return ctypes.sizeof(struct) // 4
+
+    def read(self) -> tuple[dict[str, int | None], dict[str, int | None]]:
+        c = self._c
+        proc: dict[str, int | None] = {"phys_footprint": None, "compressed_process": None}
+        system: dict[str, int | None] = {"compressed": None, "swapped_in": None, "swapped_out": None}
+        if self._task_info is not None:
+            info, n = self.TaskVmInfo(), c.c_uint32(self.counts(self.TaskVmInfo))
+            if self._task_info(self._task, self.TASK_VM_INFO, c.byref(info), c.byref(n)) == 0:
+                proc = {"phys_footprint": int(info.phys_footprint), "compressed_process": int(info.compressed)}
+        if self._host_stats is not None:
+            vm, n = self.VmStatistics64(), c.c_uint32(self.counts(self.VmStatistics64))
+            if self._host_stats(self._host, self.HOST_VM_INFO64, c.byref(vm), c.byref(n)) == 0:
+                system = {"compressed": int(vm.compressor_page_count) * self.page,
+                          "swapped_in": int(vm.swapins) * self.page, "swapped_out": int(vm.swapouts) * self.page}
+        return proc, system
 
 
 def _parse_psi(text: bytes) -> tuple[float | None, float | None]:

@@ -74,6 +74,15 @@ def render_table(samples: list[dict[str, Any]], run_peak: dict[str, int | None] 
         + (f" | PSI some/full {s['psi_some_avg10']:.1f}%/{s['psi_full_avg10'] or 0:.1f}%"
            if s.get("psi_some_avg10") is not None else "")
         + (f" | pressure level {s['pressure_level']}" if s.get("pressure_level") is not None else ""))
+    if any(s.get(k) is not None for k in ("phys_footprint", "compressed", "swapped_out", "major_faults")):
+        first = next((x for x in samples if x.get("swapped_out") is not None), None)
+        out = (s["swapped_out"] - first["swapped_out"]) if first is not None and s.get("swapped_out") is not None else None
+        mf0 = next((x["major_faults"] for x in samples if x.get("major_faults") is not None), None)
+        lines.append(
+            f"OS: process footprint {fb(s.get('phys_footprint'))}, compressed {fb(s.get('compressed'))}"
+            f", swapped out this run {fb(out)}"
+            + (f", this process's major faults this run {s['major_faults'] - mf0}" if s.get("major_faults") is not None
+               and mf0 is not None else ""))
     if any(k.startswith("mlx_") for k in s):
         lines.append(
             f"mlx: active {fb(s.get('mlx_active'))}, cache {fb(s.get('mlx_cache'))}, peak {fb(s.get('mlx_peak'))} | "
@@ -116,7 +125,12 @@ LINES = (("allocated", "allocated", "black", "-"), ("reserved", "reserved", "#44
          ("device_used", "NVML device used", "#9467bd", "-"))
 HOST_LINES = (("rss", "process RSS", "#17becf", "-"), ("peak_rss", "process peak RSS", "#17becf", ":"),
               ("swap_growth", "system swap growth since start", "#8c564b", "-."),
-              ("swap_process", "process in swap", "#e377c2", "--"))
+              ("swap_process", "process in swap", "#e377c2", "--"),
+              ("phys_footprint", "process footprint (macOS)", "#1f3b73", "-"),
+              ("compressed", "system compressed", "#bcbd22", "--"))
+_ACTION_LABEL = {"lower_micro_batch": "micro-batch {b[batch_size]}->{a[batch_size]}",
+                 "enable_grad_checkpointing": "grad checkpointing on", "release_cache": "cache released",
+                 "set_mlx_cache_limit": "cache limit {a_cache_limit}", "set_mlx_limits": "mlx limits"}
 
 
 def _lines(ax: Any, samples: list[dict[str, Any]], spec: tuple, scale: float) -> None:
@@ -133,7 +147,17 @@ def _ylabel(ax: Any, what: str, unit: str) -> None:
     ax.set_ylabel(f"{what}, {unit}\n({unit} = 2^{ {'GiB': 30, 'MiB': 20, 'KiB': 10}.get(unit, 0)} bytes)", fontsize=9)
 
 
-def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "memory") -> None:
+def _event_label(ev: dict[str, Any]) -> str:
+    b, a = ev.get("before") or {}, ev.get("after") or {}
+    tpl = _ACTION_LABEL.get(ev.get("action", ""), ev.get("action", "?"))
+    try:
+        return tpl.format(b=b, a=a, a_cache_limit=fb(a.get("cache_limit")))
+    except (KeyError, IndexError):
+        return str(ev.get("action"))
+
+
+def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "memory",
+               budget: int | None = None, events: list[dict[str, Any]] | None = None) -> None:
     """Write a PNG timeline. Top: the census as stacked areas (allocator-held categories,
     then paged optimizer state, which lives outside the allocator) under lines for allocated,
     reserved, the step peak and NVML used. Middle: host memory (RSS, peak RSS, swap growth,
@@ -143,6 +167,8 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
         samples: the timeline.
         path: where the PNG goes (written to a temporary name, then renamed into place).
         title: figure title.
+        budget: the run's memory budget in bytes (drawn as a line), None where it has none.
+        events: governor actions ({step, trigger, action, before, after}), each marked at its step.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -162,12 +188,21 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
     stacks = [[max(0, (s.get("census") or {}).get(k) or 0) for s in samples] for k in stack_keys]
     if stacks:
         vals.append(max(sum(col) for col in zip(*stacks)))
-    scale, unit = _unit(max(vals) if vals else 0)
+    top = max(vals) if vals else 0
+    # the budget joins the scale only when it is near the figures: a 24 GiB budget over a
+    # 300 MiB run would flatten everything, so it is then named instead of drawn
+    draw_budget = budget is not None and (not top or budget <= 3 * top)
+    scale, unit = _unit(max(top, budget if draw_budget and budget else 0))
     if stacks and n:
         ax.stackplot(xs, *[[v / scale for v in row] for row in stacks],
                      labels=[f"census: {k.replace('_', ' ')}" for k in stack_keys],
                      colors=[CENSUS_COLORS[k] for k in stack_keys], alpha=0.9)
     _lines(ax, samples, LINES, scale)
+    if budget is not None and draw_budget:
+        ax.axhline(budget / scale, color="#d62728", lw=1.2, ls="-", alpha=0.7, label=f"memory budget {fb(budget)}")
+    elif budget is not None:
+        ax.text(0.99, 0.97, f"memory budget {fb(budget)} (above the chart)", transform=ax.transAxes, ha="right",
+                va="top", fontsize=8, color="#d62728")
     if not any(s.get("allocated") is not None for s in samples):
         ax.text(0.5, 0.97, "no allocator figures on this device: census only" if stacks else
                 "no allocator figures on this device", transform=ax.transAxes, ha="center", va="top", color="#777777")
@@ -190,6 +225,16 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
         for i, _ in firsts[1:]:
             for a in (ax, hax):
                 a.axvline(i - 0.5, color="#bbbbbb", lw=0.6, zorder=0)
+    for ev in events or []:
+        at = next((i for i, st in firsts if st >= ev.get("step", 0)), None)
+        if at is None:
+            continue
+        x = at - 0.5 if at else 0
+        for a in (ax, hax):
+            a.axvline(x, color="#d62728", lw=1.0, ls="--", alpha=0.8, zorder=3)
+        ax.annotate(f"step {ev.get('step')}: {_event_label(ev)}\n({ev.get('trigger')})", (x, 1.0),
+                    xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
+                    fontsize=7, color="#d62728", va="top", rotation=0)
     every = max(1, len(firsts) // 15)
     ticks = firsts[::every]
     for a in (ax, hax):

@@ -10,6 +10,7 @@ swapped) are explained exactly as live ones.
 from __future__ import annotations
 
 from collections.abc import Callable
+import statistics
 from itertools import pairwise
 from typing import Any
 
@@ -320,8 +321,54 @@ def _max_of(samples: list[dict[str, Any]], key: str) -> tuple[int | None, dict[s
     return best, at
 
 
+def _step_times(samples: list[dict[str, Any]]) -> dict[int, float]:
+    """Seconds per optimizer step from the timeline itself: the time between consecutive
+    optimizer-phase samples, spread over the steps between them."""
+    opt = [s for s in samples if s.get("phase") == "optimizer" and s.get("time_s") is not None]
+    out: dict[int, float] = {}
+    for a, b in pairwise(opt):
+        gap = b["step"] - a["step"]
+        if gap > 0:
+            for st in range(a["step"] + 1, b["step"] + 1):
+                out[st] = (b["time_s"] - a["time_s"]) / gap
+    return out
+
+
+def _swapping_steps(samples: list[dict[str, Any]]) -> tuple[set[int], int | None]:
+    """Steps in which the OS swapped: between two readings of the system figures (fresh
+    optimizer-phase samples) whose swapped-out bytes, swap used or this process's major faults
+    grew. Returns (steps, bytes swapped out over the run or None)."""
+    fresh = [s for s in samples if s.get("phase") in ("optimizer", "load") and s.get("system_fresh", True)]
+    steps: set[int] = set()
+    for a, b in pairwise(fresh):
+        grew = any((b.get(k) is not None and a.get(k) is not None and b[k] > a[k] + tol)
+                   for k, tol in (("swapped_out", 0), ("swap_used", 16 * MiB), ("major_faults", 64)))
+        if grew:
+            steps.update(range(a["step"] + 1, b["step"] + 1))
+    outs = [s["swapped_out"] for s in fresh if s.get("swapped_out") is not None]
+    return steps, (outs[-1] - outs[0]) if len(outs) >= 2 else None
+
+
+def _governor_said(ctx: dict[str, Any], from_step: int) -> str:
+    acts = [e for e in ctx.get("adaptations") or [] if e.get("step", 0) >= from_step
+            and e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing", "release_cache")]
+    if not acts:
+        return ("the governor changed nothing" + ("" if ctx.get("adapt", True) else " (memory.adapt=false)")
+                + ("" if ctx.get("budget_set") else "; set memory.budget so it keeps the run under RAM"))
+    said = []
+    for e in acts[:3]:
+        b, a = e.get("before") or {}, e.get("after") or {}
+        what = {"lower_micro_batch": f"lowered the micro-batch {b.get('batch_size')} -> {a.get('batch_size')}",
+                "enable_grad_checkpointing": "turned on gradient checkpointing",
+                "release_cache": "released MLX's cache"}[e["action"]]
+        said.append(f"{what} at step {e['step']} ({e.get('trigger')})")
+    return "the governor " + ", then ".join(said)
+
+
 def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
-    """MLX (unified memory) peak above the machine's RAM or Metal's recommended working set."""
+    """MLX (unified memory) peak above the machine's RAM or Metal's recommended working set:
+    what the OS did about it (footprint, compression, swap), what it cost in step time (the
+    run's own timings, steps that swapped against those that did not) and what the governor did."""
     if not any(s.get("backend") == "mlx" or s.get("mlx_peak") is not None for s in samples):
         return []
     p1, at1 = _max_of(samples, "mlx_peak")
@@ -331,25 +378,55 @@ def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -
         return []
     ram = ctx.get("system_total") or at.get("system_total")
     rws = _max_of(samples, "mlx_recommended_working_set")[0]
+    over_ram = bool(ram and peak > ram)
+    if not over_ram and not (rws and peak > rws):
+        return []
     swap = _max_of(samples, "swap_growth")[0]
+    footprint = _max_of(samples, "phys_footprint")[0]
+    compressed = _max_of(samples, "compressed")[0]
+    swapping, swapped_out = _swapping_steps(samples)
+    times = _step_times(samples)
     fix = ("lower train.batch_size (raising train.grad_accum keeps the batch) or train.seq_len, turn on "
            "train.grad_checkpointing, or set memory.budget so the governor does it")
-    if ram and peak > ram:
+    if over_ram:
         text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above the {fb(ram)} of RAM by {fb(peak - ram)}: "
-                "unified memory cannot hold it, so macOS compressed and swapped memory out to disk"
-                + (f" (system swap grew by {fb(swap)})" if swap else "")
-                + f", which makes steps slow; {fix}.")
-        return [_ex("mlx_peak_over_ram", "warning", text, peak=peak, ram=ram, over=peak - ram, swap_growth=swap,
-                    recommended_working_set=rws)]
-    if rws and peak > rws:
+                "unified memory cannot hold it, so the OS kept the run going by compressing and swapping")
+        rule = "mlx_peak_over_ram"
+    else:
         text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above Metal's recommended working set "
-                f"{fb(rws)} by {fb(peak - rws)}"
-                + (f" (RAM {fb(ram)})" if ram else "")
-                + ": the GPU may have to page memory, so steps can slow down" + (f" (swap grew by {fb(swap)})" if swap else "")
-                + f"; {fix}.")
-        return [_ex("mlx_peak_over_working_set", "warning", text, peak=peak, recommended_working_set=rws, ram=ram,
-                    over=peak - rws, swap_growth=swap)]
-    return []
+                f"{fb(rws)} by {fb(peak - rws)}" + (f" (RAM {fb(ram)})" if ram else "")
+                + ": the GPU may have to page memory")
+        rule = "mlx_peak_over_working_set"
+    seen = []
+    if footprint is not None:
+        seen.append(f"charged the process a footprint of {fb(footprint)}")
+    if compressed:
+        seen.append(f"held {fb(compressed)} compressed")
+    if swapped_out:
+        seen.append(f"swapped {fb(swapped_out)} out to disk")
+    elif swap:
+        seen.append(f"grew swap by {fb(swap)}")
+    if seen:
+        text += "; the OS " + ", ".join(seen)
+    figs: dict[str, Any] = {"peak": peak, "ram": ram, "over": peak - (ram if over_ram else rws),
+                            "recommended_working_set": rws, "phys_footprint": footprint, "compressed": compressed,
+                            "swapped_out": swapped_out, "swap_growth": swap}
+    slow = [times[st] for st in sorted(swapping) if st in times]
+    calm = [t for st, t in times.items() if st not in swapping and st > 2]  # steps 1-2 include warm-up
+    if slow and calm:
+        ms, mc = statistics.median(slow), statistics.median(calm)
+        ratio = ms / mc if mc > 0 else None
+        slowed = ratio is not None and ratio > 1.1
+        text += (f". In the {len(slow)} step(s) where it swapped a step took {ms:.2f} s against {mc:.2f} s in the "
+                 f"{len(calm)} others" + (f" ({ratio:.2f}x): training slowed" if slowed else ": training did not slow"))
+        figs.update(swapping_steps_count=len(slow), step_ms_swapping=ms * 1000, step_ms_other=mc * 1000,
+                    slowdown_pct=(ratio - 1) * 100 if ratio else None)
+    elif swapping:
+        text += f". The OS swapped in {len(swapping)} step(s)"
+        figs["swapping_steps_count"] = len(swapping)
+    first = min(swapping) if swapping else at["step"]
+    text += f"; {_governor_said(ctx, first)}. To stay in RAM: {fix}."
+    return [_ex(rule, "warning", text, **figs)]
 
 
 def rule_swap(samples: list[dict[str, Any]], ctx: dict[str, Any], skip: bool = False) -> list[Explanation]:
