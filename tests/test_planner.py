@@ -450,7 +450,13 @@ def test_recommendation_and_per_device_split(tmp_path):
                           "memory.budget=24GiB", "train.seq_len=1024"))
     assert p["budget_bytes"] == 24 * 2**30 and p["fits"] is False
     rec = p["recommendation"]
-    assert rec["max_micro_batch"] in (None, 1, 2, 4)
+    # exactly the largest micro-batch (a divisor of the effective batch 8) whose own plan fits
+    fitting = [d for d in (8, 4, 2, 1) if planner.plan(
+        _cfg(tmp_path, "model=qwen2-7b", "backend=cuda", "backend.device=cuda", f"train.batch_size={d}",
+             f"train.grad_accum={8 // d}", "memory.budget=24GiB", "train.seq_len=1024"),
+        recommend=False)["fits"]]
+    assert rec["max_micro_batch"] == (fitting[0] if fitting else None)
+    assert rec["max_micro_batch"] != 8  # the configured one does not fit
     assert rec["levers"] and all(lv["peak_bytes"] <= p["budget_bytes"] for lv in rec["levers"])
     assert p["bytes"]["overhead"] >= planner.CUDA_CONTEXT_BYTES
     # the balanced split puts every layer on some GPU, evenly-ish
