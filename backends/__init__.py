@@ -1,6 +1,8 @@
-"""Backends: one module per framework behind the Protocol in ``backends.base``.
+"""Backends: one folder per framework (``cuda/``, ``mlx/``), each with its runtime behind the
+Protocol in ``base`` (imports its framework), its capabilities and its memory model (neither
+imports a framework). Installed as ``finetune.backends``.
 
-Only the chosen backend's module is imported, so the other platform's framework never is.
+Only the chosen backend's runtime is imported, so the other platform's framework never is.
 """
 
 from __future__ import annotations
@@ -11,9 +13,29 @@ import platform
 import shutil
 import sys
 
-from backends.base import Backend, Batch, ModelInfo, OutOfMemory
+from finetune.backends.base import Backend, Batch, Capabilities, ModelInfo, OutOfMemory
 
-__all__ = ["Backend", "Batch", "ModelInfo", "OutOfMemory", "get_backend", "resolve_backend_name"]
+__all__ = ["BACKENDS", "Backend", "Batch", "Capabilities", "ModelInfo", "OutOfMemory", "capabilities", "get_backend",
+           "resolve_backend_name"]
+
+BACKENDS = ("cuda", "mlx")  # a folder each; a third backend adds its name here
+
+
+def capabilities(name: str) -> Capabilities:
+    """What backend ``name`` runs (no framework imported). Raises UserError for an unknown name."""
+    from finetune.config import UserError
+
+    if name not in BACKENDS:
+        raise UserError(f"backend={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
+    return importlib.import_module(f"finetune.backends.{name}.capabilities").CAPABILITIES
+
+
+def concrete_name(name: str) -> str:
+    """``auto`` -> the backend a run here would use, without importing a framework: mlx on
+    Apple Silicon, else cuda (on a GPU or on CPU)."""
+    if name != "auto":
+        return name
+    return "mlx" if sys.platform == "darwin" and platform.machine() == "arm64" else "cuda"
 
 
 def _cuda_visible() -> bool:
@@ -44,16 +66,12 @@ def get_backend(name: str) -> Backend:
     """Instantiate a backend by concrete name, importing only its module."""
     from finetune.config import UserError
 
-    if name == "cuda":
-        if importlib.util.find_spec("torch") is None:
-            raise UserError("backend=cuda needs torch: run `bash scripts/setup.sh` (or pip install '.[cuda]')")
-        from backends.cuda import CudaBackend
-
-        return CudaBackend()
-    if name == "mlx":
-        if importlib.util.find_spec("mlx") is None:
-            raise UserError("backend=mlx needs mlx: pip install '.[mlx]' (on Linux this brings mlx[cpu])")
-        from backends.mlx import MlxBackend
-
-        return MlxBackend()
-    raise UserError(f"backend={name} is not valid; choose one of: auto, cuda, mlx")
+    needs = {"cuda": ("torch", "backend=cuda needs torch: run `bash scripts/setup.sh` (or pip install '.[cuda]')"),
+             "mlx": ("mlx", "backend=mlx needs mlx: pip install '.[mlx]' (on Linux this brings mlx[cpu])")}
+    if name not in needs:
+        raise UserError(f"backend={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
+    module, fix = needs[name]
+    if importlib.util.find_spec(module) is None:
+        raise UserError(fix)
+    runtime = importlib.import_module(f"finetune.backends.{name}.runtime")
+    return runtime.BACKEND()

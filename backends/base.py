@@ -14,9 +14,10 @@ backward, and returns the unscaled sum. Gradients accumulate across calls until
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -79,6 +80,29 @@ def padded_length(longest: int, multiple: int, max_len: int | None = None) -> in
         return longest
     t = 1 + multiple * -(-(longest - 1) // multiple)
     return max(longest, min(t, max_len)) if max_len else t
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend can run, torch- and mlx-free (``backends/<name>/capabilities.py``).
+
+    The config validates against it at compose time, the planner and the governor ask it
+    instead of comparing the backend's name, and the runtime looks its choices up in it.
+    """
+
+    name: str
+    methods: tuple[str, ...]
+    optimizers: tuple[str, ...]
+    precisions: dict[str, tuple[str | None, str | None]]  # name: (weight dtype or None = stored, autocast)
+    attn_implementations: tuple[str, ...]
+    why_not: dict[str, str]  # "optim.name": why a choice other backends run is not run here
+    nvml: bool  # the device has a driver view (NVML) to reconcile with the allocator
+    cache_limit: bool  # the allocator's cache can be capped (the governor sets it)
+
+    def choices(self, key: str) -> tuple[str, ...]:
+        return {"method.name": self.methods, "optim.name": self.optimizers,
+                "precision.name": tuple(self.precisions),
+                "backend.attn_implementation": self.attn_implementations}[key]
 
 
 @dataclass

@@ -58,11 +58,11 @@ TARGETS: list[tuple[str, str, int, list[str]]] = [
     ("finetune/accounting/rules.py", "rule_swap", 2, ["tests/test_rules_edges.py", "tests/test_accounting.py", "-k",
                                                       "explain or swap"]),
     ("finetune/accounting/rules.py", "rule_fragmentation", 2, ["tests/test_accounting.py", "-k", "explain"]),
-    ("backends/cuda.py", "CudaBackend.census", 2, ["tests/test_backend_cuda.py", "-k", "census"]),
-    ("backends/cuda.py", "CudaBackend.load_state", 1, ["tests/test_state_mismatch.py", "tests/test_backend_cuda.py",
+    ("backends/cuda/runtime.py", "CudaBackend.census", 2, ["tests/test_backend_cuda.py", "-k", "census"]),
+    ("backends/cuda/runtime.py", "CudaBackend.load_state", 1, ["tests/test_state_mismatch.py", "tests/test_backend_cuda.py",
                                                        "-k", "resume or refused"]),
-    ("backends/mlx.py", "MlxBackend.census", 2, ["tests/test_backend_mlx.py", "-k", "census or state_bytes or quant"]),
-    ("backends/mlx.py", "MlxBackend.load_state", 1, ["tests/test_backend_mlx.py", "-k", "resume"]),
+    ("backends/mlx/runtime.py", "MlxBackend.census", 2, ["tests/test_backend_mlx.py", "-k", "census or state_bytes or quant"]),
+    ("backends/mlx/runtime.py", "MlxBackend.load_state", 1, ["tests/test_backend_mlx.py", "-k", "resume"]),
 ]
 
 # Survivors that cannot change behaviour, by mutant id, with the reason. An id names the

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory")
+GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger")
 
 
 @dataclass
@@ -157,6 +157,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # Loggers beside metrics.jsonl (always written): each chosen option of the `logger` group
+    # (logger=[tensorboard,mlflow]) adds its settings under its name, e.g. logger.tensorboard.
+    logger: dict[str, Any] = field(default_factory=dict)
     mode: str = "train"  # train | plan
     # Where the run writes; set from Hydra's run dir by the CLI, settable for tests.
     run_dir: str = MISSING
@@ -165,33 +168,41 @@ class Config:
 
 VALID = {
     "backend.name": ("auto", "cuda", "mlx"),
-    "backend.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
-    "method.name": ("lora", "dora", "qlora", "full"),
-    "optim.name": ("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd"),
-    "precision.name": ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"),
     "data.name": ("synthetic", "jsonl", "hf"),
     "train.schedule": ("constant", "linear", "cosine"),
     "mode": ("train", "plan"),
 }
+# Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
+# never against a list restated here.
+BACKEND_KEYS = ("method.name", "optim.name", "precision.name", "backend.attn_implementation")
 
 
-# What each backend can run, beyond VALID. The backends and the planner both check a
-# configuration against this one table, so `mode=plan` refuses exactly what training would.
-BACKEND_SUPPORT: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {
-    "mlx": {
-        "precision.name": (("auto", "32-true", "bf16-true"), "needs autocast, which MLX lacks"),
-        "optim.name": (("adamw", "adam", "sgd", "adafactor"), "needs backend=cuda (bitsandbytes)"),
-    },
-}
+def _value(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
 
 
 def check_backend_support(backend: str, cfg: Any) -> None:
-    """Raise UserError if ``backend`` cannot run a choice in ``cfg``, naming what it can run."""
-    for dotted, (allowed, why) in BACKEND_SUPPORT.get(backend, {}).items():
-        group, key = dotted.split(".")
-        value = getattr(getattr(cfg, group), key)
-        if value not in allowed:
-            raise UserError(f"{group}={value} {why}; {backend} supports: {', '.join(allowed)}")
+    """Raise UserError if ``backend`` cannot run a choice in ``cfg``, naming what it can run
+    (and, where another backend runs it, why this one does not)."""
+    from finetune.backends import BACKENDS, capabilities
+
+    caps = capabilities(backend)
+    for dotted in BACKEND_KEYS:
+        value = _value(cfg, dotted)
+        allowed = caps.choices(dotted)
+        if value in allowed:
+            continue
+        group = dotted.removesuffix(".name")
+        elsewhere = [b for b in BACKENDS if b != backend and value in capabilities(b).choices(dotted)]
+        if elsewhere and dotted in caps.why_not:
+            raise UserError(f"{group}={value} {caps.why_not[dotted]}; {backend} supports: {', '.join(allowed)}")
+        if elsewhere:
+            raise UserError(f"{group}={value} is not run by backend={backend} (backend={elsewhere[0]} runs it); "
+                            f"{backend} supports: {', '.join(allowed)}")
+        raise UserError(f"{dotted}={value} is not valid; choose one of: {', '.join(allowed)}")
 
 
 class UserError(Exception):
@@ -224,13 +235,15 @@ def compose(run_dir: Any, *overrides: str) -> Any:
 
 
 def validate(cfg: Any) -> None:
-    """Check enumerated choices and ranges; raise UserError naming the fix."""
+    """Check enumerated choices (the backend's against its capabilities) and ranges; raise
+    UserError naming the fix."""
+    from finetune.backends import concrete_name
+
     for dotted, choices in VALID.items():
-        node = cfg
-        for part in dotted.split("."):
-            node = getattr(node, part)
+        node = _value(cfg, dotted)
         if node not in choices:
             raise UserError(f"{dotted}={node} is not valid; choose one of: {', '.join(choices)}")
+    check_backend_support(concrete_name(str(cfg.backend.name)), cfg)
     t = cfg.train
     for name in ("steps", "batch_size", "grad_accum", "seq_len"):
         if getattr(t, name) < 1:

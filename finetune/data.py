@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Batch, padded_length
+from finetune.backends.base import Batch, padded_length
 from finetune.config import UserError
 
 log = logging.getLogger("finetune")

@@ -9,7 +9,8 @@ event ``{step, trigger, action, before, after}`` handed to ``emit``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from finetune.config import UserError
 
@@ -43,10 +44,11 @@ def _measured_peak(sample: dict[str, Any]) -> int | None:
 
 class Governor:
     def __init__(self, cfg: Any, backend_name: str, emit: Callable[[dict[str, Any]], None]):
+        from finetune.state import RunState
+
         self.cfg, self.backend_name, self.emit = cfg, backend_name, emit
-        self.effective = cfg.train.batch_size * cfg.train.grad_accum
-        self.micro = cfg.train.batch_size
-        self.grad_checkpointing = bool(cfg.train.grad_checkpointing)
+        self.state = RunState.from_config(cfg, backend_name)  # the governor owns the run's live state
+        self.effective = self.state.effective_batch
         self.adapt = bool(cfg.memory.adapt)
         self.backend: Any = None
         from finetune.budget import device_memory, run_device
@@ -61,6 +63,22 @@ class Governor:
         self._swap_base: int | None = None
         self._swap_acted_at: int | None = None
         self._cache_limit_pending = False  # memory.cache_limit=auto: set after the first measured step
+
+    @property
+    def micro(self) -> int:
+        return self.state.micro_batch
+
+    @micro.setter
+    def micro(self, value: int) -> None:
+        self.state.micro_batch = int(value)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return self.state.grad_checkpointing
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, value: bool) -> None:
+        self.state.grad_checkpointing = bool(value)
 
     def _act(self, step: int, trigger: str, action: str, before: dict[str, Any], after: dict[str, Any]) -> None:
         self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after})
@@ -88,14 +106,11 @@ class Governor:
             return
         import sys
 
-        from omegaconf import OmegaConf
-
         from finetune import planner
         from finetune.accounting import fmt_bytes
 
-        cfg = OmegaConf.merge(self.cfg, {"backend": {"name": self.backend_name}})
         try:
-            res = planner.fit_to_budget(cfg, self.budget_bytes, seq_len=seq_len)
+            res = planner.fit_to_budget(self.cfg, self.budget_bytes, seq_len=seq_len, state=self.state)
         except UserError:
             raise
         except Exception as e:  # a model the planner cannot read: adapt while training only
@@ -127,16 +142,18 @@ class Governor:
     def attach(self, backend: Any) -> None:
         """Apply framework limits from the budget (MLX: memory and wired limits) and the cache
         limit (``memory.cache_limit``: a size now, ``auto`` once step 1 is measured)."""
+        from finetune.backends import capabilities
+
         self.backend = backend
-        if self.backend_name != "mlx" or not self.adapt:
+        if not self.adapt:
             return
         if self.budget_bytes:
-            got = backend.set_memory_limits(self.budget_bytes)
+            got = backend.set_memory_limits(self.budget_bytes)  # {} where the framework has none
             if got:  # {name: new, name_prev: old}
                 self._act(0, "budget", "set_mlx_limits", {k[:-5]: v for k, v in got.items() if k.endswith("_prev")},
                           {k: v for k, v in got.items() if not k.endswith("_prev")})
         want = self.cfg.memory.cache_limit
-        if want is None:
+        if want is None or not capabilities(self.backend_name).cache_limit:
             return
         if str(want) == "auto":
             self._cache_limit_pending = True

@@ -12,15 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# precision: (weight dtype, autocast dtype or None); None weight dtype = the stored one
-CUDA = {
-    "auto": (None, None),
-    "32-true": ("float32", None),
-    "bf16-mixed": ("float32", "bfloat16"),
-    "bf16-true": ("bfloat16", None),
-    "16-mixed": ("float32", "float16"),
-}
-MLX = {"auto": None, "32-true": "float32", "bf16-true": "bfloat16"}
+# What each precision means per backend lives in its capabilities
+# (finetune/backends/<name>/capabilities.py ``precisions``: weight dtype or None = as stored,
+# autocast dtype or None); this module turns that into the dtypes a run holds.
 
 
 @dataclass(frozen=True)
@@ -35,18 +29,18 @@ class Dtypes:
 def resolve(backend: str, precision: str, method: str, stored: str) -> Dtypes:
     """Dtypes a run of ``backend`` with ``precision`` and ``method`` holds, for a checkpoint
     stored in ``stored`` (see ``finetune.model_source.stored_dtype``)."""
-    if backend == "mlx":
-        w = MLX[precision] or stored
-        # mlx-lm draws LoRA matrices in fp32; bf16-true casts them (model.set_dtype) with the rest
-        return Dtypes(w, w if precision != "auto" else "float32", w, None)
-    weights, autocast = CUDA[precision]
+    from finetune.backends import capabilities
+
+    weights, autocast = capabilities(backend).precisions[precision]
     note = None
     if weights is None:
         weights = stored
-        if stored == "float16" and method == "full":
+        if stored == "float16" and method == "full" and autocast is None:
             # Pure fp16 weights train without loss scaling (GradScaler refuses fp16 params) and
             # overflow; bf16 holds the same 2 bytes a weight with fp32's range.
             weights = "bfloat16"
             note = "precision=auto: the checkpoint stores float16; method=full trains it in bfloat16 (same bytes)"
+    # PEFT holds adapters in fp32 unless bf16-true (autocast_adapter_dtype); mlx-lm draws them
+    # in fp32 and bf16-true's model.set_dtype casts them with the rest
     adapters = "bfloat16" if precision == "bf16-true" else "float32"
     return Dtypes(weights, adapters, autocast or weights, autocast, note)

@@ -537,7 +537,7 @@ def _tiny_batch(model_dir: Path, n: int = 4, max_len: int = 96) -> Any:
     """Built-in samples tokenized by the tiny tokenizer, prompt masked, right-padded."""
     from tokenizers import Tokenizer
 
-    from backends.base import Batch
+    from finetune.backends.base import Batch
     from finetune.synthetic import generate
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -563,9 +563,9 @@ def _setup(kind: str, method: str = "full") -> tuple[Any, Any, Any]:
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.method.name = method
     if kind == "mlx":
-        from backends.mlx import MlxBackend as B
+        from finetune.backends.mlx.runtime import MlxBackend as B
     else:
-        from backends.cuda import CudaBackend as B  # torch; on this machine it runs on the CPU
+        from finetune.backends.cuda.runtime import CudaBackend as B  # torch; on this machine it runs on the CPU
     b = B()
     info = b.setup(cfg, model_dir)
     return b, info, _tiny_batch(model_dir)

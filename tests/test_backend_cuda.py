@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from backends.base import Batch, OutOfMemory
-from backends.cuda import CudaBackend
+from finetune.backends.base import Batch, OutOfMemory
+from finetune.backends.cuda.runtime import CudaBackend
 from finetune.config import Config, UserError
 from finetune.synthetic import generate
 from finetune.tiny import build_tiny
@@ -292,7 +292,7 @@ def test_cuda_context_measure_without_nvml_is_unknown():
     """No driver, no NVML: the context size is unknown (None), never 0, and CUDA is not touched."""
     import torch
 
-    from backends.cuda import _measure_cuda_contexts
+    from finetune.backends.cuda.runtime import _measure_cuda_contexts
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible: test_cuda_memory_figures covers the measurement")

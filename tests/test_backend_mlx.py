@@ -18,8 +18,8 @@ from mlx import nn
 from mlx.utils import tree_flatten
 from omegaconf import OmegaConf
 
-from backends.base import Backend, Batch, ModelInfo
-from backends.mlx import MlxBackend
+from finetune.backends.base import Backend, Batch, ModelInfo
+from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import Config, ModelConfig, UserError
 from finetune.synthetic import generate
 from finetune.tiny import build_tiny

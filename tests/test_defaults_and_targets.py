@@ -169,7 +169,7 @@ def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
 def test_padding_to_a_multiple_keeps_the_math() -> None:
     import numpy as np
 
-    from backends.base import padded_length
+    from finetune.backends.base import padded_length
     from finetune.data import collate
 
     assert [padded_length(t, 32) for t in (1, 2, 33, 34, 65)] == [1, 33, 33, 65, 65]

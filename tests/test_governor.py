@@ -34,7 +34,7 @@ def test_cuda_oom_lowers_micro_batch_and_redoes_the_step(cfg_factory, tmp_path, 
     used micro-batch 2 from the start."""
     import torch
 
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
 
     class OomAboveTwoRows(CudaBackend):
         steps_done = 0
@@ -69,14 +69,14 @@ def test_cuda_oom_lowers_micro_batch_and_redoes_the_step(cfg_factory, tmp_path, 
 def test_oom_with_adapt_off_is_a_clear_error(cfg_factory, tmp_path, monkeypatch):
     import torch
 
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
 
     class AlwaysOom(CudaBackend):
         def forward_backward(self, batch, loss_scale, on_phase=None):
             try:
                 raise torch.OutOfMemoryError("CUDA out of memory (test)")
             except torch.OutOfMemoryError:
-                from backends.base import OutOfMemory
+                from finetune.backends.base import OutOfMemory
 
                 raise OutOfMemory("test") from None
 

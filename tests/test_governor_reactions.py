@@ -82,7 +82,7 @@ def _oom_backend(from_step: int, while_checkpointing: bool) -> Any:
     is on (or always, with ``while_checkpointing``)."""
     import torch
 
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
 
     class Oom(CudaBackend):
         steps_done = 0

@@ -19,7 +19,8 @@ def test_wheel_carries_configs_and_entry_points(tmp_path):
     conf = {n for n in names if n.startswith("finetune/conf/")}
     expected = {p.relative_to(REPO / "conf").as_posix() for p in (REPO / "conf").rglob("*.yaml")}
     assert {f"finetune/conf/{e}" for e in expected} <= conf, sorted(expected - {c[len("finetune/conf/"):] for c in conf})
-    assert "backends/cuda.py" in names and "backends/mlx.py" in names
+    assert "finetune/backends/cuda/runtime.py" in names and "finetune/backends/mlx/runtime.py" in names
+    assert not [n for n in names if n.startswith("backends/")]  # nothing generic at the top of site-packages
     ep = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(ep).decode()
     assert "finetune = finetune.cli:main" in text and "finetune-report = finetune.report:main" in text
@@ -34,3 +35,7 @@ def test_wheel_carries_configs_and_entry_points(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(str(target)), r.stdout[:200]  # the installed copy, not this checkout
     assert "model: llama2-7b, llama3-8b" in r.stdout
+    # and from outside a checkout there is no top-level `backends` package to import
+    r = subprocess.run([sys.executable, "-c", "import backends"], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "No module named 'backends'" in r.stderr

@@ -204,7 +204,7 @@ def test_mlx_optimizer_state_and_quantization_equal_real_arrays():
 
 
 def _fixed_batch(vocab: int, B: int, T: int, seed: int = 0):
-    from backends.base import Batch
+    from finetune.backends.base import Batch
 
     ids = np.random.default_rng(seed).integers(1, vocab, (B, T)).astype(np.int32)
     return Batch(ids, np.ones((B, T), np.int8), np.full(B, T, np.int32))
@@ -229,9 +229,9 @@ def test_plan_equals_backend_census_after_a_step(backend, tmp_path):
     from finetune.model_source import resolve_model_dir
 
     if backend == "cuda":
-        from backends.cuda import CudaBackend as Backend
+        from finetune.backends.cuda.runtime import CudaBackend as Backend
     else:
-        from backends.mlx import MlxBackend as Backend
+        from finetune.backends.mlx.runtime import MlxBackend as Backend
     for over in CENSUS_CASES[backend]:
         cfg = _cfg(tmp_path, f"backend={backend}", "train.batch_size=2", *over)
         be = Backend()
@@ -258,7 +258,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
     plan's kept activations within 3%; the loss keeps the fp32 log-softmax."""
     import torch
 
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
     from finetune.model_source import resolve_model_dir
 
     B, T = 3, 40
@@ -301,7 +301,7 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
     from finetune.model_source import resolve_model_dir
 
     B, T = 4, 128
@@ -346,7 +346,7 @@ sys.path.insert(0, {str(REPO / "tests")!r})
 import mlx.core as mx
 from test_planner import _cfg, _fixed_batch
 from pathlib import Path
-from backends.mlx import MlxBackend
+from finetune.backends.mlx.runtime import MlxBackend
 from finetune.model_source import resolve_model_dir
 from finetune import planner
 cfg = _cfg(Path({str(tmp_path)!r}), "backend=mlx", "train.batch_size={B}", *{list(over)!r})

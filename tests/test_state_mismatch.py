@@ -17,7 +17,7 @@ from conftest import needs_torch
     ("method.lora.num_layers=1", "method.lora.num_layers=-1", "layers.0"),  # the model has more
 ], ids=["extra-in-checkpoint", "missing-from-checkpoint"])
 def test_cuda_checkpoint_of_other_adapters_is_refused(tmp_path, saved, loaded, example):
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
 
     cfg = compose(tmp_path, "backend=cuda", saved)
     model_dir = resolve_model_dir(cfg.model)

@@ -155,7 +155,7 @@ def test_cuda_loss_grad_norm_and_lr_replayed_outside_the_loop(cuda_run):
     rate handed to the optimizer would move steps 2 and 3."""
     import torch
 
-    from backends.cuda import CudaBackend
+    from finetune.backends.cuda.runtime import CudaBackend
 
     r = cuda_run
     be = CudaBackend()

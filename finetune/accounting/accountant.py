@@ -118,6 +118,14 @@ class Accountant:
                  io_budget: float = 0.001):
         self.backend = backend
         self.backend_name = str(getattr(backend, "name", "unknown"))
+        # whether the device has a driver view (NVML) to read beside the allocator: the
+        # backend's capabilities say so (a stand-in backend in tests has none)
+        try:
+            from finetune.backends import capabilities
+
+            self._caps_nvml = capabilities(self.backend_name).nvml
+        except Exception:
+            self._caps_nvml = False
         self.sample_every = int(sample_every)
         self.device_index = device_index
         self.census_budget = float(census_budget)
@@ -244,7 +252,7 @@ class Accountant:
             sysr = self._sys.read(fresh=False)
         raw = [len(self._timeline), step, phase, micro, t0 - self._t0, mem, scope, self._run_peak["allocated"],
                self._run_peak["reserved"], census, sysr, fresh, 0.0]
-        if inner and not mem.get("devices") and not (self.backend_name == "cuda" and self._nvml.ok is not False
+        if inner and not mem.get("devices") and not (self._caps_nvml and self._nvml.ok is not False
                                                      and mem.get("allocated") is not None):
             dt = time.perf_counter() - t0
             raw[-1] = dt
@@ -396,7 +404,7 @@ class Accountant:
         read when ``fresh`` (the sample's process/system readings are due) or on a device's
         first sample; otherwise its last reading is carried."""
         rows_in = mem.get("devices")
-        use_nvml = self.backend_name == "cuda" and s["allocated"] is not None and self._nvml.ok is not False
+        use_nvml = self._caps_nvml and s["allocated"] is not None and self._nvml.ok is not False
         paged = _int(census.get("optimizer_state_paged"))
         if not use_nvml and not rows_in:  # MLX, CPU: one row, no NVML (the common cheap path)
             idx = self.device_index or 0

@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import gc
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from finetune.backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.cuda.capabilities import CAPABILITIES
 
-from backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
 from finetune.config import UserError
 
-METHODS = ("lora", "dora", "qlora", "full")
-OPTIMIZERS = ("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd")
+METHODS, OPTIMIZERS = CAPABILITIES.methods, CAPABILITIES.optimizers
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state",
                "optimizer_state_paged", "quant_buffers")
@@ -110,27 +111,41 @@ def _quant_tensors(qs: Any) -> list[torch.Tensor]:
     return out
 
 
-def _build_optimizer(o: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    betas, wd = tuple(o.betas), o.weight_decay
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=wd)
-    if o.name == "adam":
-        return torch.optim.Adam(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=wd)
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=wd)
-    if o.name == "adafactor":
-        from transformers.optimization import Adafactor
+def _adafactor(params: list[torch.nn.Parameter], o: Any) -> torch.optim.Optimizer:
+    from transformers.optimization import Adafactor
 
-        # Fixed lr from the loop's schedule; eps = (regularizer of the squared grad, of the scale).
-        return Adafactor(params, lr=o.lr, eps=(o.eps, 1e-3), weight_decay=wd, scale_parameter=False,
-                         relative_step=False, warmup_init=False)
-    import bitsandbytes as bnb
+    # Fixed lr from the loop's schedule; eps = (regularizer of the squared grad, of the scale).
+    return Adafactor(params, lr=o.lr, eps=(o.eps, 1e-3), weight_decay=o.weight_decay, scale_parameter=False,
+                     relative_step=False, warmup_init=False)
 
+
+def _bnb(name: str) -> Callable[[list[torch.nn.Parameter], Any], torch.optim.Optimizer]:
     # Paged optimizers put state >= 1e5 elements in CUDA unified memory; on CPU bitsandbytes
     # warns and falls back to ordinary tensors.
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-           "paged_adamw": bnb.optim.PagedAdamW32bit}[o.name]
-    return cls(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=wd)
+    def make(params: list[torch.nn.Parameter], o: Any) -> torch.optim.Optimizer:
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, name)(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+
+    return make
+
+
+# One constructor per name in CAPABILITIES.optimizers (tests/test_capabilities.py checks both ways)
+OPTIMIZER_BUILDERS: dict[str, Callable[[list[torch.nn.Parameter], Any], torch.optim.Optimizer]] = {
+    "adamw": lambda p, o: torch.optim.AdamW(p, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay),
+    "adam": lambda p, o: torch.optim.Adam(p, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay),
+    "sgd": lambda p, o: torch.optim.SGD(p, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
+    "adafactor": _adafactor,
+    "adamw_8bit": _bnb("AdamW8bit"),
+    "paged_adamw_8bit": _bnb("PagedAdamW8bit"),
+    "paged_adamw": _bnb("PagedAdamW32bit"),
+}
+
+
+def _build_optimizer(o: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if o.name not in OPTIMIZER_BUILDERS:  # a lookup that misses raises, never falls through
+        raise UserError(f"optim={o.name} is not supported by backend=cuda; choose one of: {', '.join(OPTIMIZERS)}")
+    return OPTIMIZER_BUILDERS[o.name](params, o)
 
 
 class CudaBackend:
@@ -163,7 +178,7 @@ class CudaBackend:
         from finetune import precision as precision_mod
         from finetune.model_source import stored_dtype, stored_quantization
 
-        _choose("precision", prec, tuple(precision_mod.CUDA))
+        _choose("precision", prec, tuple(CAPABILITIES.precisions))
         self.cfg, self.model_dir = cfg, Path(model_dir)
         if stored_quantization(cfg.model, model_dir):
             raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
@@ -548,3 +563,6 @@ class CudaBackend:
         if not fractions:
             return {}
         return {"per_process_memory_fraction": fractions, "budget_bytes": int(budget_bytes)}
+
+
+BACKEND = CudaBackend  # what finetune.backends.get_backend instantiates

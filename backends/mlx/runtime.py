@@ -13,16 +13,18 @@ paged optimizers, a reserved-bytes peak counter, and (on Linux CPU) a hard memor
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
+from finetune.backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.mlx.capabilities import CAPABILITIES
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
 from finetune.config import UserError, check_backend_support
 
 _SCALARS = ("step", "learning_rate")  # optimizer bookkeeping, not per-parameter state
@@ -43,6 +45,27 @@ def _is_oom(err: Exception) -> bool:
 
 def _metal() -> bool:
     return mx.metal.is_available()
+
+
+def _adam(o: Any) -> optim.Optimizer:
+    if o.weight_decay:
+        raise UserError("optim=adam has no weight decay on mlx; use optim=adamw optim.weight_decay=...")
+    return optim.Adam(float(o.lr), betas=[float(b) for b in o.betas], eps=float(o.eps), bias_correction=True)
+
+
+# One constructor per name in CAPABILITIES.optimizers (tests/test_capabilities.py checks both
+# ways). bias_correction=True: mlx defaults to False, torch/PEFT always correct; the same config
+# must mean the same update on both backends. Adafactor: the loop owns the schedule, so no
+# relative step or parameter scaling, as transformers' Adafactor(relative_step=False,
+# scale_parameter=False). mlx SGD keeps a "v" buffer even at momentum 0 (4 bytes/param).
+OPTIMIZER_BUILDERS: dict[str, Callable[[Any], optim.Optimizer]] = {
+    "adamw": lambda o: optim.AdamW(float(o.lr), betas=[float(b) for b in o.betas], eps=float(o.eps),
+                                   weight_decay=float(o.weight_decay), bias_correction=True),
+    "adam": _adam,
+    "sgd": lambda o: optim.SGD(float(o.lr), momentum=float(o.momentum), weight_decay=float(o.weight_decay)),
+    "adafactor": lambda o: optim.Adafactor(float(o.lr), eps=(float(o.eps), 1e-3), weight_decay=float(o.weight_decay),
+                                           relative_step=False, scale_parameter=False),
+}
 
 
 class MlxBackend:
@@ -67,8 +90,6 @@ class MlxBackend:
 
         method, prec, oname = cfg.method.name, cfg.precision.name, cfg.optim.name
         check_backend_support("mlx", cfg)
-        if method not in ("lora", "dora", "qlora", "full"):
-            raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
         self.cfg, self.model_dir, self.method = cfg, Path(model_dir), method
         self.seed = int(cfg.train.seed)
         mx.random.seed(self.seed)  # LoRA init draws from the global key
@@ -81,6 +102,13 @@ class MlxBackend:
             # means fp32 weights, and the planner counts them so. Before quantizing, so the
             # quantization scales are fp32 too. precision=auto keeps what was stored.
             model.set_dtype(mx.float32)
+        elif prec == "auto" and method == "full":
+            from finetune import precision as precision_mod
+            from finetune.model_source import stored_dtype
+
+            # the planner's rule (finetune/precision.py): an fp16 checkpoint trains in bf16
+            if precision_mod.resolve("mlx", prec, method, stored_dtype(cfg.model, model_dir)[0]).weights == "bfloat16":
+                model.set_dtype(mx.bfloat16)
         self._block_classes = [type(layer) for layer in model.layers]
         self.quant: dict[str, int] | None = None
         stored_q = stored_quantization(cfg.model, model_dir)
@@ -148,21 +176,10 @@ class MlxBackend:
         return out
 
     def _make_optimizer(self, o: Any) -> optim.Optimizer:
-        lr, wd, betas = float(o.lr), float(o.weight_decay), [float(b) for b in o.betas]
-        # bias_correction=True: mlx defaults to False, torch/PEFT always correct; the same
-        # config must mean the same update on both backends.
-        if o.name == "adamw":
-            return optim.AdamW(lr, betas=betas, eps=float(o.eps), weight_decay=wd, bias_correction=True)
-        if o.name == "adam":
-            if wd:
-                raise UserError("optim=adam has no weight decay on mlx; use optim=adamw optim.weight_decay=...")
-            return optim.Adam(lr, betas=betas, eps=float(o.eps), bias_correction=True)
-        if o.name == "sgd":  # mlx SGD keeps a "v" buffer even at momentum 0 (4 bytes/param)
-            return optim.SGD(lr, momentum=float(o.momentum), weight_decay=wd)
-        # The loop owns the schedule: no relative step / parameter scaling, as transformers'
-        # Adafactor(lr=..., relative_step=False, scale_parameter=False).
-        return optim.Adafactor(lr, eps=(float(o.eps), 1e-3), weight_decay=wd,
-                               relative_step=False, scale_parameter=False)
+        if o.name not in OPTIMIZER_BUILDERS:  # a lookup that misses raises, never falls through
+            raise UserError(f"optim={o.name} is not supported by backend=mlx; "
+                            f"choose one of: {', '.join(CAPABILITIES.optimizers)}")
+        return OPTIMIZER_BUILDERS[o.name](o)
 
     def _params_total(self) -> int:
         """Logical elements, as mlx_lm.utils.get_total_parameters (a packed quantized weight
@@ -404,3 +421,6 @@ class MlxBackend:
             mx.clear_cache()
         self._limits = None
         return prev
+
+
+BACKEND = MlxBackend  # what finetune.backends.get_backend instantiates

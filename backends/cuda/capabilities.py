@@ -1,0 +1,21 @@
+"""What the cuda backend runs, without importing torch: the one list the config, the planner
+and the runtime check against (tests/test_capabilities.py walks it against the runtime).
+
+Adding an optimizer: its name here, its constructor in ``runtime._build_optimizer``, its state
+bytes in ``memory.optimizer_state_bytes``, a YAML in conf/optim/, and a test.
+"""
+
+from finetune.backends.base import Capabilities
+
+CAPABILITIES = Capabilities(
+    name="cuda",
+    methods=("lora", "dora", "qlora", "full"),
+    optimizers=("adamw", "adam", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adafactor", "sgd"),
+    # precision: (weight dtype or None = as stored, autocast dtype or None)
+    precisions={"auto": (None, None), "32-true": ("float32", None), "bf16-mixed": ("float32", "bfloat16"),
+                "bf16-true": ("bfloat16", None), "16-mixed": ("float32", "float16")},
+    attn_implementations=("sdpa", "eager", "flash_attention_2"),
+    why_not={},
+    nvml=True,  # CUDA devices have a driver-level view (NVML) beside the allocator
+    cache_limit=False,  # torch's caching allocator has no cap on cached blocks to set
+)

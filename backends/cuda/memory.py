@@ -1,0 +1,381 @@
+"""The cuda backend's memory model, torch-free: what torch, transformers, PEFT and
+bitsandbytes hold for each tensor, optimizer state and activation. The planner
+(finetune/planner) prices a parameter inventory with these functions; nothing here imports
+torch, so `finetune mode=plan` stays light.
+
+Versions modelled: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate 1.15.
+Every figure is an int of bytes; constants cite the code they come from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from finetune.config import UserError
+from finetune.planner.model import _STAGE, MIB, Arch, Setup, Tensor, _first_stage, _get
+
+# ---- constants ------------------------------------------------------------------------------------
+
+# bitsandbytes 0.50 constants (bitsandbytes/functional.py quantize_4bit: default blocksize 64;
+# compress_statistics -> quantize_blockwise(absmax, blocksize=256); optim/optimizer.py
+# Optimizer2State.init_state: 8-bit state blocksize 256, min_8bit_size 4096;
+# Optimizer8bit.get_state_buffer: paged only when numel >= 1e5).
+BNB_4BIT_BLOCK = 64
+BNB_NESTED_BLOCK = 256
+BNB_4BIT_CODE_BYTES = 16 * 4  # QuantState.code: the 16-entry fp32 NF4/FP4 table, one per weight
+BNB_NESTED_CODE_BYTES = 256 * 4  # state2.code: a copy of the 256-entry dynamic map (copy=True)
+BNB_OPT_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN_NUMEL = 100_000
+BNB_QMAPS_BYTES = 2 * 256 * 4  # name2qmap["dynamic"] and ["udynamic"], shared by every 8-bit state
+CUDA_CONTEXT_BYTES = 500 * MIB  # estimate: CUDA context + cuBLAS/cuDNN handles, outside torch's allocator
+CUDA_ALLOC_ROUND = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
+
+
+def bnb4_bytes(numel: int, double_quant: bool, blocksize: int = BNB_4BIT_BLOCK) -> tuple[int, int]:
+    """(packed weight bytes, quantization-constant bytes) of one bitsandbytes 4-bit weight.
+
+    bitsandbytes/functional.py quantize_4bit: two 4-bit codes per uint8 (quant_storage=uint8);
+    one fp32 absmax per ``blocksize`` elements; with compress_statistics (double quant) the
+    absmax are themselves quantize_blockwise'd to uint8 in blocks of 256 (state2: fp32 absmax
+    per 256 blocks + a copy of the 256-entry fp32 code) and centred by a 0-d fp32 offset. Each
+    QuantState also holds the 16-entry fp32 NF4/FP4 code.
+    """
+    packed = (numel + 1) // 2
+    blocks = -(-numel // blocksize)
+    if double_quant:
+        consts = blocks + (-(-blocks // BNB_NESTED_BLOCK)) * 4 + BNB_NESTED_CODE_BYTES + 4
+    else:
+        consts = blocks * 4
+    return packed, consts + BNB_4BIT_CODE_BYTES
+
+
+
+# ---- resolving the device ------------------------------------------------------------------------
+
+def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
+    """(device, GPUs the model is split over, notes) for this config, and the refusals the
+    runtime would give. In ``mode=plan``, ``backend=cuda`` means a GPU whether or not this
+    machine has one (``backend.device=cpu`` plans the CPU run); ``backend.num_devices`` plans a
+    ``device_map=auto`` split over N GPUs this machine need not have."""
+    from finetune.budget import cuda_devices, run_device
+
+    b, m = _get(cfg, "backend"), _get(cfg, "method")
+    want_device = str(_get(b, "device", "auto"))
+    count, _ = cuda_devices()
+    if mode == "plan" and str(_get(b, "name", "auto")) == "cuda" and want_device == "auto":
+        device = "cuda"
+    else:
+        device = run_device("cuda", want_device)
+    split = _get(b, "device_map") == "auto" and device == "cuda"
+    n_wanted = _get(b, "num_devices")
+    n_devices = (int(n_wanted) if n_wanted else max(count, 1)) if split else 1
+    notes = []
+    if split and count == 0 and not n_wanted:
+        notes.append("backend.device_map=auto: no GPU visible here, planned for 1 device "
+                     "(set backend.num_devices=N to plan a split over N GPUs)")
+    bits, qtype = int(_get(m, "quant_bits", 4)), str(_get(m, "quant_type", "nf4"))
+    if method == "qlora" and (bits != 4 or qtype not in ("nf4", "fp4")):
+        raise UserError("method=qlora on backend=cuda quantizes to 4 bits as nf4 or fp4; "
+                        "set method.quant_bits=4 method.quant_type=nf4")
+    return device, n_devices, notes
+
+
+def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
+    """An MLX pre-quantized checkpoint: transformers cannot load it."""
+    if quant:
+        raise UserError(f"model.path={_get(_get(cfg, 'model'), 'path')} is MLX-quantized ({quant['bits']}-bit, "
+                        "config.json 'quantization'), which transformers cannot load; use backend=mlx, "
+                        "or the unquantized checkpoint with method=qlora")
+
+
+# ---- weights ---------------------------------------------------------------------------------------
+
+def quant_of(s: Setup, role: str, in_f: int) -> str | None:
+    """How ``method=qlora`` stores a weight of this role: transformers
+    integrations/bitsandbytes.py replace_with_bnb_linear quantizes only nn.Linear, minus
+    get_keys_to_not_convert (lm_head / tied output embeddings)."""
+    return "bnb4" if s.method == "qlora" and role == "linear" else None
+
+
+def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
+    """(bytes of the tensor itself, bytes of its quantization constants)."""
+    if t.quant == "bnb4":
+        return bnb4_bytes(t.numel, s.double_quant)
+    return t.numel * t.dtype_bytes, 0
+
+
+def rounding_bytes(nbytes: int, s: Setup) -> int:
+    """What the caching allocator adds to a persistent tensor: blocks are multiples of 512 B
+    on a GPU; nothing is rounded on the CPU."""
+    return (-nbytes) % CUDA_ALLOC_ROUND if s.device == "cuda" else 0
+
+
+# ---- optimizer state -------------------------------------------------------------------------------
+
+def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, on_gpu: bool,
+                          momentum: float = 0.0, host_step: bool = False) -> tuple[int, int]:
+    """(allocator-held bytes, paged bytes) of one trainable tensor's optimizer state.
+
+    Args:
+        optim: one of CAPABILITIES.optimizers.
+        shape: the parameter's shape.
+        dtype_bytes: the parameter's element size.
+        on_gpu: bitsandbytes pages state only on CUDA (on CPU get_state_buffer falls back).
+        momentum: sgd momentum.
+        host_step: torch keeps Adam's per-tensor ``step`` on the host; when the parameters are
+            on the CPU too, that 4-byte scalar sits beside them (count it).
+    """
+    n = math.prod(shape)
+    if optim in ("adamw", "adam"):
+        # torch/optim/adam.py Adam._init_group: exp_avg, exp_avg_sq = zeros_like(p) (param dtype);
+        # `step` is a host scalar unless capturable/fused.
+        return 2 * n * dtype_bytes + (4 if host_step else 0), 0
+    if optim == "sgd":
+        # torch/optim/sgd.py: momentum_buffer = clone(grad) only when momentum != 0.
+        return (n * dtype_bytes, 0) if momentum else (0, 0)
+    if optim == "adafactor":
+        # transformers/optimization.py Adafactor.step: grad.float() for 16-bit params, state
+        # .to(grad) -> fp32; factored: exp_avg_sq_row [rows] + exp_avg_sq_col [cols]; beta1=None:
+        # no exp_avg; state["RMS"] = self._rms(p) is a 0-d fp32 tensor on the parameter's device.
+        factored = len(shape) >= 2
+        elems = (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if factored else n
+        return elems * 4 + 4, 0
+    if optim in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw"):
+        paged = optim.startswith("paged") and on_gpu and n >= BNB_PAGED_MIN_NUMEL
+        eight = optim != "paged_adamw" and n >= BNB_MIN_8BIT_SIZE
+        if eight:
+            # Optimizer2State.init_state: state1/state2 uint8 (get_state_buffer: paged if big)
+            # + absmax1/absmax2 fp32 per 256-element block (never paged).
+            states = 2 * n
+            absmax = 2 * (-(-n // BNB_OPT_BLOCK)) * 4
+            return (absmax, states) if paged else (absmax + states, 0)
+        # numel < min_8bit_size (or 32-bit paged AdamW): fp32 state1/state2 whatever the param dtype.
+        states = 2 * n * 4
+        return (0, states) if paged else (states, 0)
+    from finetune.backends.cuda.capabilities import CAPABILITIES
+
+    raise UserError(f"optim={optim} is not valid; choose one of: {', '.join(CAPABILITIES.optimizers)}")
+
+
+def optimizer_shared_bytes(s: Setup, trainable: list[Tensor]) -> int:
+    """State shared by every tensor, held once on the first device: bitsandbytes' 8-bit maps."""
+    if s.optim in ("adamw_8bit", "paged_adamw_8bit") and any(t.numel >= BNB_MIN_8BIT_SIZE for t in trainable):
+        return BNB_QMAPS_BYTES
+    return 0
+
+
+def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
+    """Workspace the optimizer step allocates on top of weights, grads and state."""
+    if not trainable:
+        return 0
+    largest = max(t.numel * t.dtype_bytes for t in trainable)
+    if s.optim in ("adamw", "adam") and s.device == "cuda":
+        # torch/optim/adam.py _multi_tensor_adam (foreach, the CUDA default):
+        # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs) allocates one more state-sized list.
+        return sum(t.numel * t.dtype_bytes for t in trainable)
+    if s.optim == "adafactor":
+        # transformers Adafactor.step: fp32 `update` (grad**2 + eps, then the approximation)
+        # and p.float() copies for 16-bit params, one parameter at a time.
+        return 3 * max(t.numel for t in trainable) * 4
+    # per-tensor kernels (torch single-tensor path on CPU; bitsandbytes fused 8-bit/32-bit)
+    return largest if s.optim in ("adamw", "adam", "sgd") else 0
+
+
+# ---- activations -----------------------------------------------------------------------------------
+
+# torch: the loss's backward (logits region) runs first and is freed before the layers'
+# backward (and any recomputation) starts, so only the larger of the two adds to the kept
+# activations (checked with torch.profiler memory events on CPU).
+WORKSPACE_WITH_LOGITS = False
+
+
+def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, Any]:
+    """The terms the planner assembles into a step's activations (see
+    finetune.planner.price.activations): per layer, lowest layer, head, the layers' backward
+    workspace, logits+loss, and what gradient checkpointing keeps and recomputes."""
+    layer, lparts = layer_bytes(arch, s, lowest=False)
+    low, _ = layer_bytes(arch, s, lowest=s.method != "full")
+    h, f, V = arch.hidden, arch.intermediate, arch.vocab
+    n = s.batch * s.seq_len
+    a, st = s.a, (4 if s.autocast else s.wd)
+    full = s.method == "full"
+    lin = arch.linears()
+    head = n * h * 4 + n * 4 + (n * h * st if full else 0)  # final RMSNorm
+    if full:  # lm_head (or the tied embedding) trains: its input, cast under autocast
+        head += n * h * 2 + V * h * 2 if s.autocast else n * h * st
+        head += n * 8  # nn.Embedding backward keeps the int64 indices
+    elif s.autocast:
+        head += V * h * 2  # cast lm_head weight kept for the hidden state's grad
+    if s.attn == "sdpa":
+        head += s.batch * s.seq_len * s.seq_len  # bool [B, 1, T, T] padding mask, shared by layers
+    # Layer backward workspace: grads of the MLP intermediates and of the fp32 residual
+    # stream; eager attention also materialises the [B, H, T, T] grads.
+    transient = 3 * n * f * a + 2 * n * h * 4
+    if s.attn == "eager":
+        transient += 2 * s.batch * arch.heads * s.seq_len ** 2 * 4
+    if s.method == "qlora":
+        # bitsandbytes MatMul4Bit: F.dequantize_4bit(B) -> the full weight in compute dtype,
+        # per matmul (forward and backward), one at a time.
+        transient += max(i * o for i, o, _ in lin.values()) * a
+    if s.method == "dora":
+        # PEFT DoraLinearLayer: get_lora_weight runs lora_A on an [in, in] identity and
+        # get_weight_norm builds weight + scaling * lora_weight [out, in], per module.
+        transient += max(ln[0] * ln[0] * s.ad + ln[0] * ln[1] * 4 for k, ln in lin.items() if k in s.keys)
+    # Logits and loss (backends/cuda/runtime.py _loss_sum: logits[:, :-1].float(), F.cross_entropy):
+    # log_softmax keeps its fp32 output; backward adds nll_loss's dense grad and
+    # log_softmax's grad: 3 x 4 B per (token, vocab) at the start of backward (the forward
+    # end is no higher: model logits + fp32 copy + log_softmax output).
+    logits = 12 * n * V
+    return {"layer": layer, "layer_parts": lparts, "lowest": low, "head": head, "transient": transient,
+            "logits": logits,
+            "ckpt_input": n * h * st,  # non-reentrant checkpoint keeps each layer's input
+            "ckpt_recompute": layer}  # the loss's backward is freed first: one whole layer recomputed
+
+
+def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float) -> int:
+    """Bytes of activations and gradients together at the forward/backward peak."""
+    if s.grad_accum > 1:
+        return fb + grads  # torch accumulates into p.grad in place: earlier grads stay alive
+    # gradients grow while activations are freed, layer by layer
+    return max(fb, grads) + int(overlap * min(fb, grads))
+
+
+# ---- overheads and notes ---------------------------------------------------------------------------
+
+def device_overhead(s: Setup) -> int:
+    """Bytes outside the allocator on each device: the CUDA context (an estimate)."""
+    return CUDA_CONTEXT_BYTES if s.device == "cuda" else 0
+
+
+def notes(s: Setup) -> list[str]:
+    out = []
+    if s.device == "cuda":
+        out.append("overhead: CUDA context ~500 MiB is an estimate (varies by GPU, driver and "
+                   "libraries); allocator rounding counts 512 B blocks of persistent tensors; "
+                   "reserved-but-unallocated cache (2 MiB / 20 MiB segments) is not included")
+    if s.optim.startswith("paged") and s.device == "cuda":
+        out.append("optimizer_state_paged lives in CUDA unified memory (pages to host under "
+                   "pressure): not in peak_bytes")
+    if s.device == "cpu":
+        out.append("cpu: the process's own resident libraries are not counted")
+    return out
+
+
+def quant_label(s: Setup) -> str | None:
+    """How the plan names the base's quantization."""
+    return f"{s.quant_type}/bitsandbytes" if s.method == "qlora" else None
+
+
+def qlora_lever(arch: Arch, s: Setup) -> dict[str, Any] | None:
+    """The Setup changes of trying ``method=qlora`` instead (None: not a lever here): LoRA on a
+    4-bit base; from full fine-tuning, adapters on every layer in the precision's adapter dtype."""
+    if s.method in ("lora", "dora"):
+        return {"lora_layers": s.lora_layers, "adapter_dtype": s.adapter_dtype}
+    if s.method == "full":
+        return {"lora_layers": tuple(range(arch.layers)),
+                "adapter_dtype": "bfloat16" if s.precision == "bf16-true" else "float32"}
+    return None
+
+
+ATTENTION_LABEL = None  # the plan shows backend.attn_implementation
+
+
+def layer_bytes(arch: Arch, s: Setup, lowest: bool) -> tuple[int, dict[str, int]]:
+    """Bytes autograd keeps for backward in one decoder layer (HF Qwen2/Llama, PEFT, torch).
+
+    Derived from the saved tensors of each op (torch autograd saves only what the backward of
+    inputs that require grad needs; checked against torch.autograd.graph.saved_tensors_hooks):
+    - RMSNorm (modeling_qwen2.py Qwen2RMSNorm.forward): hidden.to(float32) and rsqrt(variance);
+      with a trainable weight also hidden.to(input_dtype).
+    - Linear: its input if the weight trains; under autocast the bf16/fp16 cast of the input
+      (autocast casts activations per call, no cache) and the cast weight (kept for the input's
+      grad even when frozen). bitsandbytes MatMul4Bit keeps only the packed weight.
+    - PEFT lora.Linear.forward: x cast to the adapter dtype (_cast_input_dtype), lora_A keeps
+      it, lora_B keeps lora_A's output [n, r]; DoRA (lora/dora.py DoraLinearLayer.forward) also
+      keeps base_result and lora_B's output (both [n, out]) for the magnitude's grad.
+    - attention: sdpa (flash/efficient) keeps q, k, v, out and the fp32 logsumexp [B, H, T];
+      eager (eager_attention_forward) keeps q, repeat_kv'd k and v, the fp32 softmax, its
+      cast, and the contiguous output.
+    - MLP: silu keeps gate, the product keeps silu(gate) and up; down_proj's input if it trains.
+    """
+    n = s.batch * s.seq_len
+    h, qd, kv, f = arch.hidden, arch.q_out, arch.kv_out, arch.intermediate
+    st, a, ad, ac = (4 if s.autocast else s.wd), s.a, s.ad, s.autocast
+    full = s.method == "full"
+    quant = s.method == "qlora"
+    start = _first_stage(s) if lowest else 0
+    lin = arch.linears()
+    parts: dict[str, int] = {"norms": 0, "linear_inputs": 0, "weight_casts": 0, "adapters": 0,
+                             "attention": 0, "mlp": 0}
+
+    def keep(stage: int) -> bool:
+        return stage >= start
+
+    def norm(stage: int) -> None:
+        if keep(stage) and (stage > start or full or not lowest):
+            parts["norms"] += n * h * 4 + n * 4
+            if full:
+                parts["norms"] += n * h * st
+
+    def inputs(names: tuple[str, ...], width: int, src_bytes: int, src_already_kept: bool) -> None:
+        """Saved inputs of Linears reading one source tensor of dtype ``src_bytes``."""
+        stage = _STAGE[names[0]]
+        if not keep(stage):
+            return
+        grad_in = stage > start or not lowest or full  # does the source itself need a grad?
+        shared = False
+        for name in names:
+            in_f, out_f, _ = lin[name]
+            if full:
+                if ac and src_bytes != 2:
+                    parts["linear_inputs"] += n * in_f * 2  # autocast's cast of the input, per call
+                else:
+                    shared = True
+                if ac:
+                    parts["weight_casts"] += out_f * in_f * 2
+                continue
+            if name in s.keys:
+                if s.dropout > 0:
+                    parts["adapters"] += n * in_f * (1 + ad)  # dropout mask + its output (lora_A's input)
+                elif ac and ad != 2:
+                    parts["adapters"] += n * in_f * 2  # autocast cast of x (fp32) for lora_A
+                elif src_bytes != ad:
+                    parts["adapters"] += n * in_f * ad  # _cast_input_dtype copy kept by lora_A
+                else:
+                    shared = True
+                parts["adapters"] += n * s.rank * (2 if ac else ad)  # lora_A output kept by lora_B
+                if ac:
+                    parts["weight_casts"] += s.rank * (in_f + out_f) * 2
+                if s.method == "dora":
+                    parts["adapters"] += n * out_f * (a + (2 if ac else ad))
+            if ac and not quant and grad_in:
+                parts["weight_casts"] += out_f * in_f * 2  # cast weight kept for the input's grad
+        if shared and not src_already_kept:
+            parts["linear_inputs"] += n * width * src_bytes
+
+    norm(_STAGE["norm1"])
+    inputs(("q_proj", "k_proj", "v_proj"), h, st, False)
+    if keep(1):
+        if s.attn == "eager":
+            groups = arch.heads // arch.kv_heads
+            kv_kept = n * (qd if groups > 1 else kv) * a
+            probs = s.batch * arch.heads * s.seq_len ** 2 * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
+            parts["attention"] += n * qd * a + 2 * kv_kept + probs
+        else:
+            parts["attention"] += n * (2 * qd + 2 * kv) * a + s.batch * arch.heads * s.seq_len * 4
+    if keep(2):
+        if s.attn == "eager":
+            if full or "o_proj" in s.keys:
+                parts["linear_inputs"] += n * qd * a  # attn_output.transpose(1, 2).contiguous()
+            inputs(("o_proj",), qd, a, True)
+        else:
+            inputs(("o_proj",), qd, a, keep(1))  # sdpa keeps its output when attention needs grads
+    norm(_STAGE["norm2"])
+    inputs(("gate_proj", "up_proj"), h, st, False)
+    if keep(4):
+        parts["mlp"] += 3 * n * f * a
+    inputs(("down_proj",), f, a, False)
+    return sum(parts.values()), parts
+

@@ -1,0 +1,20 @@
+"""What the mlx backend runs, without importing mlx: the one list the config, the planner and
+the runtime check against (tests/test_capabilities.py walks it against the runtime).
+
+Adding an optimizer: its name here, its constructor in ``runtime.OPTIMIZERS``, its state bytes
+in the planner's memory model, a YAML in conf/optim/, and a test.
+"""
+
+from finetune.backends.base import Capabilities
+
+CAPABILITIES = Capabilities(
+    name="mlx",
+    methods=("lora", "dora", "qlora", "full"),
+    optimizers=("adamw", "adam", "sgd", "adafactor"),
+    # precision: weight dtype (None = as stored); no autocast in MLX
+    precisions={"auto": (None, None), "32-true": ("float32", None), "bf16-true": ("bfloat16", None)},
+    attn_implementations=("sdpa",),  # mx.fast.scaled_dot_product_attention; the key is cuda's
+    why_not={"optim.name": "needs backend=cuda (bitsandbytes)", "precision.name": "needs autocast, which MLX lacks"},
+    nvml=False,
+    cache_limit=True,  # mx.set_cache_limit: the governor sizes it from the measured step
+)

@@ -1,0 +1,260 @@
+"""The mlx backend's memory model, mlx-free: what mlx and mlx-lm hold for each tensor,
+optimizer state and activation (unified memory: no separate device context). The planner
+(finetune/planner) prices a parameter inventory with these functions; nothing here imports
+mlx, so `finetune mode=plan` stays light.
+
+Versions modelled: mlx 0.32, mlx-lm 0.32. Every figure is an int of bytes; the activation
+constants are calibrated (benchmarks/plan_vs_measured.py) and say so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from finetune.config import UserError
+from finetune.planner.model import BLOCK_KEYS, Arch, Setup, Tensor, _first_stage
+
+# ---- constants ------------------------------------------------------------------------------------
+
+# mlx calibration (mlx 0.32 on CPU with backends/mlx.py, fp32 and bf16, hidden 128-512, 1-4
+# layers, vocab 512-8192, batch 1-4, 32-256 tokens): bytes of the step's transient workspace
+# beyond the arrays kept for backward, in units of n*h, n*f and B*H*T*T elements of the
+# activation dtype; and of logits+loss per n*V. Fitted within ~10% of mx.get_peak_memory.
+MLX_TRANSIENT_NH = 3.0
+MLX_TRANSIENT_NF = 6.0
+MLX_TRANSIENT_NF_QUANT = 2.0  # extra with quantized (QuantizedLinear) base layers
+MLX_TRANSIENT_TT = 1.5
+# With gradient checkpointing (mlx_lm.tuner.trainer.grad_checkpoint -> mx.checkpoint around each
+# block), mlx keeps only each block's input and recomputes the block in its vjp. The peak stays
+# in the logits region (measured: the same 16 B per n*V slope with and without checkpointing,
+# 0.5-4k vocab), and there, beyond the saved inputs and the transient above, mlx holds only part
+# of one recomputed block (0.35-0.75 of _mlx_layer's bytes), not all of it: forward and backward
+# are one lazily evaluated graph, so the top block's recompute overlaps the logits' backward
+# rather than following it as in torch. Calibrated on mlx 0.32
+# CPU fp32 (hidden 64/256, 2/4 layers, vocab 512-2048, batch 1-16, 64-256 tokens, LoRA on all or
+# the top layer; mx.get_peak_memory of forward+backward), in the same units as MLX_TRANSIENT_*:
+# within ~7% of the measured step peak above the weights.
+MLX_CKPT_RECOMPUTE_NH = 0.8
+MLX_CKPT_RECOMPUTE_NF = 2.4
+MLX_CKPT_RECOMPUTE_TT = 0.8
+# When the only layer with gradients is the lowest adapted one (method.lora.num_layers=1 and
+# adapters only), its backward needs no gradient for the layer's input, and mlx's vjp prunes
+# that path: the [B, H, T, T]-sized workspace is smaller by this factor. Calibrated without
+# checkpointing from benchmarks/plan_vs_measured.py (tiny, T=256, batch 4 and 16: measured
+# peaks were 0.57 * B * H * T^2 * dtype below the full-workspace prediction).
+MLX_LOWEST_ONLY_TT_SAVING = 0.57
+MLX_LOGITS_PER_NV = 16  # fp32 logits kept + logsumexp/softmax/scatter cotangents (measured slope: 4 x 4 B)
+MLX_LOGITS_PER_NV_HALF = 4  # extra with bf16 weights: the bf16 logits and their cotangent
+
+
+def mlx_quant_bytes(out_f: int, in_f: int, bits: int, group: int, scale_bytes: int) -> tuple[int, int]:
+    """(packed weight bytes, scales+biases bytes) of one mlx affine-quantized matrix.
+
+    mlx.core.quantize (mode "affine"): ``bits`` per element packed into uint32 words along the
+    last axis, plus a scale and a bias per ``group`` elements in the weight's dtype
+    (mlx/nn/layers/quantized.py QuantizedLinear/QuantizedEmbedding keep weight, scales, biases).
+    """
+    packed = out_f * (in_f * bits // 32) * 4
+    return packed, 2 * out_f * (in_f // group) * scale_bytes
+
+
+
+# ---- resolving the device ------------------------------------------------------------------------
+
+def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
+    """(device, devices, notes): the Apple GPU on Apple Silicon, the CPU elsewhere (mlx[cpu])."""
+    from finetune.budget import run_device
+
+    return run_device("mlx"), 1, []
+
+
+def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
+    """A pre-quantized checkpoint trains as mlx-lm trains it: nothing to refuse."""
+
+
+# ---- weights ---------------------------------------------------------------------------------------
+
+def quant_of(s: Setup, role: str, in_f: int) -> str | None:
+    """How a weight is stored under ``method=qlora`` or in a pre-quantized checkpoint:
+    nn.quantize with class_predicate hasattr(m, "to_quantized") and width % group == 0
+    (backends/mlx/runtime.py, as mlx_lm.utils.quantize_model): Linear *and* Embedding, lm_head too."""
+    if not (s.method == "qlora" or s.pre_quant is not None):
+        return None
+    if role in ("linear", "embed", "lm_head") and in_f % s.quant_group == 0:
+        return "mlx"
+    return None
+
+
+def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
+    """(bytes of the tensor itself, bytes of its quantization constants)."""
+    if t.quant == "mlx":
+        return mlx_quant_bytes(t.shape[0], t.shape[1], s.quant_bits, s.quant_group, s.wd)
+    return t.numel * t.dtype_bytes, 0
+
+
+def rounding_bytes(nbytes: int, s: Setup) -> int:
+    """MLX's allocator adds nothing the planner counts to a persistent array."""
+    return 0
+
+
+# ---- optimizer state -------------------------------------------------------------------------------
+
+def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, on_gpu: bool,
+                          momentum: float = 0.0, host_step: bool = False) -> tuple[int, int]:
+    """(allocator-held bytes, paged bytes = 0) of one trainable array's optimizer state
+    (mlx/optimizers/optimizers.py ``init_single``), in the parameter's dtype."""
+    n = math.prod(shape)
+    if optim in ("adamw", "adam"):
+        return 2 * n * dtype_bytes, 0  # Adam.init_single: m, v = zeros_like(parameter)
+    if optim == "sgd":
+        return n * dtype_bytes, 0  # SGD.init_single: state["v"] = zeros_like(parameter), even at momentum 0
+    if optim == "adafactor":
+        # Adafactor.init_single: exp_avg_sq_row shape[:-1], _col shape[:-2] + shape[-1:];
+        # 1-D: exp_avg_sq = zeros_like; beta_1=None.
+        factored = len(shape) >= 2
+        elems = (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if factored else n
+        return elems * dtype_bytes, 0
+    from finetune.backends.mlx.capabilities import CAPABILITIES
+
+    raise UserError(f"optim={optim} is not valid on backend=mlx; choose one of: {', '.join(CAPABILITIES.optimizers)}")
+
+
+def optimizer_shared_bytes(s: Setup, trainable: list[Tensor]) -> int:
+    return 0
+
+
+def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
+    """backends/mlx/runtime.py optimizer_step: optim.clip_grad_norm builds a clipped copy of the
+    gradient tree, then Optimizer.update's lazy graph (new m, v, p per parameter) is evaluated
+    at once. Calibrated on mlx 0.32 CPU, full fine-tuning of 2-8 layer models
+    (mx.get_peak_memory during optimizer_step minus weights + state + grads): about one more
+    trainable-sized tree (0.6 for SGD) plus 4x the largest tensor, within -9%..0%."""
+    if not trainable:
+        return 0
+    largest = max(t.numel * t.dtype_bytes for t in trainable)
+    total = sum(t.numel * t.dtype_bytes for t in trainable)
+    return int((0.6 if s.optim == "sgd" else 1.0) * total) + 4 * largest
+
+
+# ---- activations -----------------------------------------------------------------------------------
+
+# mlx evaluates forward and backward as one graph: the calibrated workspace coexists with the
+# logits' cotangents (fitted that way).
+WORKSPACE_WITH_LOGITS = True
+
+
+def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, Any]:
+    """The terms the planner assembles into a step's activations (see
+    finetune.planner.price.activations)."""
+    layer, lparts = layer_bytes(arch, s, lowest=False)
+    low, _ = layer_bytes(arch, s, lowest=s.method != "full")
+    h, f, V = arch.hidden, arch.intermediate, arch.vocab
+    T = s.seq_len - 1
+    n = s.batch * T
+    a = s.wd
+    head = n * h * 4 + n * 4  # final rms_norm: fp32 input and rsqrt
+    tt = MLX_TRANSIENT_TT
+    if backward_layers == 1 and s.method != "full" and not s.ckpt:
+        tt -= MLX_LOWEST_ONLY_TT_SAVING
+    transient = int((MLX_TRANSIENT_NH * n * h + MLX_TRANSIENT_NF * n * f
+                     + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
+                     + tt * s.batch * arch.heads * T * T) * a)
+    logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
+    # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
+    ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
+                          + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * T * T) * a)
+    return {"layer": layer, "layer_parts": lparts, "lowest": low, "head": head, "transient": transient,
+            "logits": logits, "ckpt_input": n * h * a,  # mlx.core.checkpoint keeps the layer's input
+            "ckpt_recompute": ckpt_recompute}
+
+
+def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float) -> int:
+    """Bytes of activations and gradients together at the forward/backward peak."""
+    if s.grad_accum > 1:
+        # backends/mlx/runtime.py forward_backward: tree_map(mx.add, self._grads, grads) is
+        # evaluated with this micro-batch's graph: the running sum, the new grads and the new sum.
+        return max(fb + 2 * grads, 3 * grads)
+    return max(fb, grads) + int(overlap * min(fb, grads))
+
+
+# ---- overheads and notes ---------------------------------------------------------------------------
+
+def device_overhead(s: Setup) -> int:
+    return 0  # unified memory: no device context outside the allocator
+
+
+def notes(s: Setup) -> list[str]:
+    out = ["mlx: activations calibrated on mlx 0.32 CPU (fallback attention keeps the "
+           "[B, H, T, T] softmax); unified memory: no separate context"]
+    if s.device == "cpu":
+        out.append("cpu: the process's own resident libraries are not counted")
+    return out
+
+
+def quant_label(s: Setup) -> str | None:
+    """How the plan names the base's quantization."""
+    if s.method == "qlora" or s.pre_quant:
+        return f"int{s.quant_bits}/affine/group{s.quant_group}" + (" (pre-quantized)" if s.pre_quant else "")
+    return None
+
+
+def qlora_lever(arch: Arch, s: Setup) -> dict[str, Any] | None:
+    """The Setup changes of trying ``method=qlora`` instead (None: not a lever here)."""
+    if s.method in ("lora", "dora"):
+        return {"lora_layers": s.lora_layers}
+    if s.method == "full":
+        return {"lora_layers": tuple(range(arch.layers))}
+    return None
+
+
+ATTENTION_LABEL = "mx.fast.scaled_dot_product_attention"
+
+
+def layer_bytes(arch: Arch, s: Setup, lowest: bool) -> tuple[int, dict[str, int]]:
+    """Bytes mlx keeps for backward in one mlx-lm decoder layer (models/qwen2.py, llama.py).
+
+    Measured on mlx 0.32 (CPU) by evaluating the loss of nn.value_and_grad first and reading
+    mx.get_active_memory before evaluating the gradients; each term is an array the vjp graph
+    references:
+    - mx.fast.rms_norm (CPU fallback): the input upcast to fp32 and the rsqrt, per norm;
+    - attention: mx.fast.scaled_dot_product_attention's fallback (mlx/fast.cpp: used on CPU and
+      whenever the fused VJP is unavailable) keeps scale*q, k, v, the softmax [B, H, T, T] and
+      the [T, T] bool causal mask; mx.fast.rope's fallback keeps cos/sin tables [T, d] per call;
+    - MLP: nn.silu = x * sigmoid(x) keeps gate and sigmoid(gate); the product keeps silu and up;
+    - inputs of trained or adapted Linears; LoRALinear keeps x @ lora_a [n, r]; DoRALinear keeps
+      the un-normalised output [n, out] for m's grad; full fine-tuning keeps the norm outputs.
+    """
+    T = s.seq_len - 1  # backends/mlx.py _loss: model(ids[:, :-1])
+    n = s.batch * T
+    h, qd, kv, f = arch.hidden, arch.q_out, arch.kv_out, arch.intermediate
+    a = s.wd
+    full = s.method == "full"
+    start = _first_stage(s) if lowest else 0
+    lin = arch.linears()
+    parts = {"norms": 0, "linear_inputs": 0, "adapters": 0, "attention": 0, "mlp": 0}
+    for stage in (0, 3):
+        if stage > start or (stage == start and (full or not lowest)):
+            parts["norms"] += n * h * 4 + n * 4
+    if start <= 1:
+        parts["attention"] += (n * (qd + 2 * kv) * a + s.batch * arch.heads * T * T * a + T * T
+                               + 2 * T * arch.head_dim * a)
+    if start <= 4:
+        parts["mlp"] += 4 * n * f * a
+    sources = {"q_proj": ("y1", h), "k_proj": ("y1", h), "v_proj": ("y1", h), "o_proj": ("o", qd),
+               "gate_proj": ("y2", h), "up_proj": ("y2", h), "down_proj": ("p", f)}
+    trained = BLOCK_KEYS if full else s.keys
+    for src, width in {sources[k] for k in trained}:
+        parts["linear_inputs"] += n * width * a
+    if full:
+        parts["norms"] += 2 * n * h * a
+    else:
+        for k in s.keys:
+            in_f, out_f, _ = lin[k]
+            parts["adapters"] += n * s.rank * a
+            if s.dropout > 0:
+                parts["adapters"] += n * in_f * (1 + a)
+            if s.method == "dora":
+                parts["adapters"] += n * out_f * a
+    return sum(parts.values()), parts
+

@@ -1,0 +1,161 @@
+"""Fitting a run to a budget while keeping its math: smaller micro-batches (accumulation
+rises to match), then gradient checkpointing; else the levers that would make it fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.backends import capabilities
+from finetune.config import UserError
+from finetune.planner.model import Arch, Setup, memory_model, resolve
+from finetune.planner.price import _core, plan
+
+
+def _setup_with(s: Setup, **changes: Any) -> Setup:
+    import dataclasses
+
+    return dataclasses.replace(s, **changes)
+
+def _fits(p: dict[str, Any], budget: int | None) -> bool | None:
+    return None if budget is None else p["max_device_peak_bytes"] <= budget
+
+def _divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+def _largest_fitting_micro(arch: Arch, s: Setup, budget: int, ckpt: bool) -> int | None:
+    eff = s.batch * s.grad_accum
+    for d in _divisors_desc(eff):
+        if _fits(_core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt)), budget):
+            return d
+    return None
+
+def _levers(arch: Arch, s: Setup, budget: int) -> list[dict[str, Any]]:
+    """Single changes that make the run fit at its current micro-batch (or at micro-batch 1
+    with checkpointing when nothing else is left), each with its predicted peak."""
+    out: list[dict[str, Any]] = []
+
+    def trial(change: str, **kw: Any) -> None:
+        try:
+            p = _core(arch, _setup_with(s, **kw))
+        except UserError:
+            return
+        if _fits(p, budget):
+            out.append({"change": change, "peak_bytes": p["max_device_peak_bytes"]})
+
+    if not s.ckpt:
+        trial("train.grad_checkpointing=true", ckpt=True)
+    caps = capabilities(s.backend)
+    if s.optim in ("adamw", "adam") and "adamw_8bit" in caps.optimizers:
+        trial("optim=adamw_8bit", optim="adamw_8bit")
+        if s.device == "cuda" and "paged_adamw_8bit" in caps.optimizers:
+            trial("optim=paged_adamw_8bit", optim="paged_adamw_8bit")
+    qlora = memory_model(s.backend).qlora_lever(arch, s) if "qlora" in caps.methods else None
+    if qlora is not None:
+        trial("method=qlora", method="qlora", **qlora)
+    if s.precision != "bf16-true":
+        bf = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "autocast": False,
+              "adapter_dtype": "bfloat16", "precision": "bf16-true"}
+        trial("precision=bf16-true", **bf)
+    if s.adapters and len(s.lora_layers) > 1:
+        best = None
+        lo, hi = 1, len(s.lora_layers) - 1
+        while lo <= hi:  # more layers -> more memory: bisect the largest N that fits
+            mid = (lo + hi) // 2
+            if _fits(_core(arch, _setup_with(s, lora_layers=tuple(range(arch.layers - mid, arch.layers)))), budget):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if best:
+            p = _core(arch, _setup_with(s, lora_layers=tuple(range(arch.layers - best, arch.layers))))
+            out.append({"change": f"method.lora.num_layers={best}", "peak_bytes": p["max_device_peak_bytes"]})
+    best, lo, hi = None, 8, s.seq_len - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if _fits(_core(arch, _setup_with(s, seq_len=mid)), budget):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    if best:
+        p = _core(arch, _setup_with(s, seq_len=best))
+        out.append({"change": f"train.seq_len={best}", "peak_bytes": p["max_device_peak_bytes"]})
+    return out
+
+def _recommend(arch: Arch, s: Setup, budget: int | None) -> dict[str, Any] | None:
+    """Largest micro-batch that fits (a divisor of the effective batch, so the math stays the
+    same), with and without checkpointing, and single levers that make the run fit."""
+    if budget is None:
+        return None
+    eff = s.batch * s.grad_accum
+    micro = _largest_fitting_micro(arch, s, budget, s.ckpt)
+    rec: dict[str, Any] = {"max_micro_batch": micro,
+                           "max_micro_batch_note": f"largest divisor of the effective batch ({eff}) that fits"}
+    if not s.ckpt:
+        rec["max_micro_batch_with_grad_checkpointing"] = _largest_fitting_micro(arch, s, budget, True)
+    smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
+    rec["smallest_peak_bytes"] = _core(arch, smallest)["max_device_peak_bytes"]  # micro-batch 1 + checkpointing
+    base = s if micro is not None else smallest  # levers on top of the smallest configuration
+    rec["levers"] = _levers(arch, base, budget) if not _fits(_core(arch, base), budget) else []
+    if micro is None:
+        rec["levers_apply_to"] = "micro-batch 1 with gradient checkpointing"
+    return rec
+
+@dataclass
+class FitResult:
+    """What fit_to_budget decided. ``events`` are {trigger, action, before, after} dicts."""
+
+    fits: bool
+    plan: dict[str, Any]
+    batch_size: int
+    grad_accum: int
+    grad_checkpointing: bool
+    events: list[dict[str, Any]] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state: Any = None) -> FitResult:
+    """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
+
+    First lower the micro-batch to the largest divisor of the effective batch that fits
+    (grad_accum rises so batch_size * grad_accum stays exactly the same); if even micro-batch 1
+    does not fit, turn on gradient checkpointing and take the largest micro-batch that fits with
+    it. If nothing fits, return fits=False with the plan at micro-batch 1 with checkpointing and
+    suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
+    "train.seq_len=512".
+    """
+    from finetune.state import RunState
+
+    arch, s = resolve(cfg, seq_len, state)
+    budget = int(budget_bytes)
+    eff = s.batch * s.grad_accum
+    base = state or RunState(s.backend, s.batch, eff, s.ckpt)
+
+    def full_plan(batch: int, ckpt: bool) -> dict[str, Any]:
+        return plan(cfg, seq_len=seq_len, budget_bytes=budget, recommend=False,
+                    state=base.with_(micro_batch=batch, grad_checkpointing=ckpt))
+
+    p0 = _core(arch, s)
+    before = {"batch_size": s.batch, "grad_accum": s.grad_accum, "grad_checkpointing": s.ckpt,
+              "peak_bytes": p0["max_device_peak_bytes"], "budget_bytes": budget}
+    if _fits(p0, budget):
+        return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt)
+    events: list[dict[str, Any]] = []
+    for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
+        for d in _divisors_desc(eff):
+            if d > s.batch:
+                continue
+            p = _core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt))
+            if not _fits(p, budget):
+                continue
+            if d != s.batch:
+                events.append({"trigger": "plan_over_budget", "action": "lower_micro_batch", "before": before,
+                               "after": {"batch_size": d, "grad_accum": eff // d, "grad_checkpointing": s.ckpt,
+                                         "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=eff // d))["max_device_peak_bytes"]}})
+            if ckpt and not s.ckpt:
+                prev = events[-1]["after"] if events else before
+                events.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing",
+                               "before": {**prev}, "after": {**prev, "grad_checkpointing": True,
+                                                             "peak_bytes": p["max_device_peak_bytes"]}})
+            return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events)
+    smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
+    suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
+    return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions)

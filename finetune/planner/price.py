@@ -1,0 +1,287 @@
+"""Pricing: one setup's inventory turned into bytes per category, per device and per phase.
+
+Generic: what a backend's framework holds (weight storage, optimizer state, activations, device
+overhead) comes from its memory model (``finetune/backends/<name>/memory.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.budget import device_memory, parse_budget
+from finetune.planner.model import (
+    GRAD_ACTIVATION_OVERLAP,
+    SCHEMA_VERSION,
+    Arch,
+    Setup,
+    Tensor,
+    _get,
+    inventory,
+    memory_model,
+    resolve,
+)
+
+
+def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
+    """(activation bytes, logits+loss bytes, detail); their sum is the step's peak above
+    weights, optimizer state and gradients.
+
+    Activations are what autograd / mlx's vjp keep for backward plus the backward workspace
+    where it is not already covered by the logits region (detail: saved_layers, head,
+    backward_workspace).
+
+    Only layers that need gradients keep anything: with adapters on the top N layers the
+    forward below them runs without a graph. Gradient checkpointing keeps each such layer's
+    input and recomputes one layer at a time during backward.
+    """
+    L = arch.layers
+    first = 0 if s.method == "full" else min(s.lora_layers)
+    backward_layers = L - first
+    detail: dict[str, int] = {"layers_with_grad": backward_layers}
+    p = memory_model(s.backend).activation_pieces(arch, s, backward_layers)
+    layer, lparts, low, head, transient, logits = (p["layer"], p["layer_parts"], p["lowest"], p["head"],
+                                                   p["transient"], p["logits"])
+    ckpt_input, ckpt_recompute = p["ckpt_input"], p["ckpt_recompute"]
+    if backward_layers == 0:
+        saved, recompute = 0, 0
+    elif s.ckpt:
+        saved, recompute = backward_layers * ckpt_input, ckpt_recompute  # inputs; one layer recomputed in backward
+    else:
+        saved, recompute = low + (backward_layers - 1) * layer, 0
+    workspace = transient + recompute
+    # Where the framework frees the loss's backward before the layers' (torch), only the larger
+    # of the two adds to the kept activations; where it evaluates both as one graph (mlx), the
+    # workspace coexists with the logits (the memory model's WORKSPACE_WITH_LOGITS).
+    extra = workspace if memory_model(s.backend).WORKSPACE_WITH_LOGITS else max(0, workspace - logits)
+    detail.update({"per_layer": layer, "lowest_layer": low, "saved_layers": saved, "head": head,
+                   "backward_workspace": workspace, **{f"per_layer_{k}": v for k, v in lparts.items()}})
+    return saved + head + extra, logits, detail
+
+
+
+# ---- device split ---------------------------------------------------------------------------------
+
+def _split_layers(sizes: list[tuple[str, int]], n_devices: int) -> dict[str, int]:
+    """Assign modules (in forward order) to GPUs the way transformers' device_map="auto"
+    does through accelerate 1.15 (accelerate/utils/modeling.py): get_balanced_memory caps each
+    GPU but the last at total // N + 1.25 x max(largest decoder layer, mean module); then
+    infer_auto_device_map fills GPUs in order, GPU 0 (a "main device") keeping room for the
+    largest layer, the last GPU taking what is left."""
+    if n_devices <= 1:
+        return {name: 0 for name, _ in sizes}
+    total = sum(b for _, b in sizes)
+    largest = max((b for n, b in sizes if n.startswith("layer.")), default=0)
+    per_gpu = total // n_devices + int(1.25 * max(largest, total / max(len(sizes), 1)))
+    caps = [per_gpu - largest] + [per_gpu] * (n_devices - 2) + [None]
+    out, dev, used = {}, 0, 0
+    for name, b in sizes:
+        while caps[dev] is not None and used + b > caps[dev] and dev < n_devices - 1:
+            dev, used = dev + 1, 0
+        out[name] = dev
+        used += b
+    return out
+
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+def _module_of(t: Tensor) -> str:
+    if t.layer is not None:
+        return f"layer.{t.layer}"
+    return "embed" if t.role == "embed" else "head"
+
+def _count(tensors: list[Tensor]) -> tuple[int, int]:
+    return sum(t.numel for t in tensors), sum(t.numel for t in tensors if t.trainable)
+
+def trainable_params(cfg: Any) -> int:
+    """Parameters the optimizer updates, as the backends count them after building adapters:
+    LoRA r * (in + out) per adapted Linear (+ out for DoRA's magnitude), or every parameter for
+    method=full (tied embeddings once)."""
+    arch, s = resolve(cfg)
+    return _count(inventory(arch, s))[1]
+
+def params_total(cfg: Any) -> int:
+    """Every parameter by logical element (a 4-bit weight counts its real shape), adapters
+    included, tied embeddings once: backends' ModelInfo.params_total."""
+    arch, s = resolve(cfg)
+    return _count(inventory(arch, s))[0]
+
+_MODULE_KEYS = ("weights", "quant", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged", "round")
+
+
+def _core(arch: Arch, s: Setup) -> dict[str, Any]:
+    """Price one setup: categories, steady state, peak, per device."""
+    tensors = inventory(arch, s)
+    total, trainable = _count(tensors)
+    on_gpu = s.device == "cuda"
+    mm = memory_model(s.backend)
+    # Group bytes by module so a split model's share can be priced per device.
+    by_module: dict[str, dict[str, int]] = {}
+    trainable_t = [t for t in tensors if t.trainable]
+    for t in tensors:
+        mod = by_module.setdefault(_module_of(t), dict.fromkeys(
+            _MODULE_KEYS, 0))
+        w, q = mm.weight_bytes(t, s)
+        mod["weights"] += w + q
+        mod["quant"] += q
+        mod["round"] += mm.rounding_bytes(w, s)
+        if t.trainable:
+            mod["trainable_weights"] += w
+            mod["grads"] += w  # a gradient has its parameter's shape and dtype
+            st, paged = mm.optimizer_state_bytes(s.optim, t.shape, t.dtype_bytes, on_gpu, s.momentum,
+                                                 host_step=s.device == "cpu")
+            mod["optimizer_state"] += st
+            mod["optimizer_state_paged"] += paged
+            mod["round"] += 2 * mm.rounding_bytes(w, s)
+    qmaps = mm.optimizer_shared_bytes(s, trainable_t)
+    _, logits, act_detail = activations(arch, s)
+    opt_tr = mm.optimizer_transient(s, trainable_t)
+
+    # Modules on devices (device_map=auto over N GPUs; one device otherwise).
+    order = ["embed"] + [f"layer.{i}" for i in range(arch.layers)] + ["head"]
+    assign = _split_layers([(m, by_module.get(m, {}).get("weights", 0)) for m in order], s.n_devices)
+    n_dev = s.n_devices
+    first = 0 if s.method == "full" else min(s.lora_layers)
+    layer_share = act_detail["saved_layers"]
+    per_dev_layers = [0] * n_dev
+    for i in range(first, arch.layers):
+        per_dev_layers[assign[f"layer.{i}"]] += 1
+    devices = []
+    bw_layers = max(arch.layers - first, 1)
+    for d in range(n_dev):
+        mods = [m for m in order if assign[m] == d]
+        agg = {k: sum(by_module.get(m, {}).get(k, 0) for m in mods) for k in
+               _MODULE_KEYS}
+        if d == 0:
+            agg["optimizer_state"] += qmaps
+        last = d == assign["head"]
+        # Activations: the layers on this device; the head and logits live with lm_head; each
+        # device runs its own layers' backward workspace.
+        dev_logits = logits if last else 0
+        workspace = act_detail["backward_workspace"]
+        dev_act = (layer_share * per_dev_layers[d]) // bw_layers + (
+            workspace if mm.WORKSPACE_WITH_LOGITS else max(0, workspace - dev_logits))
+        if last:
+            dev_act += act_detail["head"]
+        devices.append(_price(s, agg, dev_act, dev_logits, opt_tr if agg["grads"] else 0, d, mods))
+    tot = {k: sum(dv["bytes"][k] for dv in devices) for k in devices[0]["bytes"]}
+    if n_dev == 1:
+        summary = devices[0]
+    else:
+        worst = max(devices, key=lambda dv: dv["peak_bytes"])
+        summary = {"bytes": tot,
+                   "steady_state_allocated_bytes": sum(dv["steady_state_allocated_bytes"] for dv in devices),
+                   "peak_allocated_bytes": sum(dv["peak_allocated_bytes"] for dv in devices),
+                   "peak_bytes": sum(dv["peak_bytes"] for dv in devices), "peak_phase": worst["peak_phase"]}
+    return {
+        "params_total": total, "params_trainable": trainable,
+        "bytes": summary["bytes"],
+        "steady_state_allocated_bytes": summary["steady_state_allocated_bytes"],
+        "peak_allocated_bytes": summary["peak_allocated_bytes"],
+        "peak_bytes": summary["peak_bytes"],
+        "peak_phase": summary["peak_phase"],
+        "max_device_peak_bytes": max(dv["peak_bytes"] for dv in devices),
+        "per_device": devices,
+        "activations_detail": act_detail,
+        "quant_constants_bytes": sum(m["quant"] for m in by_module.values()),
+        "optimizer_step_workspace_bytes": opt_tr,
+    }
+
+
+
+def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, index: int,
+           modules: list[str]) -> dict[str, Any]:
+    """Peak and steady state on one device from its categories."""
+    W, S, G = agg["weights"], agg["optimizer_state"], agg["grads"]
+    mm = memory_model(s.backend)
+    overhead = mm.device_overhead(s)
+    rounding = agg["round"]  # the memory model's allocator rounding (0 where none)
+    fb = act + logits
+    grads_fb = mm.grads_during_forward_backward(s, fb, G, GRAD_ACTIVATION_OVERLAP)
+    step = G + opt_tr
+    phases = {"forward_backward": grads_fb, "optimizer_step": step}
+    phase = max(phases, key=phases.get)
+    peak_alloc = W + S + phases[phase] + rounding
+    return {
+        "index": index,
+        "modules": f"{modules[0]}..{modules[-1]}" if modules else "",
+        "bytes": {
+            "weights": W,
+            "trainable_weights": agg["trainable_weights"],
+            "grads": G,
+            "optimizer_state": S,
+            "optimizer_state_paged": agg["optimizer_state_paged"],
+            "activations": act,
+            "logits": logits,
+            "overhead": overhead + rounding,
+        },
+        "overhead_detail": {"cuda_context_estimate": overhead, "allocator_rounding_512B": rounding},
+        "steady_state_allocated_bytes": W + S,
+        "peak_allocated_bytes": peak_alloc,
+        "peak_bytes": peak_alloc + overhead,
+        "peak_phase": phase,
+    }
+
+
+
+def _budget(s: Setup, override: int | None) -> tuple[int | None, str, int | None]:
+    """(budget bytes per device, where it came from, device total)."""
+    dm = device_memory(s.backend, s.device)
+    if override is not None:
+        return int(override), "argument", dm.total_bytes
+    if s.budget_text is not None:
+        return parse_budget(s.budget_text, dm.total_bytes), f"memory.budget={s.budget_text}", dm.total_bytes
+    label = dm.source + (" (estimate)" if dm.estimate and "estimate" not in dm.source else "")
+    return dm.total_bytes, f"device: {label}", dm.total_bytes
+
+
+def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
+         recommend: bool = True, state: Any = None) -> dict[str, Any]:
+    """Predict a run's memory without loading weights (the content of plan.json).
+
+    Args:
+        cfg: the composed finetune.config.Config (DictConfig or dataclass).
+        seq_len: tokens per sample to plan for; default ``train.seq_len``. Pass the data's
+            longest (truncated) sample for a tighter plan.
+        budget_bytes: the budget to judge ``fits`` against; default ``memory.budget`` or the device.
+        recommend: also search the largest micro-batch and levers that fit.
+        state: the run's live state (finetune.state.RunState), where a run is under way.
+
+    Returns:
+        A dict of ints of bytes (schema in the module docstring and format_table).
+    """
+    from finetune.planner.fit import _fits, _recommend
+
+    arch, s = resolve(cfg, seq_len, state)
+    core = _core(arch, s)
+    budget, budget_source, device_total = _budget(s, budget_bytes)
+    fits = _fits(core, budget)
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "backend": s.backend,
+        "device": s.device,
+        "devices": s.n_devices,
+        "model": {"name": str(_get(_get(cfg, "model"), "name", "")), **{k: v for k, v in arch.__dict__.items()}},
+        "method": s.method,
+        "optim": s.optim,
+        "precision": s.precision,
+        "dtypes": {"weights": s.weight_dtype, "adapters": s.adapter_dtype if s.adapters else None,
+                   "compute": s.compute_dtype, "autocast": s.autocast,
+                   "stored": s.dtype_source,  # where the checkpoint's dtype was read
+                   "quantized": memory_model(s.backend).quant_label(s)},
+        "lora": {"rank": s.rank, "keys": list(s.keys), "layers": len(s.lora_layers)} if s.adapters else None,
+        "batch_size": s.batch,
+        "grad_accum": s.grad_accum,
+        "effective_batch": s.batch * s.grad_accum,
+        "seq_len": s.seq_len,
+        "grad_checkpointing": s.ckpt,
+        "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
+        **core,
+        "device_total_bytes": device_total,
+        "budget_bytes": budget,
+        "budget_source": budget_source,
+        "fits": fits,
+        "recommendation": _recommend(arch, s, budget) if recommend else None,
+        "notes": s.notes + memory_model(s.backend).notes(s),
+    }
+    return out
+

@@ -1,0 +1,126 @@
+"""The plan as a user reads it (a table, plan.json) and as the run checks it (plan_error)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from finetune.planner.model import GIB, _get
+
+
+def _err(predicted: int | None, measured: int | None) -> dict[str, Any]:
+    if predicted is None or measured is None:
+        rel = None
+    elif measured == 0:
+        rel = 0.0 if predicted == 0 else None
+    else:
+        rel = (predicted - measured) / measured
+    return {"predicted": predicted, "measured": measured,
+            "error_bytes": None if predicted is None or measured is None else predicted - measured,
+            "relative_error": rel}
+
+def plan_error(plan: dict[str, Any], census: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Per-category prediction error after the first optimizer step.
+
+    Args:
+        plan: a plan() result for the run as it is (micro-batch, checkpointing).
+        census: Backend.census() (bytes by category of live tensors).
+        measured: the accountant's sample after the step (allocated, step_peak_allocated, ...).
+
+    Returns:
+        {category: {predicted, measured, error_bytes, relative_error}}; relative error is
+        (predicted - measured) / measured, None where either side is unknown. Gradients are
+        released by the step, so a census of 0 there is reported as not measured.
+    """
+    b = plan["bytes"]
+    c = census or {}
+    m = measured or {}
+    weights_measured = None
+    if c:
+        weights_measured = sum(int(c.get(k) or 0) for k in ("frozen_weights", "trainable_weights", "quant_buffers"))
+    grads_measured = c.get("grads")
+    out = {
+        "weights": _err(b["weights"], weights_measured),
+        "trainable_weights": _err(b["trainable_weights"], c.get("trainable_weights")),
+        "grads": _err(b["grads"], grads_measured if grads_measured else None),
+        "optimizer_state": _err(b["optimizer_state"], c.get("optimizer_state")),
+        "optimizer_state_paged": _err(b["optimizer_state_paged"], c.get("optimizer_state_paged")),
+        "steady_state_allocated": _err(plan.get("steady_state_allocated_bytes"), m.get("allocated")),
+        "peak_allocated": _err(plan.get("peak_allocated_bytes"),
+                               m.get("step_peak_allocated", m.get("peak_allocated"))),
+    }
+    return out
+
+def _gib(b: int | None) -> str:
+    return f"{'?':>9s} {'?':>16s}" if b is None else f"{b / GIB:9.3f} {b:16,d}"
+
+def format_table(plan: dict[str, Any]) -> str:
+    """The plan as a table for a terminal (GiB = 2^30 bytes, labelled)."""
+    b = plan["bytes"]
+    fits = plan.get("fits")
+    verdict = "unknown (no budget)" if fits is None else ("yes" if fits else "NO")
+    dt = plan.get("dtypes") or {}
+    head = (f"plan: {plan['model'].get('name') or 'model'} {plan['method']} {plan['optim']} {plan['precision']} "
+            f"on {plan['backend']} ({plan['device']}{' x' + str(plan['devices']) if plan['devices'] > 1 else ''}): "
+            f"peak {plan['max_device_peak_bytes'] / GIB:.2f} GiB per device vs budget "
+            + (f"{plan['budget_bytes'] / GIB:.2f} GiB" if plan.get("budget_bytes") else "unknown")
+            + f", fits: {verdict}")
+    lines = [head,
+             f"  params: {plan['params_total']:,} total, {plan['params_trainable']:,} trainable",
+             (f"  micro-batch {plan['batch_size']} x grad_accum {plan['grad_accum']} = {plan['effective_batch']}, "
+              f"seq_len {plan['seq_len']}, grad_checkpointing {plan['grad_checkpointing']}, "
+              f"attention {plan['attn_implementation']}"),
+             (f"  dtypes: weights {dt.get('weights')}" + (f", adapters {dt['adapters']}" if dt.get("adapters") else "")
+              + f", compute {dt.get('compute')}" + (f", quantized {dt['quantized']}" if dt.get("quantized") else "")
+              + (f" (stored dtype from {dt['stored']})" if dt.get("stored") else "")),
+             f"  {'category':32s}{'GiB':>9s} {'bytes':>16s}"]
+    for k in ("weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
+              "activations", "logits", "overhead"):
+        note = {"trainable_weights": " (part of weights)", "optimizer_state_paged": " (unified memory, not in peak)"}.get(k, "")
+        lines.append(f"  {k:32s}{_gib(b[k])}{note}")
+    lines.append(f"  {'steady state (after a step)':32s}{_gib(plan['steady_state_allocated_bytes'])}")
+    lines.append(f"  {'peak allocated':32s}{_gib(plan['peak_allocated_bytes'])}  ({plan['peak_phase']})")
+    lines.append(f"  {'peak (with overhead)':32s}{_gib(plan['peak_bytes'])}")
+    if plan["devices"] > 1:
+        budget = plan.get("budget_bytes")
+        lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"
+                     f"{'logits':>9s}{'peak':>9s}  fits  modules")
+        for dv in plan["per_device"]:
+            db = dv["bytes"]
+            ok = "?" if budget is None else ("yes" if dv["peak_bytes"] <= budget else "NO")
+            lines.append(f"    gpu {dv['index']:<16d}" + "".join(f"{db[k] / GIB:9.2f}" for k in (
+                "weights", "grads", "optimizer_state", "optimizer_state_paged", "activations", "logits"))
+                + f"{dv['peak_bytes'] / GIB:9.2f}  {ok:4s}  {dv['modules']}")
+    lines.append(f"  {'budget':32s}{_gib(plan.get('budget_bytes'))}  ({plan.get('budget_source')})")
+    if plan.get("budget_bytes") is None:
+        where = "per GPU" if plan["device"] == "cuda" else "of this device"
+        lines.append(f"  fits is unknown: {'no CUDA device is visible here' if plan['device'] == 'cuda' else 'the device size is unknown'}; "
+                     f"set memory.budget (bytes {where}), e.g. memory.budget=48GiB")
+    rec = plan.get("recommendation")
+    if rec:
+        lines.append(f"  largest micro-batch that fits: {rec.get('max_micro_batch')}"
+                     + (f" (with grad checkpointing: {rec['max_micro_batch_with_grad_checkpointing']})"
+                        if "max_micro_batch_with_grad_checkpointing" in rec else ""))
+        if rec.get("levers"):
+            where = f" at {rec['levers_apply_to']}" if rec.get("levers_apply_to") else ""
+            lines.append(f"  each of these alone fits{where}: "
+                         + ", ".join(f"{lv['change']} ({lv['peak_bytes'] / GIB:.2f} GiB)" for lv in rec["levers"]))
+        elif rec.get("max_micro_batch") is None and rec.get("max_micro_batch_with_grad_checkpointing") is None:
+            lines.append(f"  nothing fits: micro-batch 1 with gradient checkpointing peaks at "
+                         f"{rec['smallest_peak_bytes'] / GIB:.2f} GiB, and no single lever (8-bit optimizer, qlora, "
+                         "bf16-true, fewer adapted layers, shorter seq_len) brings it under the budget")
+    for n in plan.get("notes", []):
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
+
+def run_plan(cfg: Any) -> dict[str, Any]:
+    """mode=plan: compute the plan, write ``cfg.run_dir/plan.json`` atomically (temp file +
+    rename), print the table, return the plan."""
+    from finetune.io import atomic_write_json
+    from finetune.planner.price import plan
+
+    p = plan(cfg)
+    run_dir = Path(str(_get(cfg, "run_dir")))
+    atomic_write_json(run_dir / "plan.json", p)
+    print(format_table(p))
+    return p

@@ -1,0 +1,36 @@
+"""The run's live state: what the governor may change while training, in one typed object.
+
+The governor owns it; the loop reads the micro-batch from it; the planner prices it (so a
+plan made mid-run is for the run as it is now, not as it was configured); checkpoints save
+it. Changing it never changes the math: the effective batch is fixed for the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+
+@dataclass
+class RunState:
+    backend: str  # the concrete backend ("cuda" | "mlx"), backend=auto resolved
+    micro_batch: int  # samples per forward/backward
+    effective_batch: int  # samples per optimizer step: micro_batch * grad_accum, fixed for the run
+    grad_checkpointing: bool
+
+    @property
+    def grad_accum(self) -> int:
+        return self.effective_batch // self.micro_batch
+
+    @classmethod
+    def from_config(cls, cfg: Any, backend: str) -> RunState:
+        t = cfg.train
+        return cls(backend=backend, micro_batch=int(t.batch_size), effective_batch=int(t.batch_size) * int(t.grad_accum),
+                   grad_checkpointing=bool(t.grad_checkpointing))
+
+    def with_(self, **changes: Any) -> RunState:
+        """A copy with ``changes`` (micro_batch, grad_checkpointing, ...)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "grad_accum": self.grad_accum}
