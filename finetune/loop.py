@@ -13,7 +13,6 @@ import gc
 import json
 import logging
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,9 +20,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from backends import OutOfMemory, get_backend, resolve_backend_name
+from finetune import checkpoints
+from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
 from finetune.config import UserError, validate
-from finetune.io import atomic_dir, atomic_write_json, atomic_write_text
+from finetune.io import atomic_dir, atomic_write_json
+from finetune.runlog import RunLog
 
 log = logging.getLogger("finetune")
 
@@ -41,11 +42,6 @@ def lr_at(step: int, cfg: Any) -> float:
     return base * 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine to 0 at the last step
 
 
-def _latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    return ckpts[-1] if ckpts else None
-
-
 class Trainer:
     """Owns one run: setup, the step loop, evaluation, checkpoints and the run directory."""
 
@@ -55,7 +51,10 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events: list[dict[str, Any]] = []
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        # metrics.jsonl, the progress bar and the chosen loggers; a logger's missing package
+        # stops the run here, before anything is downloaded or loaded
+        chosen = cfg.get("logger")
+        self.runlog = RunLog(self.run_dir, chosen, OmegaConf.to_container(cfg, resolve=True) if chosen else None)
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -96,12 +95,11 @@ class Trainer:
         self.events.append(ev)
         print(f"[governor] step {ev['step']}: {ev['trigger']} -> {ev['action']} "
               f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})", file=sys.stderr)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({"event": ev}) + "\n")
+        self.runlog.event(ev)
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> None:
-        with atomic_dir(self.run_dir / "checkpoints" / f"step_{step:07d}") as tmp:
+        with atomic_dir(checkpoints.checkpoint_path(self.run_dir, step)) as tmp:
             (tmp / "backend").mkdir()
             self.backend.save_state(tmp / "backend")
             atomic_write_json(tmp / "trainer_state.json", {
@@ -109,17 +107,16 @@ class Trainer:
                 "grad_checkpointing": self.governor.grad_checkpointing,
                 "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
                 "tokens": self.tokens, "samples": self.samples})
-        for old in sorted((self.run_dir / "checkpoints").glob("step_*"))[:-2]:  # keep the last two
-            shutil.rmtree(old, ignore_errors=True)
+        checkpoints.prune(self.run_dir, keep=checkpoints.KEEP)
 
     def maybe_resume(self) -> int:
         if not self.cfg.train.resume:
             return 0
-        ckpt = _latest_checkpoint(self.run_dir)
-        if ckpt is None:
+        latest = checkpoints.latest_state(self.run_dir)
+        if latest is None:
             raise UserError(f"train.resume=true but {self.run_dir}/checkpoints holds no checkpoint; "
                             "point hydra.run.dir at the run to continue, or set train.save_every")
-        state = json.loads((ckpt / "trainer_state.json").read_text())
+        ckpt, state = latest
         eff = self.cfg.train.batch_size * self.cfg.train.grad_accum
         if state["effective_batch"] != eff:
             raise UserError(f"checkpoint was trained with effective batch {state['effective_batch']}, this run has {eff}; "
@@ -127,14 +124,6 @@ class Trainer:
         self.backend.load_state(ckpt / "backend")
         self.governor.restore(state)
         self.tokens, self.samples = state["tokens"], state["samples"]
-        # metrics after the checkpoint belong to the abandoned future: drop them
-        if self.metrics_path.exists():
-            def step_of(line: str) -> int:
-                rec = json.loads(line)
-                return int(rec["event"]["step"] if "event" in rec else rec["step"])
-
-            keep = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip() and step_of(ln) <= state["step"]]
-            atomic_write_text(self.metrics_path, "".join(k + "\n" for k in keep))
         print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
         return int(state["step"])
 
@@ -175,12 +164,10 @@ class Trainer:
         cfg = self.cfg
         self.tokens = self.samples = self.tokens_this_run = 0
         start = self.maybe_resume()
-        if start == 0:
-            self.metrics_path.unlink(missing_ok=True)
-            for ev in self.events:  # governor decisions made before loading
-                with self.metrics_path.open("a") as f:
-                    f.write(json.dumps({"event": ev}) + "\n")
-        bar = _progress(cfg, start)
+        # a fresh run starts metrics.jsonl empty; a resumed one drops the lines after its
+        # checkpoint (the abandoned future). Either way the governor's decisions made before
+        # loading follow, then one line per step.
+        self.runlog.begin(start, progress=cfg.train.progress, total=cfg.train.steps)
         losses: list[float] = []
         val_loss = None
         step_seconds = 0.0
@@ -213,17 +200,11 @@ class Trainer:
                 val_loss = self.evaluate()
                 rec["val_loss"] = val_loss
             rec.update(self.acct.metrics_fields() if sample is not None else {})
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if bar is not None:
-                bar.set_postfix_str(f"loss {loss:.4f} | {rec['tokens_per_sec'] or 0:,.0f} tok/s | {self.acct.progress_text()}",
-                                    refresh=False)
-                bar.update(1)
+            self.runlog.step(rec, self.acct.progress_text)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 self.save_checkpoint(step)
         stop.close()
-        if bar is not None:
-            bar.close()
+        self.runlog.close_progress()
         wall = time.perf_counter() - t_run
         with atomic_dir(self.run_dir / "adapter") as tmp:
             self.backend.save_adapter(tmp)
@@ -231,6 +212,7 @@ class Trainer:
             self.save_checkpoint(cfg.train.steps)
         summary = self._summary(losses, val_loss, wall, step_seconds)
         atomic_write_json(self.run_dir / "summary.json", summary)
+        self.runlog.summary(summary)
         try:
             self.acct.write_plot(self.run_dir / "memory.png", budget=self.governor.budget_bytes)
         except Exception as e:  # a plot must never cost the run its results
@@ -238,6 +220,7 @@ class Trainer:
         print(self.acct.table(), file=sys.stderr)
         for ex in summary["memory"].get("explanations", []):
             print(f"[memory] {ex['text']}", file=sys.stderr)
+        self.runlog.close()
         print(f"run dir: {self.run_dir}", file=sys.stderr)
         return summary
 
@@ -249,17 +232,11 @@ class Trainer:
 
             # the plan at the length step 1 really had, so the error measures the model, not
             # the gap between train.seq_len and the data
-            self.plan = planner.plan(self.cfg_for_plan(), seq_len=self._step_max_len)
+            self.plan = planner.plan(self.cfg, seq_len=self._step_max_len, state=self.governor.state)
             self.plan_error = planner.plan_error(self.plan, sample.get("census") or {}, sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)
             self.plan, self.plan_error = None, None
-
-    def cfg_for_plan(self) -> Any:
-        c = OmegaConf.merge(self.cfg, {"train": {"batch_size": self.governor.micro,
-                                                 "grad_checkpointing": self.governor.grad_checkpointing},
-                                       "backend": {"name": self.backend_name}})
-        return c
 
     def _summary(self, losses: list[float], val_loss: float | None, wall: float,
                  step_seconds: float) -> dict[str, Any]:
@@ -352,17 +329,9 @@ class _StopOnSignal:
             signal.signal(signum, signal.default_int_handler if previous is None else previous)
 
 
-def _progress(cfg: Any, start: int) -> Any:
-    if not cfg.train.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.train.steps, initial=start, desc="train", file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.5)
-
-
 def train(cfg: Any) -> dict[str, Any]:
     """Run a training job for a composed config; return the summary (also in summary.json)."""
     trainer = Trainer(cfg)
-    trainer.setup()
-    return trainer.train()
+    with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
+        trainer.setup()
+        return trainer.train()

@@ -1,0 +1,64 @@
+"""Checkpoint discovery in one place: where a run's checkpoints live, which is the latest,
+which to prune. The loop saves and resumes through these; the supervisor reads the latest.
+
+A checkpoint is ``<run_dir>/checkpoints/step_<7 digits>/`` holding ``backend/`` and
+``trainer_state.json``. It is written by ``finetune.io.atomic_dir`` under a dotted temporary
+name, so a half-written one never matches ``step_*`` and is never found here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "trainer_state.json"
+KEEP = 2  # checkpoints kept after each save: the newest, and one in case it is damaged
+_NAME = re.compile(r"step_(\d+)")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint after optimizer step ``step`` goes."""
+    return checkpoints_dir(run_dir) / f"step_{step:07d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first (by step number, not by name)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.fullmatch(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def read_state(ckpt: str | Path) -> dict[str, Any]:
+    """A checkpoint's trainer state: step, micro_batch, grad_checkpointing, effective_batch,
+    tokens, samples."""
+    return json.loads((Path(ckpt) / STATE_FILE).read_text())
+
+
+def latest_state(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint and its trainer state, or None."""
+    ckpt = latest_checkpoint(run_dir)
+    return (ckpt, read_state(ckpt)) if ckpt is not None else None
+
+
+def prune(run_dir: str | Path, keep: int = KEEP) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints; return what was deleted."""
+    old = list_checkpoints(run_dir)[:-keep] if keep > 0 else list_checkpoints(run_dir)
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
