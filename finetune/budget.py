@@ -149,31 +149,32 @@ def system_ram() -> int | None:
 
 
 def run_device(backend: str, device: str = "auto") -> str:
-    """The device a run of ``backend`` would use: "cuda", "cpu", "mlx:gpu" or "mlx:cpu".
+    """The device a run of ``backend`` would use ("cuda", "cpu", "mlx:gpu", "mlx:cpu"): the
+    backend's memory model says (finetune/backends/<name>/memory.py ``run_device``).
 
     Args:
         backend: "cuda" or "mlx".
-        device: the cuda backend's ``backend.device`` ("auto", "cuda", "cuda:N", "cpu").
+        device: the backend's ``backend.device`` ("auto", "cuda", "cuda:N", "cpu").
     """
-    if backend == "mlx":
-        return "mlx:gpu" if apple_silicon() else "mlx:cpu"
-    if device == "auto":
-        return "cuda" if cuda_devices()[0] > 0 else "cpu"
-    return "cuda" if device.startswith("cuda") else "cpu"
+    from finetune.planner.model import memory_model
+
+    return memory_model(backend).run_device(device)
 
 
 def device_memory(backend: str, device: str) -> DeviceMemory:
-    """Memory of the device a run with this backend/device would use.
+    """Memory of the device a run with this backend/device would use (its memory model's
+    ``device_memory``).
 
     Args:
         backend: "cuda" or "mlx".
         device: "cuda" (a GPU), "cpu", "mlx:gpu" or "mlx:cpu".
     """
-    if backend == "cuda" and device.startswith("cuda"):
-        count, total = cuda_devices()
-        return DeviceMemory(total, max(count, 1), "nvml" if total else "unknown", False)
-    if backend == "mlx" and device == "mlx:gpu":
-        total, source, est = apple_working_set()
-        return DeviceMemory(total, 1, source, est)
+    from finetune.planner.model import memory_model
+
+    return memory_model(backend).device_memory(device)
+
+
+def host_memory() -> DeviceMemory:
+    """The machine's RAM as a device (a CPU run)."""
     ram = system_ram()
     return DeviceMemory(ram, 1, "psutil (system RAM)" if ram else "unknown", False)

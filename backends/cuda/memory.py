@@ -59,7 +59,7 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     runtime would give. In ``mode=plan``, ``backend=cuda`` means a GPU whether or not this
     machine has one (``backend.device=cpu`` plans the CPU run); ``backend.num_devices`` plans a
     ``device_map=auto`` split over N GPUs this machine need not have."""
-    from finetune.budget import cuda_devices, run_device
+    from finetune.budget import cuda_devices
 
     b, m = _get(cfg, "backend"), _get(cfg, "method")
     want_device = str(_get(b, "device", "auto"))
@@ -67,7 +67,7 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     if mode == "plan" and str(_get(b, "name", "auto")) == "cuda" and want_device == "auto":
         device = "cuda"
     else:
-        device = run_device("cuda", want_device)
+        device = run_device(want_device)
     split = _get(b, "device_map") == "auto" and device == "cuda"
     n_wanted = _get(b, "num_devices")
     n_devices = (int(n_wanted) if n_wanted else max(count, 1)) if split else 1
@@ -88,6 +88,25 @@ def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
         raise UserError(f"model.path={_get(_get(cfg, 'model'), 'path')} is MLX-quantized ({quant['bits']}-bit, "
                         "config.json 'quantization'), which transformers cannot load; use backend=mlx, "
                         "or the unquantized checkpoint with method=qlora")
+
+
+def run_device(device: str = "auto") -> str:
+    """``backend.device`` -> "cuda" or "cpu": auto is a GPU where NVML sees one."""
+    from finetune.budget import cuda_devices
+
+    if device == "auto":
+        return "cuda" if cuda_devices()[0] > 0 else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def device_memory(device: str) -> Any:
+    """Memory of one device of the run: a GPU's total from NVML, or the host's RAM."""
+    from finetune.budget import DeviceMemory, cuda_devices, host_memory
+
+    if device.startswith("cuda"):
+        count, total = cuda_devices()
+        return DeviceMemory(total, max(count, 1), "nvml" if total else "unknown", False)
+    return host_memory()
 
 
 # ---- weights ---------------------------------------------------------------------------------------

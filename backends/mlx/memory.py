@@ -64,13 +64,28 @@ def mlx_quant_bytes(out_f: int, in_f: int, bits: int, group: int, scale_bytes: i
 
 def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
     """(device, devices, notes): the Apple GPU on Apple Silicon, the CPU elsewhere (mlx[cpu])."""
-    from finetune.budget import run_device
-
-    return run_device("mlx"), 1, []
+    return run_device(), 1, []
 
 
 def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
     """A pre-quantized checkpoint trains as mlx-lm trains it: nothing to refuse."""
+
+
+def run_device(device: str = "auto") -> str:
+    """"mlx:gpu" on Apple Silicon (Metal), "mlx:cpu" elsewhere (mlx[cpu])."""
+    from finetune.budget import apple_silicon
+
+    return "mlx:gpu" if apple_silicon() else "mlx:cpu"
+
+
+def device_memory(device: str) -> Any:
+    """Unified memory: Metal's recommended working set on an Apple GPU, else the host's RAM."""
+    from finetune.budget import DeviceMemory, apple_working_set, host_memory
+
+    if device == "mlx:gpu":
+        total, source, est = apple_working_set()
+        return DeviceMemory(total, 1, source, est)
+    return host_memory()
 
 
 # ---- weights ---------------------------------------------------------------------------------------
