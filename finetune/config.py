@@ -148,6 +148,16 @@ class MemoryConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """mode=generate: load the base and a run's adapter and print a completion."""
+
+    prompt: str | None = None  # the user's message (the chat template applies where the model has one)
+    adapter: str | None = None  # a run dir or adapter dir; null: the base alone
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+
+
+@dataclass
 class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,7 +170,8 @@ class Config:
     # Loggers beside metrics.jsonl (always written): each chosen option of the `logger` group
     # (logger=[tensorboard,mlflow]) adds its settings under its name, e.g. logger.tensorboard.
     logger: dict[str, Any] = field(default_factory=dict)
-    mode: str = "train"  # train | plan
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    mode: str = "train"  # train | plan | generate
     # Where the run writes; set from Hydra's run dir by the CLI, settable for tests.
     run_dir: str = MISSING
     extra: dict[str, Any] = field(default_factory=dict)
@@ -170,7 +181,7 @@ VALID = {
     "backend.name": ("auto", "cuda", "mlx"),
     "data.name": ("synthetic", "jsonl", "hf"),
     "train.schedule": ("constant", "linear", "cosine"),
-    "mode": ("train", "plan"),
+    "mode": ("train", "plan", "generate"),
 }
 # Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
 # never against a list restated here.
