@@ -23,6 +23,7 @@ import io
 import json
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -190,8 +191,6 @@ class TensorBoardLogger(Logger):
                 status=self._event_pb2.SessionLog.START))
 
     def _add(self, **kw: Any) -> None:
-        import time
-
         self.writer.add_event(self._event_pb2.Event(wall_time=time.time(), **kw))
 
     def log_step(self, rec: dict[str, Any], values: dict[str, float]) -> None:
@@ -262,8 +261,9 @@ class MlflowLogger(Logger):
     """An MLflow run: by default in a local file store under the run dir
     (``file:<run_dir>/mlruns``; ``logger.mlflow.tracking_uri`` for a server or a database),
     experiment ``logger.mlflow.experiment``. Parameters: the composed config, flattened.
-    Scalars by tag at each step (logged asynchronously: the step does not wait on the store);
-    each event a tag ``event.<n>`` and, at the end, the artifact ``events.jsonl``."""
+    Scalars by tag at each step, sent in batches (every ``flush_secs`` or 900 values, and at
+    the end: a step does not wait on the store); each event a tag ``event.<n>`` and, at the
+    end, the artifacts ``events.jsonl`` and ``summary.json``."""
 
     name = "mlflow"
 
@@ -298,37 +298,41 @@ class MlflowLogger(Logger):
             params = [Param(k, str(v)[:6000]) for k, v in _flatten(config).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 c.log_batch(self.run_id, params=params[i:i + 100])
-        self._pending: list[Any] = []
-
-    def log_step(self, rec: dict[str, Any], values: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
-        ts, step = int(time.time() * 1000), int(rec["step"])
-        metrics = [Metric(t, float(v), ts, step) for t, v in values.items()]
-        self._pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        self._metric, self._pending = Metric, []
+        self._flush_secs = float(s.get("flush_secs") or 10)
+        self._flushed_at = time.monotonic()
+
+    def _flush(self) -> None:
+        # MLflow takes at most 1000 metrics per batch. Synchronous on purpose: its asynchronous
+        # batches run on a thread pool, and a read of the file store (log_dict, get_run) racing
+        # a write finds a metric file empty
+        while self._pending:
+            self.client.log_batch(self.run_id, metrics=self._pending[:1000])
+            del self._pending[:1000]
+        self._flushed_at = time.monotonic()
+
+    def log_step(self, rec: dict[str, Any], values: dict[str, float]) -> None:
+        ts, step, M = int(time.time() * 1000), int(rec["step"]), self._metric
+        self._pending += [M(t, float(v), ts, step) for t, v in values.items()]
+        if len(self._pending) >= 900 or time.monotonic() - self._flushed_at >= self._flush_secs:
+            self._flush()
 
     def log_event(self, ev: dict[str, Any]) -> None:
         self.events.append(ev)
         self.client.set_tag(self.run_id, f"event.{len(self.events)}", event_text(ev)[:5000])
 
     def log_summary(self, summary: dict[str, Any]) -> None:
-        import time
-
-        from mlflow.entities import Metric
-
-        ts, step = int(time.time() * 1000), int(summary.get("steps") or 0)
-        metrics = [Metric(f"summary/{k}", float(v), ts, step) for k, v in summary_scalars(summary).items()]
-        self._pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        ts, step, M = int(time.time() * 1000), int(summary.get("steps") or 0), self._metric
+        self._pending += [M(f"summary/{k}", float(v), ts, step) for k, v in summary_scalars(summary).items()]
+        self._flush()
         self.client.log_dict(self.run_id, summary, "summary.json")
 
     def close(self, status: str) -> None:
         if getattr(self, "client", None) is None:
             return
-        for op in self._pending:  # the asynchronous batches land before the run is closed
-            if op is not None:
-                op.wait()
+        self._flush()
         if self.events:
             self.client.log_text(self.run_id, "".join(json.dumps(e) + "\n" for e in self.events),
                                  "events.jsonl")
