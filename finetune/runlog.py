@@ -68,6 +68,7 @@ class RunLog:
         self._pending: list[dict[str, Any]] = []
         self._bar: Any = None
         self._began = False
+        self._loggers_open = False  # loggers open with the steps; a run stopped in setup never opens them
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -111,6 +112,7 @@ class RunLog:
                     _quiet_close(done, "failed")
                 self.loggers = []
                 raise UserError(f"logger={lg.name} could not start: {type(e).__name__}: {e}") from e
+            self._loggers_open = True
             for ev in unseen:
                 self._to_loggers("log_event", ev)
         pending, self._pending = self._pending, []
@@ -177,7 +179,8 @@ class RunLog:
             self._pending.append(ev)
             return
         self._file.write(json.dumps({"event": ev}) + "\n")
-        self._to_loggers("log_event", ev)
+        if self._loggers_open:
+            self._to_loggers("log_event", ev)
 
     def _to_loggers(self, method: str, ev: dict[str, Any]) -> None:
         for lg in tuple(self.loggers):
