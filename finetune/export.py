@@ -1,0 +1,681 @@
+"""``finetune-export``: move a LoRA/DoRA adapter between PEFT and mlx-lm, or fuse it into its base.
+
+    finetune-export --to peft SRC DST      # mlx-lm adapter (or a backend=mlx run) -> PEFT
+    finetune-export --to mlx SRC DST       # PEFT adapter (or a backend=cuda run) -> mlx-lm
+    finetune-export --merge SRC DST        # adapter + base -> one HF-format model directory
+
+SRC is an adapter directory in either format (ours or the peers' own: mlx-lm's
+``adapters.safetensors`` + ``adapter_config.json``, PEFT's ``adapter_config.json`` +
+``adapter_model.safetensors``) or a run directory holding one in ``adapter/``.
+
+The two formats hold the same numbers in other shapes (read from mlx_lm/tuner/lora.py, dora.py and
+peft/tuners/lora/layer.py, dora.py):
+
+=================  ==============================  ==========================================
+                   mlx-lm 0.32                      PEFT 0.21
+=================  ==============================  ==========================================
+down-projection    ``lora_a`` [in, r]              ``lora_A.weight`` [r, in]
+up-projection      ``lora_b`` [r, out]             ``lora_B.weight`` [out, r]
+update             ``scale * (x @ a) @ b``         ``lora_alpha / r * B(A(x))`` (rsLoRA: / sqrt r)
+DoRA magnitude     ``m`` [out]                     ``lora_magnitude_vector`` [out]
+layers             top ``num_layers`` blocks       ``layers_to_transform`` (any list)
+modules            ``keys``: paths in a block      ``target_modules``: name suffixes
+tensor names       ``model.layers.0.self_attn.     ``base_model.model.model.layers.0.self_attn.
+                   q_proj.lora_a``                 q_proj.lora_A.weight``
+=================  ==============================  ==========================================
+
+DoRA's magnitude has one meaning on both sides: the norm of each output row of the adapted
+weight ``W + scale * B @ A`` ([out, in], norm over ``in``; mlx ``norm(w, axis=1)``, PEFT
+``norm(w, dim=1)``), so it is copied as is. Converting reorders and transposes tensors and never
+does arithmetic on them (``lora_alpha = scale * r``), so every value, bf16 included, crosses
+bit for bit. Reading and writing is this module's own safetensors code (numpy has no bf16), so
+``--to`` imports neither torch nor mlx; ``--merge`` uses transformers + PEFT, or mlx-lm for an
+MLX-quantized base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from finetune.config import UserError
+from finetune.io import atomic_dir
+
+MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+_LAYER = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<index>\d+)\.(?P<rel>.+)$")
+
+# ---- safetensors, framework-free ----------------------------------------------------------
+# The format: an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+# data_offsets}, "__metadata__": {str: str}}, then the raw little-endian tensor bytes.
+# bf16 is kept as its raw uint16 bits (no arithmetic is done on adapter tensors).
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "U32": np.uint32, "BOOL": np.bool_}
+
+
+@dataclass
+class Tensor:
+    """A tensor as stored: its safetensors dtype name and its values (bf16 as uint16 bits)."""
+
+    dtype: str
+    data: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802  (numpy's name)
+        return Tensor(self.dtype, np.ascontiguousarray(self.data.T))
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The safetensors JSON header of ``path`` and the byte offset where tensor data starts."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise UserError(f"{path} is not a safetensors file (too short); re-save it with safetensors")
+        (n,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise UserError(f"{path} is not a safetensors file (bad header); re-save it with safetensors") from None
+    return header, 8 + n
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Every tensor of ``path`` (values copied out of the file) and its ``__metadata__``."""
+    header, start = read_header(path)
+    meta = header.pop("__metadata__", None) or {}
+    raw = Path(path).read_bytes()
+    out = {}
+    for name, h in header.items():
+        if h["dtype"] not in _ST_DTYPES:
+            raise UserError(f"{path}: tensor {name} has dtype {h['dtype']}, which finetune-export does not convert")
+        b, e = h["data_offsets"]
+        dtype = np.dtype(_ST_DTYPES[h["dtype"]]).newbyteorder("<")
+        count = int(np.prod(h["shape"], dtype=np.int64))
+        if count * dtype.itemsize != e - b or start + e > len(raw):
+            raise UserError(f"{path}: tensor {name} does not fit its byte range; the file is damaged")
+        arr = np.frombuffer(raw, dtype=dtype, count=count, offset=start + b)
+        out[name] = Tensor(h["dtype"], arr.reshape(h["shape"]).copy())
+    return out, meta
+
+
+def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (sorted by name, as the safetensors library does) into ``path``."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        n = t.data.nbytes
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as the library writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in names:
+            f.write(np.ascontiguousarray(tensors[name].data).astype(tensors[name].data.dtype.newbyteorder("<")).tobytes())
+
+
+# ---- the adapter, in neither format ------------------------------------------------------
+@dataclass
+class Module:
+    """One adapted linear layer, in PEFT's orientation: ``a`` [r, in], ``b`` [out, r]."""
+
+    a: Tensor
+    b: Tensor
+    m: Tensor | None = None  # DoRA magnitude [out]
+
+
+@dataclass
+class Adapter:
+    """A LoRA/DoRA adapter read from either format.
+
+    ``modules`` is keyed by the module's path in the transformers model
+    (``model.layers.0.self_attn.q_proj``), which is also its path in mlx-lm's model for the
+    architectures whose weights mlx-lm loads under their hub names.
+    """
+
+    fmt: str  # "peft" | "mlx"
+    path: Path
+    dora: bool
+    rank: int
+    scale: float  # multiplies B @ A
+    dropout: float
+    modules: dict[str, Module]
+    base: str | None  # the base model the adapter's config names
+    trained_on_quantized: dict[str, Any] | None = None  # mlx: the quantization it trained on
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layout(self) -> tuple[str, list[int], list[str]]:
+        """(prefix, layer indices, block-relative module paths): ``model.layers``, [0, 1],
+        ["self_attn.q_proj", ...]. Refuses adapters the two formats cannot both express: a
+        module outside the decoder blocks, or a set of modules that is not every key in every
+        adapted layer."""
+        prefixes, layers, rels = set(), set(), []
+        for path in self.modules:
+            hit = _LAYER.match(path)
+            if not hit:
+                raise UserError(f"{self.path}: the adapter on {path} sits outside the decoder layers; only "
+                                "adapters inside model.layers.N convert (mlx-lm's keys/num_layers cannot say it)")
+            prefixes.add(hit["prefix"])
+            layers.add(int(hit["index"]))
+            if hit["rel"] not in rels:
+                rels.append(hit["rel"])
+        if len(prefixes) != 1:
+            raise UserError(f"{self.path}: adapters under several layer stacks ({', '.join(sorted(prefixes))}); "
+                            "only one decoder stack converts")
+        (prefix,) = prefixes
+        expected = {f"{prefix}.{i}.{r}" for i in layers for r in rels}
+        if expected != set(self.modules):
+            missing = sorted(expected - set(self.modules))[0]
+            raise UserError(f"{self.path}: the adapter covers some keys in some layers only (no {missing}); "
+                            "mlx-lm adapts the same keys in each adapted layer, so this does not convert")
+        return prefix, sorted(layers), sorted(rels)
+
+
+def find_adapter_dir(src: str | Path) -> Path:
+    """``src`` if it holds an adapter, else its ``adapter/`` (a run directory)."""
+    src = Path(src).expanduser()
+    if not src.exists():
+        raise UserError(f"{src} does not exist; give an adapter directory or a run directory")
+    for d in (src, src / "adapter"):
+        if (d / MLX_CONFIG).is_file():
+            return d
+    raise UserError(f"{src} holds no adapter_config.json (nor does {src / 'adapter'}); give an adapter "
+                    "directory (PEFT or mlx-lm) or a finetune run directory")
+
+
+def detect_format(adapter_dir: Path) -> str:
+    """"peft" or "mlx", from the config and the weight file beside it."""
+    config = _read_json(adapter_dir / MLX_CONFIG)
+    if "peft_type" in config:
+        if not (adapter_dir / PEFT_WEIGHTS).is_file():
+            bins = (adapter_dir / "adapter_model.bin").is_file()
+            raise UserError(f"{adapter_dir} is a PEFT adapter without {PEFT_WEIGHTS}"
+                            + ("; it has adapter_model.bin (pickle): re-save it with safe_serialization=True"
+                               if bins else ""))
+        return "peft"
+    if "lora_parameters" in config or "fine_tune_type" in config:
+        if config.get("fine_tune_type") == "full":
+            raise UserError(f"{adapter_dir} is an mlx-lm full fine-tune, not an adapter; nothing to convert")
+        if not (adapter_dir / MLX_WEIGHTS).is_file():
+            raise UserError(f"{adapter_dir} is an mlx-lm adapter without {MLX_WEIGHTS}")
+        return "mlx"
+    raise UserError(f"{adapter_dir / MLX_CONFIG} is neither PEFT's (peft_type) nor mlx-lm's (lora_parameters)")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({e}); fix or replace it") from None
+
+
+def read_adapter(src: str | Path) -> Adapter:
+    """Read an adapter directory (either format) or a run directory's ``adapter/``."""
+    d = find_adapter_dir(src)
+    return _read_peft(d) if detect_format(d) == "peft" else _read_mlx(d)
+
+
+# PEFT options whose adapters mean something LoRA-in-mlx-lm cannot hold: (key, default, why)
+_PEFT_REFUSED = (
+    ("modules_to_save", None, "fully trained modules beside the adapter"),
+    ("bias", "none", "trained biases"),
+    ("lora_bias", False, "a bias on lora_B"),
+    ("fan_in_fan_out", False, "Conv1D-style transposed weights"),
+    ("rank_pattern", {}, "a rank per module"),
+    ("alpha_pattern", {}, "an alpha per module"),
+    ("layer_replication", None, "replicated layers"),
+    ("use_qalora", False, "QA-LoRA pooling"),
+    ("target_parameters", None, "adapters on parameters rather than modules"),
+    ("trainable_token_indices", None, "trained token embeddings"),
+    ("alora_invocation_tokens", None, "activated LoRA"),
+    ("use_bdlora", None, "block-diagonal LoRA"),
+    ("arrow_config", None, "Arrow routing"),
+)
+
+
+def _read_peft(d: Path) -> Adapter:
+    cfg = _read_json(d / PEFT_CONFIG)
+    if cfg.get("peft_type") != "LORA":
+        raise UserError(f"{d}: peft_type={cfg.get('peft_type')}; only LoRA and DoRA adapters convert")
+    for key, default, what in _PEFT_REFUSED:
+        value = cfg.get(key, default)
+        if value not in (default, None, {}, [], False):
+            raise UserError(f"{d}: {key}={json.dumps(value)} ({what}) has no mlx-lm equivalent; "
+                            "retrain without it to convert")
+    init = str(cfg.get("init_lora_weights", True)).lower()
+    if init.startswith(("pissa", "olora", "corda", "loftq")):
+        raise UserError(f"{d}: init_lora_weights={cfg['init_lora_weights']} rewrote the base weights at init; "
+                        "convert it to a plain LoRA first (PEFT: save_pretrained(path_initial_model_for_"
+                        "weight_conversion=...))")
+    r = int(cfg["r"])
+    alpha = float(cfg.get("lora_alpha", 8))
+    scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    tensors, _ = read_safetensors(d / PEFT_WEIGHTS)
+    parts: dict[str, dict[str, Tensor]] = {}
+    for name, t in tensors.items():
+        if not name.startswith(PEFT_PREFIX):
+            raise UserError(f"{d}: tensor {name} does not start with {PEFT_PREFIX}; not a PEFT causal-LM adapter")
+        path, _, leaf = name[len(PEFT_PREFIX):].partition(".lora_")
+        leaf = "lora_" + leaf
+        if leaf not in ("lora_A.weight", "lora_B.weight", "lora_magnitude_vector"):
+            raise UserError(f"{d}: tensor {name} ({leaf}) has no mlx-lm equivalent (only lora_A, lora_B and "
+                            "DoRA's lora_magnitude_vector on linear layers convert)")
+        parts.setdefault(path, {})[leaf] = t
+    modules = {}
+    dora = bool(cfg.get("use_dora"))
+    for path, p in parts.items():
+        if "lora_A.weight" not in p or "lora_B.weight" not in p or dora != ("lora_magnitude_vector" in p):
+            raise UserError(f"{d}: {path} lacks lora_A/lora_B" + (" or its DoRA magnitude" if dora else ""))
+        modules[path] = Module(p["lora_A.weight"], p["lora_B.weight"], p.get("lora_magnitude_vector"))
+    ad = Adapter("peft", d, dora, r, scale, float(cfg.get("lora_dropout", 0.0)), modules,
+                 cfg.get("base_model_name_or_path"),
+                 extra={"lora_alpha": alpha, "use_rslora": bool(cfg.get("use_rslora"))})
+    _check_shapes(ad)
+    return ad
+
+
+def _read_mlx(d: Path) -> Adapter:
+    cfg = _read_json(d / MLX_CONFIG)
+    lp = cfg.get("lora_parameters") or {}
+    if "scale" not in lp or "rank" not in lp:
+        raise UserError(f"{d / MLX_CONFIG}: lora_parameters needs rank and scale (mlx-lm's keys)")
+    tensors, _ = read_safetensors(d / MLX_WEIGHTS)
+    parts: dict[str, dict[str, Tensor]] = {}
+    for name, t in tensors.items():
+        path, _, leaf = name.rpartition(".")
+        if leaf not in ("lora_a", "lora_b", "m"):
+            raise UserError(f"{d}: tensor {name} is not lora_a/lora_b/m; only LoRA and DoRA on linear layers convert")
+        parts.setdefault(path, {})[leaf] = t
+    dora = cfg.get("fine_tune_type", "lora") == "dora"
+    modules = {}
+    for path, p in parts.items():
+        if "lora_a" not in p or "lora_b" not in p or dora != ("m" in p):
+            raise UserError(f"{d}: {path} lacks lora_a/lora_b" + (" or its DoRA magnitude m" if dora else ""))
+        if p["lora_a"].data.ndim != 2:
+            raise UserError(f"{d}: {path} is a switch (mixture-of-experts) LoRA; PEFT has no equivalent")
+        modules[path] = Module(p["lora_a"].T, p["lora_b"].T, p.get("m"))
+    quant = cfg.get("quantization")
+    ad = Adapter("mlx", d, dora, int(lp["rank"]), float(lp["scale"]), float(lp.get("dropout", 0.0)), modules,
+                 cfg.get("model"), trained_on_quantized=quant if isinstance(quant, dict) else None,
+                 extra={"num_layers": cfg.get("num_layers"), "pre_quantized": bool(cfg.get("pre_quantized"))})
+    _check_shapes(ad)
+    return ad
+
+
+def _check_shapes(ad: Adapter) -> None:
+    if not ad.modules:
+        raise UserError(f"{ad.path}: the adapter holds no tensors")
+    for path, mod in ad.modules.items():
+        r_a, _ = mod.a.shape
+        out, r_b = mod.b.shape
+        if r_a != ad.rank or r_b != ad.rank:
+            raise UserError(f"{ad.path}: {path} has rank {r_a}/{r_b}, the config says {ad.rank}")
+        if mod.m is not None and mod.m.shape != (out,):
+            raise UserError(f"{ad.path}: {path} DoRA magnitude has shape {mod.m.shape}, expected ({out},)")
+
+
+# ---- the base model -----------------------------------------------------------------------
+@dataclass
+class Base:
+    """What conversion needs from the base model: its config and its weights' names and shapes
+    (read from the safetensors headers; no weights are loaded)."""
+
+    path: Path
+    name: str  # as the adapter or --base named it
+    config: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def num_layers(self) -> int:
+        c = self.config.get("text_config") or self.config
+        return int(c.get("num_hidden_layers") or self.config["num_hidden_layers"])
+
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        q = self.config.get("quantization")  # MLX's block (mlx_lm.convert -q); HF's is quantization_config
+        return q if isinstance(q, dict) and "bits" in q else None
+
+    def linear_shape(self, module: str) -> tuple[int, int] | None:
+        """[out, in] of ``module``'s weight (an MLX-packed weight unpacked: in * bits / 32)."""
+        shape = self.shapes.get(module + ".weight")
+        if shape is None or len(shape) != 2:
+            return None
+        q = self.quantization
+        if q and module + ".scales" in self.shapes:
+            bits = int((q.get(module) or {}).get("bits", q["bits"])) if isinstance(q.get(module), dict) else int(q["bits"])
+            return shape[0], shape[1] * 32 // bits
+        return shape[0], shape[1]
+
+
+def resolve_base(name: str | None, adapter: Adapter, flag: bool) -> Base:
+    """The base model ``--base`` names (``flag``) or the adapter's config names: a local
+    directory, or a hub id already in the Hugging Face cache."""
+    if not name:
+        raise UserError(f"{adapter.path} names no base model; pass --base /path/to/base")
+    local = Path(str(name)).expanduser()
+    where = "--base" if flag else f"the adapter's config ({adapter.path / MLX_CONFIG})"
+    if not local.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = Path(snapshot_download(str(name), allow_patterns=["*.json", "*.safetensors"], local_files_only=True))
+        except Exception:
+            raise UserError(f"base model {name} (from {where}) is neither a local directory nor in the Hugging Face "
+                            "cache; download it (huggingface-cli download) or pass --base /path/to/base") from None
+    if not (local / "config.json").is_file():
+        raise UserError(f"base model {local} (from {where}) has no config.json; pass --base with an HF-format model dir")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(local.glob("*.safetensors")):
+        header, _ = read_header(f)
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return Base(local, str(name), _read_json(local / "config.json"), shapes)
+
+
+def check_against_base(ad: Adapter, base: Base) -> None:
+    """Every adapted module is a linear layer of the base with the adapter's in/out widths."""
+    if not base.shapes:
+        raise UserError(f"base model {base.path} has no *.safetensors weights to check the adapter against; "
+                        "pass --base with a safetensors checkpoint")
+    for path, mod in ad.modules.items():
+        shape = base.linear_shape(path)
+        if shape is None:
+            raise UserError(f"{ad.path}: {path} is not a linear layer of base {base.path} "
+                            "(mlx-lm may name this architecture's modules differently from transformers); "
+                            "cannot map it")
+        want = (mod.b.shape[0], mod.a.shape[1])
+        if shape != want:
+            raise UserError(f"{ad.path}: {path} is [out, in] = {list(want)} in the adapter but {list(shape)} in "
+                            f"base {base.path}; pass --base with the model it was trained on")
+
+
+# ---- writers ------------------------------------------------------------------------------
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("finetune")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def provenance(ad: Adapter, base: Base, what: str) -> dict[str, Any]:
+    """Where an export came from: the source's format and path, the base, the tool's version."""
+    return {"tool": "finetune-export", "version": _version(), "made": what, "source_format": ad.fmt,
+            "source": str(ad.path.resolve()), "base": str(base.path), "dora": ad.dora, "rank": ad.rank,
+            "scale": ad.scale}
+
+
+def write_peft(ad: Adapter, base: Base, out: Path) -> None:
+    """PEFT's adapter_config.json + adapter_model.safetensors for ``ad`` into ``out``."""
+    prefix, layers, rels = ad.layout()
+    tensors: dict[str, Tensor] = {}
+    for path, mod in ad.modules.items():
+        tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = mod.a
+        tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = mod.b
+        if mod.m is not None:
+            tensors[f"{PEFT_PREFIX}{path}.lora_magnitude_vector"] = mod.m
+    all_layers = layers == list(range(base.num_layers))
+    targets = _peft_targets(rels, base, set(ad.modules), None if all_layers else layers)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base.path) if Path(base.name).expanduser().is_dir() else base.name,
+        "r": ad.rank,
+        "lora_alpha": ad.scale * ad.rank,  # PEFT's scaling is lora_alpha / r; mlx-lm's scale is that ratio
+        "lora_dropout": ad.dropout,
+        "use_rslora": False,
+        "use_dora": ad.dora,
+        "target_modules": targets,
+        "layers_to_transform": None if all_layers else layers,
+        "layers_pattern": None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    # PEFT warns about any key its LoraConfig lacks (as if saved by a newer PEFT), so where this
+    # came from rides in the weights file's own metadata, which PEFT and vLLM carry but ignore.
+    meta = {"format": "pt", "finetune_export": json.dumps(provenance(ad, base, "peft adapter"))}
+    write_safetensors(out / PEFT_WEIGHTS, tensors, meta)
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _peft_targets(rels: list[str], base: Base, adapted: set[str], layers: list[int] | None) -> list[str]:
+    """target_modules that make PEFT adapt exactly ``adapted`` in ``base``: the short names
+    (``q_proj``, as PEFT and vLLM write them) where they pick nothing else, else the paths
+    inside a block (``self_attn.q_proj``; PEFT matches a target as a name suffix)."""
+    modules = {k[: -len(".weight")] for k in base.shapes if k.endswith(".weight")}
+
+    def picks(targets: list[str]) -> set[str]:
+        out = set()
+        for mod in modules:
+            if not any(mod == t or mod.endswith("." + t) for t in targets):
+                continue
+            hit = _LAYER.match(mod)
+            if layers is None or (hit and int(hit["index"]) in layers):
+                out.add(mod)
+        return out
+
+    short = sorted({r.rsplit(".", 1)[-1] for r in rels})
+    if len(short) == len(rels) and picks(short) == adapted:
+        return short
+    if picks(rels) == adapted:
+        return rels
+    extra = sorted(picks(rels) - adapted)[:1]
+    raise UserError(f"target_modules {rels} would also adapt {extra} in base {base.path}; PEFT cannot say this "
+                    "set of modules")
+
+
+def write_mlx(ad: Adapter, base: Base, out: Path) -> None:
+    """mlx-lm's adapter_config.json + adapters.safetensors for ``ad`` into ``out``."""
+    prefix, layers, rels = ad.layout()
+    n = base.num_layers
+    top = list(range(n - len(layers), n))
+    if layers != top:
+        raise UserError(f"{ad.path}: adapters on layers {layers} of {n}; mlx-lm adapts only the top num_layers "
+                        f"layers ({top} for {len(layers)}), so this does not convert")
+    tensors: dict[str, Tensor] = {}
+    for path, mod in ad.modules.items():
+        tensors[f"{path}.lora_a"] = mod.a.T
+        tensors[f"{path}.lora_b"] = mod.b.T
+        if mod.m is not None:
+            tensors[f"{path}.m"] = mod.m
+    config = {
+        "model": str(base.path) if Path(base.name).expanduser().is_dir() else base.name,
+        "fine_tune_type": "dora" if ad.dora else "lora",
+        "num_layers": len(layers),
+        "lora_parameters": {"rank": ad.rank, "scale": ad.scale, "dropout": ad.dropout, "keys": rels},
+        "exported_from": provenance(ad, base, "mlx adapter"),  # mlx-lm reads only the keys it knows
+    }
+    write_safetensors(out / MLX_WEIGHTS, tensors, {"format": "mlx"})
+    (out / MLX_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
+
+
+WRITERS = {"peft": write_peft, "mlx": write_mlx}
+
+
+def _check_dst(dst: Path, src: Path, overwrite: bool) -> None:
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise UserError(f"DST {dst} is SRC or inside it; choose another output directory")
+    if dst.exists() and not overwrite:
+        raise UserError(f"{dst} exists; choose a new output directory or add --overwrite")
+
+
+def convert(src: str | Path, dst: str | Path, to: str, base: str | None = None, overwrite: bool = False) -> Path:
+    """Write the adapter in ``src`` (either format) as a ``to`` ("peft" | "mlx") adapter into
+    ``dst``, atomically. Returns ``dst``. Raises UserError naming what cannot be converted."""
+    if to not in WRITERS:
+        raise UserError(f"--to {to} is not a format; choose one of: {', '.join(WRITERS)}")
+    ad = read_adapter(src)
+    dst = Path(dst).expanduser()
+    _check_dst(dst, ad.path, overwrite)
+    b = resolve_base(base or ad.base, ad, flag=base is not None)
+    if to == "peft" and b.quantization:
+        q = b.quantization
+        raise UserError(f"base {b.path} is MLX-quantized ({q['bits']}-bit, group {q.get('group_size')}), which "
+                        "transformers cannot load; pass --base with the unquantized checkpoint it came from (the "
+                        "adapter then meets weights without the quantization error it trained on)")
+    check_against_base(ad, b)
+    with atomic_dir(dst) as tmp:
+        WRITERS[to](ad, b, tmp)
+    return dst
+
+
+# ---- merge --------------------------------------------------------------------------------
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n:,} bytes)"
+
+
+def dequantize_cost(base: Base) -> tuple[int, int]:
+    """(bytes of the quantized base's weights now, bytes once dequantized to the dtype of its
+    scales, as mlx-lm's fuse --dequantize writes them)."""
+    q = base.quantization or {}
+    now = sum(f.stat().st_size for f in base.path.glob("*.safetensors"))
+    header_dtypes: dict[str, str] = {}
+    for f in base.path.glob("*.safetensors"):
+        header, _ = read_header(f)
+        header_dtypes.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
+    size = {"F32": 4, "F16": 2, "BF16": 2}
+    after = 0
+    for name, shape in base.shapes.items():
+        mod, _, leaf = name.rpartition(".")
+        quantized = mod + ".scales" in base.shapes
+        if quantized and leaf in ("scales", "biases"):
+            continue
+        n = int(np.prod(shape))
+        if quantized and leaf == "weight":
+            bits = int((q.get(mod) or {}).get("bits", q.get("bits", 4))) if isinstance(q.get(mod), dict) else int(q.get("bits", 4))
+            after += n * 32 // bits * size.get(header_dtypes[mod + ".scales"], 2)
+        else:
+            after += n * size.get(header_dtypes[name], 4)
+    return now, after
+
+
+def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize: bool = False,
+          overwrite: bool = False, engine: str | None = None) -> Path:
+    """Fuse the adapter in ``src`` into its base and write an HF-format model directory (config,
+    safetensors, tokenizer) into ``dst``, atomically.
+
+    An MLX-quantized base is fused with mlx-lm and must be dequantized to leave as an HF model;
+    that costs disk and memory, so it happens only with ``dequantize=True``. Other bases fuse
+    with transformers + PEFT (``merge_and_unload``), or mlx-lm where torch is absent
+    (``engine`` forces one: "peft" | "mlx").
+    """
+    import importlib.util
+
+    ad = read_adapter(src)
+    dst = Path(dst).expanduser()
+    _check_dst(dst, ad.path, overwrite)
+    b = resolve_base(base or ad.base, ad, flag=base is not None)
+    check_against_base(ad, b)
+    if b.quantization:
+        now, after = dequantize_cost(b)
+        if not dequantize:
+            raise UserError(f"base {b.path} is MLX-quantized ({b.quantization['bits']}-bit); an HF model needs it "
+                            f"dequantized: {_bytes(after)} on disk instead of {_bytes(now)}, about as much memory "
+                            "while merging; add --dequantize to do it")
+        engine = "mlx"
+        print(f"dequantizing {b.path}: {_bytes(now)} -> {_bytes(after)}", file=sys.stderr)
+    if engine is None:
+        engine = "peft" if importlib.util.find_spec("torch") and importlib.util.find_spec("peft") else "mlx"
+    if engine == "mlx" and importlib.util.find_spec("mlx_lm") is None:
+        raise UserError("--merge needs transformers + peft (pip install '.[cuda]') or mlx-lm (pip install '.[mlx]')")
+    with tempfile.TemporaryDirectory(prefix=".finetune-export-", dir=dst.parent if dst.parent.exists() else None) as t:
+        native = Path(t) / "adapter"
+        want = "peft" if engine == "peft" else "mlx"
+        if ad.fmt == want:
+            native = ad.path
+        else:
+            native.mkdir()
+            WRITERS[want](ad, b, native)
+        with atomic_dir(dst) as tmp:
+            (_merge_peft if engine == "peft" else _merge_mlx)(b, native, tmp)
+            config = _read_json(tmp / "config.json")
+            config["exported_from"] = provenance(ad, b, "merged model")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def _merge_peft(base: Base, adapter_dir: Path, out: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype="auto")
+    with torch.no_grad():
+        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (base.path / name).is_file() and not (out / name).exists():
+            shutil.copy2(base.path / name, out / name)
+
+
+def _merge_mlx(base: Base, adapter_dir: Path, out: Path) -> None:
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import dequantize_model, load, save
+
+    model, tokenizer, config = load(str(base.path), adapter_path=str(adapter_dir), return_config=True)
+    fused = [(n, m.fuse(dequantize=True)) for n, m in model.named_modules() if hasattr(m, "fuse")]
+    model.update_modules(tree_unflatten(fused))
+    if base.quantization:
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    save(out, str(base.path), model, tokenizer, config, donate_model=False)
+    (out / "README.md").unlink(missing_ok=True)  # mlx-lm's model card names an upload that did not happen
+
+
+# ---- command line -------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """``finetune-export``: see the module docstring. Exit 0, or 2 with one ``error:`` line."""
+    ap = argparse.ArgumentParser(
+        prog="finetune-export", description="Move a LoRA/DoRA adapter between PEFT and mlx-lm, or merge it into "
+        "its base.", epilog="e.g. finetune-export --to peft outputs/RUN peft-adapter/;  "
+        "finetune-export --merge outputs/RUN merged/")
+    how = ap.add_mutually_exclusive_group(required=True)
+    how.add_argument("--to", choices=sorted(WRITERS), help="write the adapter in this format")
+    how.add_argument("--merge", action="store_true", help="fuse the adapter into its base: an HF model directory")
+    ap.add_argument("src", help="adapter directory (PEFT or mlx-lm) or a finetune run directory")
+    ap.add_argument("dst", help="output directory (written whole or not at all)")
+    ap.add_argument("--base", default=None, help="base model directory or hub id (default: the adapter's own config)")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="--merge onto an MLX-quantized base: write it dequantized (16-bit), which costs disk")
+    ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    a = ap.parse_args(argv)
+    try:
+        if a.merge:
+            out = merge(a.src, a.dst, base=a.base, dequantize=a.dequantize, overwrite=a.overwrite)
+        else:
+            out = convert(a.src, a.dst, a.to, base=a.base, overwrite=a.overwrite)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
