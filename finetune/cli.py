@@ -61,6 +61,10 @@ def run(cfg: Any) -> dict[str, Any] | None:
 
 def _task(cfg: Any) -> Any:
     try:
+        from finetune import sweep
+
+        if sweep.in_multirun():  # each job from its own baseline (a fresh process), pruned by plan
+            return sweep.run_job(cfg, run)
         return run(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger")
+GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger", "search")
 
 
 @dataclass
@@ -171,6 +171,12 @@ class Config:
     # (logger=[tensorboard,mlflow]) adds its settings under its name, e.g. logger.tensorboard.
     logger: dict[str, Any] = field(default_factory=dict)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    # Multirun: each job in a fresh process (its own memory baseline; see finetune/sweep.py).
+    isolate_jobs: bool = True
+    # Multirun with a sweeper that optimizes (Optuna): what a job returns: tokens_per_sec
+    # (maximize), val_loss or train_loss (minimize); a job whose plan exceeds memory.budget is
+    # pruned before loading anything. null: jobs return their summary.
+    objective: str | None = None
     mode: str = "train"  # train | plan | generate
     # Where the run writes; set from Hydra's run dir by the CLI, settable for tests.
     run_dir: str = MISSING

@@ -1,106 +1,395 @@
-"""``finetune-report DIR``: one run or a sweep, side by side (table on stdout, CSV beside it).
+"""``finetune-report DIR``: one run or a whole sweep side by side.
 
-Reads only ``summary.json`` files, so it never imports torch or mlx. Rows are sorted by the
-overrides that tell the runs apart, so the report does not depend on the order jobs finished.
+Prints a table and writes ``sweep_summary.csv``, ``sweep_summary.md`` (a Markdown table to paste)
+and ``sweep_memory.png`` (a bar per job: the census at the first optimizer step stacked, the peak
+marked, the budget as a line) into DIR, then names the winner for what the sweep varied: the
+fastest job that fits the budget, and the one needing least memory among the jobs whose loss is
+equal to the best within noise. Jobs an Optuna search pruned by plan (``pruned.json``) are rows
+too, with their planned peak. Runs from both backends share the same columns.
+
+Reads only ``summary.json``, ``metrics.jsonl``, ``pruned.json`` and ``.hydra/overrides.yaml``,
+so it never imports torch or mlx. Rows are sorted by job name, so the report does not depend
+on the order jobs finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+
 GIB = 1 << 30
 
-COLUMNS: list[tuple[str, str]] = [
-    ("run", "run"),
-    ("backend", "backend"),
-    ("method", "method"),
-    ("optim", "optim"),
-    ("params_trainable", "trainable"),
-    ("tokens_per_sec", "tok/s"),
-    ("final_train_loss", "train loss"),
-    ("final_val_loss", "val loss"),
-    ("memory.peaks.allocated_bytes", "peak alloc GiB"),
-    ("memory.peaks.reserved_bytes", "peak reserved GiB"),
-    ("memory.peaks.device_used_bytes", "peak device GiB"),
-    ("memory.peaks.rss_bytes", "peak RSS GiB"),
-    ("memory.peaks.swap_growth_bytes", "swap growth GiB"),
-    ("adaptations", "adaptations"),
+# (row key, summary.json path or None when derived, header)
+COLUMNS: list[tuple[str, str | None, str]] = [
+    ("job", None, "job"),
+    ("status", None, "status"),
+    ("backend", "backend", "backend"),
+    ("method", "method", "method"),
+    ("optim", "optim", "optim"),
+    ("precision", "precision", "precision"),
+    ("micro_batch", "micro_batch", "micro-batch"),
+    ("params_trainable", "params_trainable", "trainable"),
+    ("tokens_per_sec", "tokens_per_sec", "tok/s"),
+    ("final_train_loss", "final_train_loss", "train loss"),
+    ("final_val_loss", "final_val_loss", "val loss"),
+    ("peak_allocated_bytes", "memory.peaks.allocated_bytes", "peak alloc"),
+    ("peak_reserved_bytes", "memory.peaks.reserved_bytes", "peak reserved"),
+    ("peak_device_bytes", "memory.peaks.device_used_bytes", "peak device"),
+    ("peak_rss_bytes", "memory.peaks.rss_bytes", "peak RSS"),
+    ("swap_growth_bytes", "memory.peaks.swap_growth_bytes", "swap growth"),
+    ("weights_bytes", None, "weights"),
+    ("trainable_weights_bytes", "memory.census_first_optimizer.trainable_weights_bytes", "trainable w"),
+    ("grads_bytes", "memory.census_first_optimizer.grads_bytes", "grads"),
+    ("optimizer_state_bytes", "memory.census_first_optimizer.optimizer_state_bytes", "optim state"),
+    ("optimizer_state_paged_bytes", "memory.census_first_optimizer.optimizer_state_paged_bytes", "paged state"),
+    ("activations_bytes", "memory.census_first_optimizer.activations_and_other_bytes", "activations"),
+    ("planned_peak_bytes", None, "planned peak"),
+    ("plan_error_pct", None, "plan err %"),
+    ("adaptations", None, "adapted"),
+    ("budget_bytes", "budget_bytes", "budget"),
 ]
+CENSUS_STACK = (("weights_bytes", "weights (frozen + trainable)", "#c7c7c7"), ("grads_bytes", "grads", "#ffbb78"),
+                ("optimizer_state_bytes", "optimizer state", "#98df8a"),
+                ("optimizer_state_paged_bytes", "paged optimizer state (outside the allocator)", "#dbdb8d"),
+                ("activations_bytes", "activations and other", "#f7b6d2"))
 
 
-def _get(d: dict[str, Any], dotted: str) -> Any:
+def _get(d: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         if not isinstance(d, dict):
             return None
-        d = d.get(part)  # type: ignore[assignment]
+        d = d.get(part)
     return d
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Every directory under ``root`` (itself included) holding a summary.json."""
-    return sorted({p.parent for p in root.rglob("summary.json")})
+    """Every directory under ``root`` (itself included) holding a summary.json or pruned.json."""
+    return sorted({p.parent for name in ("summary.json", "pruned.json") for p in root.rglob(name)})
+
+
+def _overrides(run: Path) -> list[str]:
+    f = run / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return []
+    import yaml
+
+    try:
+        return [str(o) for o in (yaml.safe_load(f.read_text()) or []) if not str(o).startswith("hydra.")]
+    except yaml.YAMLError:
+        return []
+
+
+def _peak(row: dict[str, Any]) -> int | None:
+    """The job's measured peak: the allocator's where it has one (reserved, else allocated), RSS
+    where it has none (torch on CPU)."""
+    for k in ("peak_reserved_bytes", "peak_allocated_bytes", "peak_rss_bytes"):
+        if row.get(k) is not None:
+            return int(row[k])
+    return None
+
+
+def _loss_noise(run: Path) -> float | None:
+    """Standard error of the mean of the last 10 step losses (what final_train_loss averages)."""
+    m = run / "metrics.jsonl"
+    if not m.is_file():
+        return None
+    losses = [json.loads(x)["loss"] for x in m.read_text().splitlines() if x.startswith('{"step"')]
+    tail = losses[-10:]
+    return statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) >= 3 else None
 
 
 def rows(root: Path) -> list[dict[str, Any]]:
+    runs = find_runs(root)
+    overrides = {r: _overrides(r) for r in runs}
+    common = set.intersection(*(set(o) for o in overrides.values())) if overrides else set()
     out = []
-    for run in find_runs(root):
-        s = json.loads((run / "summary.json").read_text())
-        row: dict[str, Any] = {"run": str(run.relative_to(root)) if run != root else run.name}
-        for key, _ in COLUMNS[1:]:
-            v = _get(s, key)
-            row[key] = len(v) if key == "adaptations" and isinstance(v, list) else v
+    for run in runs:
+        differ = [o for o in overrides[run] if o not in common]
+        name = " ".join(differ) or (str(run.relative_to(root)) if run != root else run.name)
+        row: dict[str, Any] = {"job": name, "dir": str(run)}
+        if (run / "summary.json").is_file():
+            s = json.loads((run / "summary.json").read_text())
+            row["status"] = "ran"
+            for key, path, _ in COLUMNS:
+                if path:
+                    row[key] = _get(s, path)
+            c = _get(s, "memory.census_first_optimizer") or {}
+            if c:
+                row["weights_bytes"] = (c.get("frozen_weights_bytes") or 0) + (c.get("trainable_weights_bytes") or 0) \
+                    + (c.get("quant_buffers_bytes") or 0)
+            # plan error of the step peak: predicted vs the allocator's (where it measured one)
+            peak_err = (s.get("plan_error") or {}).get("peak_allocated") or {}
+            row["planned_peak_bytes"] = peak_err.get("predicted")
+            rel = peak_err.get("relative_error")
+            row["plan_error_pct"] = None if rel is None else 100.0 * rel
+            row["adaptations"] = len([e for e in s.get("adaptations") or []
+                                      if e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing")])
+            row["loss_noise"] = _loss_noise(run)
+        else:
+            p = json.loads((run / "pruned.json").read_text())
+            row.update(status="pruned (plan)", backend=p.get("backend"), method=p.get("method"), optim=p.get("optim"),
+                       precision=p.get("precision"), micro_batch=p.get("batch_size"),
+                       planned_peak_bytes=p.get("planned_peak_bytes"), budget_bytes=p.get("budget_bytes"))
+        row["peak_bytes"] = _peak(row)
         out.append(row)
-    return sorted(out, key=lambda r: r["run"])
+    out.sort(key=lambda r: (r["job"], r["dir"]))
+    names = [r["job"] for r in out]
+    for r in out:  # the same overrides twice (a search that sampled a point again): tell them apart
+        if names.count(r["job"]) > 1:
+            r["job"] += f" [{Path(r['dir']).name.split('_', 1)[0]}]"
+    return out
 
 
-def _fmt(key: str, v: Any) -> str:
+def winners(rs: list[dict[str, Any]]) -> list[str]:
+    """Sentences naming the fastest job that fits the budget and the leanest job at equal loss."""
+    ran = [r for r in rs if r["status"] == "ran"]
+    out = []
+    def budget_peak(r: dict[str, Any]) -> tuple[int | None, str]:
+        # against the budget: the allocator's peak where measured, else the plan's (the process
+        # RSS of a CPU run counts the interpreter and libraries, which no device budget does)
+        for key, label in (("peak_reserved_bytes", "peak reserved"), ("peak_allocated_bytes", "peak allocated"),
+                           ("planned_peak_bytes", "planned peak")):
+            if r.get(key) is not None:
+                return int(r[key]), label
+        return None, "peak"
+
+    def fits(r: dict[str, Any]) -> bool:
+        peak = budget_peak(r)[0]
+        return r.get("budget_bytes") is None or peak is None or peak <= r["budget_bytes"]
+
+    fits_ = [r for r in ran if r.get("tokens_per_sec") and fits(r)]
+    if fits_:
+        best = max(fits_, key=lambda r: r["tokens_per_sec"])
+        peak, label = budget_peak(best)
+        out.append(f"fastest that fits the budget: {best['job']} ({best['tokens_per_sec']:,.0f} tokens/s, "
+                   f"{label} {_gib(peak)} GiB"
+                   + (f" of {_gib(best['budget_bytes'])} GiB" if best.get("budget_bytes") else "") + ")")
+    with_loss = [r for r in ran if r.get("final_train_loss") is not None and r["peak_bytes"] is not None]
+    if len(with_loss) >= 2:
+        lo = min(with_loss, key=lambda r: r["final_train_loss"])
+        # equal within noise: within two combined standard errors of the best's loss (1% if unknown)
+        def tol(r: dict[str, Any]) -> float:
+            a, b = lo.get("loss_noise"), r.get("loss_noise")
+            return 2 * math.hypot(a, b) if a is not None and b is not None else 0.01 * abs(lo["final_train_loss"])
+        equal = [r for r in with_loss if r["final_train_loss"] - lo["final_train_loss"] <= tol(r)]
+        lean = min(equal, key=lambda r: r["peak_bytes"])
+        out.append(f"least memory at equal loss: {lean['job']} (peak {_gib(lean['peak_bytes'])} GiB, train loss "
+                   f"{lean['final_train_loss']:.4f}; {len(equal)} of {len(with_loss)} jobs within noise of the best "
+                   f"{lo['final_train_loss']:.4f})")
+    pruned = [r for r in rs if r["status"].startswith("pruned")]
+    if pruned:
+        out.append(f"pruned by plan before loading: {len(pruned)} job(s) ("
+                   + ", ".join(f"{r['job']}: planned {_gib(r['planned_peak_bytes'])} GiB" for r in pruned) + ")")
+    return out
+
+
+def _gib(v: Any) -> str:
+    return "n/a" if v is None else f"{v / GIB:.3f}"
+
+
+UNITS = ((GIB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
+
+
+def _unit(rs: list[dict[str, Any]], key: str) -> tuple[int, str]:
+    """One unit per byte column, the largest its biggest value reaches (a tiny model's state
+    is KiB, a 7B's GiB), so the column reads without a row of 0.000s."""
+    top = max((abs(r[key]) for r in rs if r.get(key) is not None), default=0)
+    return next(((size, name) for size, name in UNITS if top >= size), (1, "B"))
+
+
+def _fmt(key: str, v: Any, unit: int = GIB) -> str:
     if v is None:
         return "n/a"
-    if key.startswith("memory."):
-        return f"{v / GIB:.3f}"
+    if key.endswith("_bytes"):
+        return f"{v / unit:.3f}" if unit > 1 else str(v)
+    if key == "tokens_per_sec":
+        return f"{v:,.0f}"
+    if key == "plan_error_pct":
+        return f"{v:+.1f}"
     if isinstance(v, float):
-        return f"{v:,.1f}" if key == "tokens_per_sec" else f"{v:.4f}"
+        return f"{v:.4f}"
     return str(v)
 
 
+def _shown(rs: list[dict[str, Any]]) -> list[tuple[str, str | None, str]]:
+    """Columns with at least one value (a CPU sweep has no allocator or NVML figures)."""
+    return [c for c in COLUMNS if c[0] in ("job", "status") or any(r.get(c[0]) is not None for r in rs)]
+
+
 def table(rs: list[dict[str, Any]]) -> str:
-    head = [label for _, label in COLUMNS]
-    body = [[_fmt(k, r.get(k)) for k, _ in COLUMNS] for r in rs]
+    cols = _shown(rs)
+    units = {k: _unit(rs, k) for k, _, _ in cols if k.endswith("_bytes")}
+    head = [h + (f" {units[k][1]}" if k in units else "") for k, _, h in cols]
+    body = [[_fmt(k, r.get(k), units[k][0] if k in units else GIB) for k, _, _ in cols] for r in rs]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
 
 
+def markdown(rs: list[dict[str, Any]], notes: list[str]) -> str:
+    cols = _shown(rs)
+    units = {k: _unit(rs, k) for k, _, _ in cols if k.endswith("_bytes")}
+    head = [h + (f" ({units[k][1]})" if k in units else "") for k, _, h in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rs:
+        lines.append("| " + " | ".join(_fmt(k, r.get(k), units[k][0] if k in units else GIB).replace("|", "\\|")
+                                      for k, _, _ in cols) + " |")
+    lines.append("")
+    lines += [f"- {n}" for n in notes]
+    lines.append("")
+    lines.append("KiB/MiB/GiB = 2^10/2^20/2^30 bytes. Census at the first optimizer step; peak = the allocator's reserved "
+                 "(else allocated, else process RSS where no allocator is measured).")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
+    """A bar per job. Top: the census at the first optimizer step stacked, the allocator's
+    measured peak as a marker (the plan's where no allocator is measured), the budget as a
+    line; pruned jobs as a hatched bar at their planned peak. Bottom: the process's peak RSS
+    (what the OS saw). Each panel has its own unit; readable from 2 to 30 jobs."""
+    import os
+    import tempfile
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = len(rs)
+    xs = list(range(n))
+    ran = [r["status"] == "ran" for r in rs]
+    stacks = [(key, label, color, [(r.get(key) or 0) if ok else 0 for r, ok in zip(rs, ran)])
+              for key, label, color in CENSUS_STACK]
+    stacks = [st for st in stacks if any(st[3])]
+    alloc = [(i, r.get("peak_reserved_bytes") or r.get("peak_allocated_bytes")) for i, r in enumerate(rs)]
+    alloc = [(i, v) for i, v in alloc if v]
+    planned = [(i, r["planned_peak_bytes"]) for i, r in enumerate(rs) if r.get("planned_peak_bytes")]
+    top = max([sum(col) for col in zip(*[st[3] for st in stacks])] + [v for _, v in alloc + planned] + [0]) if n else 0
+    budgets = {r["budget_bytes"] for r in rs if r.get("budget_bytes")}
+    budget = budgets.pop() if len(budgets) == 1 else None
+    draw_budget = budget is not None and top and budget <= 3 * top
+    scale, unit = next(((sz, nm) for sz, nm in UNITS if max(top, budget if draw_budget else 0) >= sz), (1, "B"))
+    width = min(max(8.0, 2.5 + 0.55 * n), 24.0)
+    fig = Figure(figsize=(width, 6.4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax, hax = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
+    bottoms = [0.0] * n
+    for _, label, color, vals in stacks:
+        ax.bar(xs, [v / scale for v in vals], bottom=bottoms, color=color, label=label, width=0.7,
+               edgecolor="white", lw=0.5)
+        bottoms = [b + v / scale for b, v in zip(bottoms, vals)]
+    pruned = [i for i, ok in enumerate(ran) if not ok and rs[i].get("planned_peak_bytes")]
+    if pruned:
+        ax.bar(pruned, [rs[i]["planned_peak_bytes"] / scale for i in pruned], width=0.7, fill=False, hatch="//",
+               edgecolor="#d62728", label="pruned by plan (its planned peak)")
+    marker = dict(marker="_", s=min(900, 9000 / max(n, 1)), lw=2.5, zorder=4)
+    if alloc:
+        ax.scatter([i for i, _ in alloc], [v / scale for _, v in alloc], color="black",
+                   label="measured peak (allocator)", **marker)
+    plan_only = [(i, v) for i, v in planned if ran[i] and i not in {j for j, _ in alloc}]
+    if plan_only:
+        ax.scatter([i for i, _ in plan_only], [v / scale for _, v in plan_only], color="#1f77b4",
+                   label="planned peak (no allocator measured)", **marker)
+    if draw_budget:
+        ax.axhline(budget / scale, color="#d62728", lw=1.2, label=f"memory budget {budget / GIB:.2f} GiB")
+    elif budget is not None:
+        ax.text(1.01, 0.0, f"memory budget {budget / GIB:.2f} GiB\n(above the chart)", transform=ax.transAxes,
+                ha="left", va="bottom", fontsize=8, color="#d62728")
+    ax.set_ylabel(f"{unit}\n(device / allocator)", fontsize=9)
+    ax.set_title(f"sweep memory: {n} job(s); census at the first optimizer step, peaks per job")
+    rss = [(r.get("peak_rss_bytes") or 0) for r in rs]
+    hscale, hunit = next(((sz, nm) for sz, nm in UNITS if max(rss + [0]) >= sz), (1, "B"))
+    hax.bar(xs, [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
+    hax.set_ylabel(f"{hunit}\n(process)", fontsize=9)
+    labels = [r["job"] if len(r["job"]) <= 30 else r["job"][:28] + "…" for r in rs]
+    rotate = n > 2 or max((len(x) for x in labels), default=0) > 14
+    for a in (ax, hax):
+        a.set_xticks(xs)
+        a.set_xlim(-0.6, n - 0.4)
+        a.set_ylim(bottom=0)
+        a.grid(axis="y", alpha=0.3)
+        a.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.set_xticklabels([])
+    hax.set_xticklabels(labels, rotation=35 if rotate else 0, ha="right" if rotate else "center",
+                        fontsize=7 if n > 12 else 8)
+    right = 1.0 - 2.6 / width
+    longest = max((len(x) for x in labels), default=0)
+    bottom = min(0.34, 0.08 + 0.0105 * longest) if rotate else 0.1
+    fig.subplots_adjust(left=0.9 / width, right=right, bottom=bottom, top=0.93, hspace=0.12)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def report(root: Path, out_dir: Path | None = None, chart: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
+    """Build and write the report for ``root``; returns (rows, winner sentences)."""
+    from finetune.io import atomic_write_text
+
+    rs = rows(root)
+    notes = winners(rs)
+    out = out_dir or root
+    buf = io.StringIO()
+    fields = [k for k, _, _ in COLUMNS] + ["peak_bytes", "loss_noise", "dir"]
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rs)
+    atomic_write_text(out / "sweep_summary.csv", buf.getvalue())
+    atomic_write_text(out / "sweep_summary.md", markdown(rs, notes))
+    if chart:
+        write_chart(rs, out / "sweep_memory.png")
+    return rs, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="finetune-report", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="a run directory or a sweep (multirun) directory")
-    ap.add_argument("--csv", type=Path, default=None, help="CSV path (default: DIR/report.csv)")
+    ap.add_argument("--out", type=Path, default=None, help="where the files go (default: DIR)")
     a = ap.parse_args(argv)
     if not a.dir.is_dir():
         print(f"error: {a.dir} is not a directory; give a run or sweep directory", file=sys.stderr)
         return 2
-    rs = rows(a.dir)
-    if not rs:
+    if not find_runs(a.dir):
         print(f"error: no summary.json under {a.dir}; point it at a finished run or sweep", file=sys.stderr)
         return 2
+    rs, notes = report(a.dir, a.out)
     print(table(rs))
-    out = a.csv or a.dir / "report.csv"
-    from finetune.io import atomic_write_text
-    import io
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=[k for k, _ in COLUMNS])
-    w.writeheader()
-    w.writerows(rs)
-    atomic_write_text(out, buf.getvalue())
-    print(f"csv: {out}", file=sys.stderr)
+    for n in notes:
+        print(n)
+    print(f"written: {(a.out or a.dir) / 'sweep_summary.csv'}, sweep_summary.md, sweep_memory.png", file=sys.stderr)
     return 0
+
+
+class SweepReportCallback(Callback):
+    """Hydra callback: at the end of ``finetune -m ...`` the report is written into the sweep
+    directory by itself (conf/config.yaml ``hydra.callbacks``)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        root = Path(str(config.hydra.sweep.dir))
+        if not root.is_dir() or not find_runs(root):
+            return
+        try:
+            rs, notes = report(root)
+        except Exception as e:  # a report must never fail the sweep it describes
+            print(f"[sweep] report not written: {e}", file=sys.stderr)
+            return
+        print(table(rs), file=sys.stderr)
+        for n in notes:
+            print(f"[sweep] {n}", file=sys.stderr)
+        print(f"[sweep] report: {root / 'sweep_summary.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

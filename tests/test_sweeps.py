@@ -1,0 +1,121 @@
+"""Multirun sweeps through the console script: every job from its own baseline (a fresh
+process), the side-by-side report written by itself, launcher presets, and an Optuna search
+that prunes by plan before loading anything."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import needs_mlx, needs_torch
+
+COMMON = ("train.steps=3", "train.eval_every=0", "train.progress=false", "data.num_samples=200")
+
+
+def _sweep(tmp: Path, name: str, *overrides: str, timeout: int = 600) -> Path:
+    out = tmp / name
+    r = subprocess.run([sys.executable, "-m", "finetune", "-m", *overrides, *COMMON, f"hydra.sweep.dir={out}"],
+                       capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _rows(sweep: Path) -> dict[str, dict[str, str]]:
+    return {r["job"]: r for r in csv.DictReader((sweep / "sweep_summary.csv").open())}
+
+
+def _summaries(sweep: Path) -> dict[str, dict]:
+    out = {}
+    for s in sweep.glob("*/summary.json"):
+        d = json.loads(s.read_text())
+        out[d["optim"]] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def optim_sweeps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The issue's own command, in one order and in the reverse order."""
+    pytest.importorskip("torch")
+    tmp = tmp_path_factory.mktemp("sweeps")
+    fwd = _sweep(tmp, "fwd", "backend=cuda", "method=full", "optim=adamw,adamw_8bit,paged_adamw_8bit")
+    rev = _sweep(tmp, "rev", "backend=cuda", "method=full", "optim=paged_adamw_8bit,adamw_8bit,adamw")
+    return fwd, rev
+
+
+@needs_torch
+def test_optimizer_sweep_writes_its_report_and_the_state_column_falls(optim_sweeps) -> None:
+    fwd, _ = optim_sweeps
+    for name in ("sweep_summary.csv", "sweep_summary.md", "sweep_memory.png"):
+        assert (fwd / name).is_file(), name  # written by the end-of-sweep callback, not by hand
+    rows = _rows(fwd)
+    assert set(rows) == {"optim=adamw", "optim=adamw_8bit", "optim=paged_adamw_8bit"}  # named by what differs
+    census = {o: s["memory"]["census_first_optimizer"]["optimizer_state_bytes"] for o, s in _summaries(fwd).items()}
+    for optim, row in ((k.split("=")[1], v) for k, v in rows.items()):
+        assert int(row["optimizer_state_bytes"]) == census[optim]  # the column is the census, to the byte
+    assert int(rows["optim=adamw"]["optimizer_state_bytes"]) > 3 * int(rows["optim=adamw_8bit"]["optimizer_state_bytes"])
+    md = (fwd / "sweep_summary.md").read_text()
+    assert md.startswith("| job | status |") and "fastest that fits the budget: optim=" in md
+    assert (fwd / "sweep_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_torch
+def test_sweep_peaks_do_not_depend_on_job_order_torch(optim_sweeps) -> None:
+    fwd, rev = optim_sweeps
+    a, b = _summaries(fwd), _summaries(rev)
+    for optim in a:
+        ra, rb = a[optim]["memory"]["peaks"]["rss_bytes"], b[optim]["memory"]["peaks"]["rss_bytes"]
+        assert abs(ra - rb) <= 0.05 * max(ra, rb), (optim, ra, rb)
+        assert a[optim]["memory"]["census_first_optimizer"] == b[optim]["memory"]["census_first_optimizer"]
+
+
+@needs_mlx
+def test_sweep_peaks_do_not_depend_on_job_order_mlx(tmp_path: Path) -> None:
+    fwd = _sweep(tmp_path, "fwd", "backend=mlx", "optim=adamw,sgd")
+    rev = _sweep(tmp_path, "rev", "backend=mlx", "optim=sgd,adamw")
+    a, b = _summaries(fwd), _summaries(rev)
+    assert set(a) == set(b) == {"adamw", "sgd"}
+    for optim in a:
+        pa, pb = a[optim]["memory"]["peaks"], b[optim]["memory"]["peaks"]
+        for key in ("allocated_bytes", "rss_bytes"):
+            assert abs(pa[key] - pb[key]) <= 0.05 * max(pa[key], pb[key]), (optim, key, pa[key], pb[key])
+        assert a[optim]["memory"]["census_first_optimizer"] == b[optim]["memory"]["census_first_optimizer"]
+
+
+@needs_torch
+@pytest.mark.skipif(importlib.util.find_spec("submitit") is None, reason="pip install 'finetune[sweep]'")
+def test_two_job_sweep_through_the_submitit_local_preset(tmp_path: Path) -> None:
+    out = _sweep(tmp_path, "sub", "hydra/launcher=local", "backend=cuda", "optim=adamw,sgd")
+    rows = _rows(out)
+    assert set(rows) == {"optim=adamw", "optim=sgd"} and all(r["status"] == "ran" for r in rows.values())
+    assert list(out.glob(".submitit/*")), "the jobs went through submitit"
+
+
+@needs_torch
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None,
+                    reason="pip install 'finetune[sweep]'")
+def test_optuna_search_prunes_by_plan_before_loading(tmp_path: Path) -> None:
+    from finetune import planner
+    from finetune.config import compose
+
+    peak = {b: planner.plan(compose(tmp_path / "p", "backend=cuda", f"train.batch_size={b}"),
+                            recommend=False)["max_device_peak_bytes"] for b in (1, 8)}
+    budget = (peak[1] + peak[8]) // 2  # micro-batch 1 fits, 8 does not
+    out = _sweep(tmp_path, "opt", "search=throughput", "backend=cuda", f"memory.budget={budget}",
+                 "hydra.sweeper.n_trials=3", "train.batch_size=choice(1,8)")
+    pruned = [json.loads(p.read_text()) for p in out.glob("*/pruned.json")]
+    ran = list(out.glob("*/summary.json"))
+    assert pruned and ran, (pruned, ran)
+    for p in pruned:
+        assert p["batch_size"] == 8 and p["planned_peak_bytes"] == peak[8] > p["budget_bytes"] == budget
+    for p in out.glob("*/pruned.json"):  # nothing was loaded or trained there
+        assert not (p.parent / "summary.json").exists() and not (p.parent / "metrics.jsonl").exists()
+    rows = list(csv.DictReader((out / "sweep_summary.csv").open()))
+    assert {r["status"] for r in rows} == {"ran", "pruned (plan)"}
+    assert "pruned by plan before loading" in (out / "sweep_summary.md").read_text()
+    best = (out / "optimization_results.yaml").read_text()
+    assert "train.batch_size: 1" in best
