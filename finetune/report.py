@@ -141,12 +141,31 @@ def rows(root: Path) -> list[dict[str, Any]]:
                        planned_peak_bytes=p.get("planned_peak_bytes"), budget_bytes=p.get("budget_bytes"))
         row["peak_bytes"] = _peak(row)
         out.append(row)
-    out.sort(key=lambda r: (r["job"], r["dir"]))
+    out.sort(key=lambda r: (_natural(r["job"]), r["dir"]))
     names = [r["job"] for r in out]
     for r in out:  # the same overrides twice (a search that sampled a point again): tell them apart
         if names.count(r["job"]) > 1:
             r["job"] += f" [{Path(r['dir']).name.split('_', 1)[0]}]"
     return out
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key that orders rank=2 before rank=16."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def short_label(job: str) -> str:
+    """A chart label: group choices by their option (optim=adamw -> adamw), other keys by their
+    last part (method.lora.rank=16 -> rank=16)."""
+    from finetune.config import GROUPS
+
+    parts = []
+    for tok in job.split(" "):
+        key, eq, val = tok.partition("=")
+        parts.append(val if eq and key in GROUPS else (f"{key.rsplit('.', 1)[-1]}={val}" if eq else tok))
+    return " ".join(parts)
 
 
 def winners(rs: list[dict[str, Any]]) -> list[str]:
@@ -309,7 +328,8 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     hscale, hunit = next(((sz, nm) for sz, nm in UNITS if max(rss + [0]) >= sz), (1, "B"))
     hax.bar(xs, [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
     hax.set_ylabel(f"{hunit}\n(process)", fontsize=9)
-    labels = [r["job"] if len(r["job"]) <= 30 else r["job"][:28] + "…" for r in rs]
+    labels = [short_label(r["job"]) for r in rs]
+    labels = [x if len(x) <= 32 else x[:31] + "…" for x in labels]
     rotate = n > 2 or max((len(x) for x in labels), default=0) > 14
     for a in (ax, hax):
         a.set_xticks(xs)
@@ -323,7 +343,8 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     right = 1.0 - 2.6 / width
     longest = max((len(x) for x in labels), default=0)
     bottom = min(0.34, 0.08 + 0.0105 * longest) if rotate else 0.1
-    fig.subplots_adjust(left=0.9 / width, right=right, bottom=bottom, top=0.93, hspace=0.12)
+    fig.subplots_adjust(left=max(0.9, 0.055 * longest if rotate else 0.9) / width, right=right, bottom=bottom,
+                        top=0.93, hspace=0.12)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=path.parent)
     os.close(fd)
