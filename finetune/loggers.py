@@ -261,9 +261,10 @@ class MlflowLogger(Logger):
     """An MLflow run: by default in a local file store under the run dir
     (``file:<run_dir>/mlruns``; ``logger.mlflow.tracking_uri`` for a server or a database),
     experiment ``logger.mlflow.experiment``. Parameters: the composed config, flattened.
-    Scalars by tag at each step, sent in batches (every ``flush_secs`` or 900 values, and at
-    the end: a step does not wait on the store); each event a tag ``event.<n>`` and, at the
-    end, the artifacts ``events.jsonl`` and ``summary.json``."""
+    Scalars by tag at each step, handed to MLflow's asynchronous logging (the step does not
+    wait on the store: a file store writes one file per metric); each event a tag
+    ``event.<n>``; at the end the summary figures as ``summary/<key>`` and the artifacts
+    ``events.jsonl`` and ``summary.json``."""
 
     name = "mlflow"
 
@@ -298,26 +299,26 @@ class MlflowLogger(Logger):
             params = [Param(k, str(v)[:6000]) for k, v in _flatten(config).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 c.log_batch(self.run_id, params=params[i:i + 100])
+        from collections import deque
+
         from mlflow.entities import Metric
 
-        self._metric, self._pending = Metric, []
-        self._flush_secs = float(s.get("flush_secs") or 10)
-        self._flushed_at = time.monotonic()
+        self._metric, self._ops = Metric, deque()
 
-    def _flush(self) -> None:
-        # MLflow takes at most 1000 metrics per batch. Synchronous on purpose: its asynchronous
-        # batches run on a thread pool, and a read of the file store (log_dict, get_run) racing
-        # a write finds a metric file empty
-        while self._pending:
-            self.client.log_batch(self.run_id, metrics=self._pending[:1000])
-            del self._pending[:1000]
-        self._flushed_at = time.monotonic()
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for the asynchronous batches, all but the newest ``keep``. Anything that reads
+        the store (log_dict, log_text, set_terminated read the run) drains first: a file
+        store read racing MLflow's writer threads finds a metric file empty ("malformed")."""
+        while len(self._ops) > keep:
+            op = self._ops.popleft()
+            if op is not None:
+                op.wait()
 
     def log_step(self, rec: dict[str, Any], values: dict[str, float]) -> None:
         ts, step, M = int(time.time() * 1000), int(rec["step"]), self._metric
-        self._pending += [M(t, float(v), ts, step) for t, v in values.items()]
-        if len(self._pending) >= 900 or time.monotonic() - self._flushed_at >= self._flush_secs:
-            self._flush()
+        metrics = [M(t, float(v), ts, step) for t, v in values.items()]
+        self._ops.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        self._drain(keep=100)  # a bounded backlog: a store that falls 100 steps behind slows the loop
 
     def log_event(self, ev: dict[str, Any]) -> None:
         self.events.append(ev)
@@ -325,14 +326,15 @@ class MlflowLogger(Logger):
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         ts, step, M = int(time.time() * 1000), int(summary.get("steps") or 0), self._metric
-        self._pending += [M(f"summary/{k}", float(v), ts, step) for k, v in summary_scalars(summary).items()]
-        self._flush()
+        self._drain()
+        self.client.log_batch(self.run_id, metrics=[M(f"summary/{k}", float(v), ts, step)
+                                                    for k, v in summary_scalars(summary).items()])
         self.client.log_dict(self.run_id, summary, "summary.json")
 
     def close(self, status: str) -> None:
         if getattr(self, "client", None) is None:
             return
-        self._flush()
+        self._drain()
         if self.events:
             self.client.log_text(self.run_id, "".join(json.dumps(e) + "\n" for e in self.events),
                                  "events.jsonl")
