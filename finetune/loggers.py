@@ -24,8 +24,9 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from finetune.config import UserError
 from finetune.io import atomic_write_text

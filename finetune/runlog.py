@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from types import TracebackType
+from typing import Any
 
 from finetune.io import atomic_write_text
 
@@ -150,10 +152,11 @@ class RunLog:
             _quiet_close(lg, status)
         self.loggers = []
 
-    def __enter__(self) -> RunLog:
+    def __enter__(self) -> RunLog:  # noqa: PYI034 (no subclasses)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close(_status(exc_type))
 
     # -- the hot path ------------------------------------------------------------------------

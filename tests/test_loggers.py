@@ -57,7 +57,7 @@ def run(tmp_path_factory) -> Path:
     env.pop("WANDB_MODE", None)  # offline by the config key alone
     r = subprocess.run([sys.executable, "-m", "finetune.cli", *ARGS, f"logger=[{','.join(chosen)}]",
                         "logger.wandb.mode=offline", f"hydra.run.dir={run_dir}"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=run_dir.parent)
+                       check=False, capture_output=True, text=True, timeout=300, env=env, cwd=run_dir.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     steps, events = _jsonl(run_dir)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
@@ -193,7 +193,7 @@ def test_a_missing_logger_package_is_one_line_naming_the_extra(tmp_path):
     code = ("import sys; sys.modules['tensorboard'] = None; "
             "from finetune.cli import main; sys.argv = ['finetune'] + sys.argv[1:]; main()")
     r = subprocess.run([sys.executable, "-c", code, "logger=[csv,tensorboard]", "train.progress=false",
-                        f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+                        f"hydra.run.dir={tmp_path / 'run'}"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert err == [err[0]] and "logger=tensorboard needs the tensorboard package" in err[0]
@@ -203,7 +203,7 @@ def test_a_missing_logger_package_is_one_line_naming_the_extra(tmp_path):
 
 def test_an_unknown_logger_is_refused_with_the_options(tmp_path):
     r = subprocess.run([sys.executable, "-m", "finetune.cli", "logger=[tensorbord]", f"hydra.run.dir={tmp_path}"],
-                       capture_output=True, text=True, timeout=60)
+                       check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "logger=tensorbord is not an option; choose one of: csv, jsonl, mlflow, tensorboard, wandb" in r.stderr
 

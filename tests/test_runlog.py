@@ -98,18 +98,16 @@ def test_resume_drops_the_abandoned_future_and_hands_the_supervisors_event_to_th
 def test_close_before_begin_appends_the_held_events_and_a_failure_closes_loggers_as_failed(tmp_path):
     """A run that stops in setup (nothing fits) still leaves its decisions in metrics.jsonl."""
     rec = Recorder()
-    with pytest.raises(UserError):
-        with RunLog(tmp_path) as rl:
-            rl.loggers = [rec]
-            rl.event(_ev(0))
-            raise UserError("does not fit")
+    with pytest.raises(UserError), RunLog(tmp_path) as rl:
+        rl.loggers = [rec]
+        rl.event(_ev(0))
+        raise UserError("does not fit")
     assert _lines(tmp_path) == [{"event": _ev(0)}]
     assert rec.calls == [("close", "failed")]  # never opened: the loggers start with the steps
-    with pytest.raises(SystemExit):
-        with RunLog(tmp_path / "b") as rl:
-            rl.loggers = [rec2 := Recorder()]
-            rl.begin(0)
-            raise SystemExit(143)  # stopped by SIGTERM after its checkpoint
+    with pytest.raises(SystemExit), RunLog(tmp_path / "b") as rl:
+        rl.loggers = [rec2 := Recorder()]
+        rl.begin(0)
+        raise SystemExit(143)  # stopped by SIGTERM after its checkpoint
     assert rec2.calls == [("open", 0), ("close", "killed")]
 
 
@@ -235,10 +233,10 @@ def test_shell_completion_answers_through_the_cli(tmp_path):
     import sys
 
     code = "import sys; from finetune.cli import main; sys.argv = ['finetune'] + sys.argv[1:]; main()"
-    r = subprocess.run([sys.executable, "-c", code, "-sc", "install=bash"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code, "-sc", "install=bash"], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "hydra_bash_completion" in r.stdout, r.stderr[-2000:]
     env = {**os.environ, "COMP_LINE": "finetune logger=", "COMP_POINT": "16"}
-    r = subprocess.run([sys.executable, "-c", code, "-sc", "query=bash"], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code, "-sc", "query=bash"], check=False, capture_output=True, text=True, timeout=60,
                        env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert set(r.stdout.split()) == {f"logger={o}" for o in ("csv", "jsonl", "mlflow", "tensorboard", "wandb")}
