@@ -80,7 +80,7 @@ class Tensor:
         return tuple(self.data.shape)
 
     @property
-    def T(self) -> Tensor:  # noqa: N802  (numpy's name)
+    def T(self) -> Tensor:  # numpy's name for the transpose
         return Tensor(self.dtype, np.ascontiguousarray(self.data.T))
 
 
@@ -133,7 +133,8 @@ def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name in names:
-            f.write(np.ascontiguousarray(tensors[name].data).astype(tensors[name].data.dtype.newbyteorder("<")).tobytes())
+            data = tensors[name].data
+            f.write(np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).tobytes())
 
 
 # ---- the adapter, in neither format ------------------------------------------------------
@@ -187,7 +188,7 @@ class Adapter:
         (prefix,) = prefixes
         expected = {f"{prefix}.{i}.{r}" for i in layers for r in rels}
         if expected != set(self.modules):
-            missing = sorted(expected - set(self.modules))[0]
+            missing = min(expected - set(self.modules))
             raise UserError(f"{self.path}: the adapter covers some keys in some layers only (no {missing}); "
                             "mlx-lm adapts the same keys in each adapted layer, so this does not convert")
         return prefix, sorted(layers), sorted(rels)
@@ -364,9 +365,14 @@ class Base:
             return None
         q = self.quantization
         if q and module + ".scales" in self.shapes:
-            bits = int((q.get(module) or {}).get("bits", q["bits"])) if isinstance(q.get(module), dict) else int(q["bits"])
-            return shape[0], shape[1] * 32 // bits
+            return shape[0], shape[1] * 32 // _bits(q, module)
         return shape[0], shape[1]
+
+
+def _bits(q: dict[str, Any], module: str) -> int:
+    """Bits of ``module`` in an MLX quantization block (mlx-lm may give a module its own entry)."""
+    own = q.get(module)
+    return int(own["bits"]) if isinstance(own, dict) and "bits" in own else int(q["bits"])
 
 
 def resolve_base(name: str | None, adapter: Adapter, flag: bool) -> Base:
@@ -380,12 +386,14 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool) -> Base:
         try:
             from huggingface_hub import snapshot_download
 
-            local = Path(snapshot_download(str(name), allow_patterns=["*.json", "*.safetensors"], local_files_only=True))
-        except Exception:
+            local = Path(snapshot_download(str(name), allow_patterns=["*.json", "*.safetensors"],
+                                           local_files_only=True))
+        except Exception:  # noqa: BLE001  (offline, unknown id, gated: the same answer for the user)
             raise UserError(f"base model {name} (from {where}) is neither a local directory nor in the Hugging Face "
                             "cache; download it (huggingface-cli download) or pass --base /path/to/base") from None
     if not (local / "config.json").is_file():
-        raise UserError(f"base model {local} (from {where}) has no config.json; pass --base with an HF-format model dir")
+        raise UserError(f"base model {local} (from {where}) has no config.json; "
+                        "pass --base with an HF-format model directory")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(local.glob("*.safetensors")):
         header, _ = read_header(f)
@@ -429,7 +437,7 @@ def provenance(ad: Adapter, base: Base, what: str) -> dict[str, Any]:
 
 def write_peft(ad: Adapter, base: Base, out: Path) -> None:
     """PEFT's adapter_config.json + adapter_model.safetensors for ``ad`` into ``out``."""
-    prefix, layers, rels = ad.layout()
+    _, layers, rels = ad.layout()
     tensors: dict[str, Tensor] = {}
     for path, mod in ad.modules.items():
         tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = mod.a
@@ -491,7 +499,7 @@ def _peft_targets(rels: list[str], base: Base, adapted: set[str], layers: list[i
 
 def write_mlx(ad: Adapter, base: Base, out: Path) -> None:
     """mlx-lm's adapter_config.json + adapters.safetensors for ``ad`` into ``out``."""
-    prefix, layers, rels = ad.layout()
+    _, layers, rels = ad.layout()
     n = base.num_layers
     top = list(range(n - len(layers), n))
     if layers != top:
@@ -567,8 +575,7 @@ def dequantize_cost(base: Base) -> tuple[int, int]:
             continue
         n = int(np.prod(shape))
         if quantized and leaf == "weight":
-            bits = int((q.get(mod) or {}).get("bits", q.get("bits", 4))) if isinstance(q.get(mod), dict) else int(q.get("bits", 4))
-            after += n * 32 // bits * size.get(header_dtypes[mod + ".scales"], 2)
+            after += n * 32 // _bits(q, mod) * size.get(header_dtypes[mod + ".scales"], 2)
         else:
             after += n * size.get(header_dtypes[name], 4)
     return now, after
@@ -662,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dst", help="output directory (written whole or not at all)")
     ap.add_argument("--base", default=None, help="base model directory or hub id (default: the adapter's own config)")
     ap.add_argument("--dequantize", action="store_true",
-                    help="--merge onto an MLX-quantized base: write it dequantized (16-bit), which costs disk")
+                    help="--merge onto an MLX-quantized base: write it dequantized (in the dtype of its "
+                    "scales, usually 16-bit), which costs disk; without it the cost is printed")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     a = ap.parse_args(argv)
     try:
