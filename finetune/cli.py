@@ -54,6 +54,10 @@ def run(cfg: Any) -> dict[str, Any] | None:
 
         validate(cfg)
         return run_plan(cfg)
+    if cfg.mode == "generate":
+        from finetune.generate import generate
+
+        return generate(cfg)
     from finetune.loop import train
 
     return train(cfg)
