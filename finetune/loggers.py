@@ -255,7 +255,7 @@ class WandbLogger(Logger):
     def close(self, status: str) -> None:
         run = getattr(self, "run", None)
         if run is not None:
-            run.finish(exit_code={"finished": 0, "killed": 143}.get(status, 1))
+            run.finish(exit_code=0 if status == "finished" else 1)  # W&B: nonzero marks the run failed
 
 
 class MlflowLogger(Logger):
