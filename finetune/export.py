@@ -432,7 +432,10 @@ def provenance(ad: Adapter, base: Base, what: str) -> dict[str, Any]:
     """Where an export came from: the source's format and path, the base, the tool's version."""
     return {"tool": "finetune-export", "version": _version(), "made": what, "source_format": ad.fmt,
             "source": str(ad.path.resolve()), "base": str(base.path), "dora": ad.dora, "rank": ad.rank,
-            "scale": ad.scale}
+            "scale": ad.scale,
+            # mlx qlora: the adapter learned against these quantized weights; loaded onto the
+            # full-precision base (or bitsandbytes NF4) it meets slightly different ones
+            "trained_on_quantized": ad.trained_on_quantized}
 
 
 def write_peft(ad: Adapter, base: Base, out: Path) -> None:
