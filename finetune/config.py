@@ -171,6 +171,8 @@ class Config:
     # (logger=[tensorboard,mlflow]) adds its settings under its name, e.g. logger.tensorboard.
     logger: dict[str, Any] = field(default_factory=dict)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    # mode=generate prompt="...": the same as generate.prompt (the short form users type)
+    prompt: str | None = None
     # Multirun: each job in a fresh process (its own memory baseline; see finetune/sweep.py).
     isolate_jobs: bool = True
     # Multirun with a sweeper that optimizes (Optuna): what a job returns: tokens_per_sec

@@ -113,8 +113,10 @@ def generate(cfg: Any) -> dict[str, Any]:
     from finetune.backends import resolve_backend_name
 
     g = cfg.generate
+    if not g.prompt and cfg.get("prompt"):
+        g.prompt = cfg.prompt  # the top-level short form: finetune mode=generate prompt="..."
     if not g.prompt:
-        raise UserError('mode=generate needs a prompt: add generate.prompt="..."')
+        raise UserError('mode=generate needs a prompt: add prompt="..." (or generate.prompt="...")')
     if g.max_new_tokens < 1:
         raise UserError(f"generate.max_new_tokens={g.max_new_tokens} must be >= 1")
     if g.temperature < 0:

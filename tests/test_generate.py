@@ -66,8 +66,9 @@ def test_generate_through_the_console_script(runs_root, capsys, tmp_path):
     """`finetune mode=generate backend=mlx generate.adapter=<a cuda run>` prints what the
     in-process call returns, and only that, on stdout."""
     run = trained_run(runs_root, "cuda-lora")
+    # the short form the issue names: prompt="..." (generate.prompt is the same key)
     r = subprocess.run([*finetune_cmd(), "mode=generate", "backend=mlx", f"generate.adapter={run}",
-                        f"generate.prompt={PROMPT}", "generate.max_new_tokens=8", f"hydra.run.dir={tmp_path}/g"],
+                        f"prompt={PROMPT}", "generate.max_new_tokens=8", f"hydra.run.dir={tmp_path}/g"],
                        check=False, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr[-2000:]
     want, _ = _generate(capsys, tmp_path / "in", "backend=mlx", f"generate.adapter={run}")
@@ -78,4 +79,5 @@ def test_generate_without_a_prompt_is_one_line(tmp_path):
     r = subprocess.run([*finetune_cmd(), "mode=generate", "backend=cuda", f"hydra.run.dir={tmp_path}/g"],
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip().splitlines()[-1] == 'error: mode=generate needs a prompt: add generate.prompt="..."'
+    assert r.stderr.strip().splitlines()[-1] == ('error: mode=generate needs a prompt: add prompt="..." '
+                                                 '(or generate.prompt="...")')
