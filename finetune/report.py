@@ -276,11 +276,10 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     measured peak as a marker (the plan's where no allocator is measured), the budget as a
     line; pruned jobs as a hatched bar at their planned peak. Bottom: the process's peak RSS
     (what the OS saw). Each panel has its own unit; readable from 2 to 30 jobs."""
-    import os
-    import tempfile
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from finetune.accounting.report import save_png
 
     n = len(rs)
     xs = list(range(n))
@@ -345,15 +344,7 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     bottom = min(0.34, 0.08 + 0.0105 * longest) if rotate else 0.1
     fig.subplots_adjust(left=max(0.9, 0.055 * longest if rotate else 0.9) / width, right=right, bottom=bottom,
                         top=0.93, hspace=0.12)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_png(fig, path)
 
 
 def report(root: Path, out_dir: Path | None = None, chart: bool = True) -> tuple[list[dict[str, Any]], list[str]]:

@@ -257,6 +257,13 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
     if hax.get_legend_handles_labels()[0]:
         hax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.subplots_adjust(left=0.09, right=0.74, top=0.94, bottom=0.08)
+    save_png(fig, path)
+
+
+def save_png(fig: Any, path: str | Path) -> None:
+    """Write a matplotlib figure to ``path`` under a temporary name, then rename it into place
+    (a chart is never half-written)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd_, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=path.parent)
     os.close(fd_)
