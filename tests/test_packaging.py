@@ -24,6 +24,7 @@ def test_wheel_carries_configs_and_entry_points(tmp_path):
     ep = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(ep).decode()
     assert "finetune = finetune.cli:main" in text and "finetune-report = finetune.report:main" in text
+    assert "finetune-export = finetune.export:main" in text
     # Installed elsewhere, the configs resolve from the package, not from this checkout.
     target = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
