@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = "trainer_state.json"
-KEEP = 2  # checkpoints kept after each save: the newest, and one in case it is damaged
+KEEP = 2  # default train.keep_checkpoints: the newest, and one in case it is damaged
 _NAME = re.compile(r"step_(\d+)")
 
 
@@ -57,8 +57,9 @@ def latest_state(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def prune(run_dir: str | Path, keep: int = KEEP) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; return what was deleted."""
-    old = list_checkpoints(run_dir)[:-keep] if keep > 0 else list_checkpoints(run_dir)
+    """Delete all but the newest ``keep`` checkpoints (at least one: the newest is never
+    deleted; call this only once a new checkpoint is complete); return what was deleted."""
+    old = list_checkpoints(run_dir)[:-max(1, keep)]
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
     return old

@@ -56,7 +56,12 @@ class ModelConfig:
     # The dtype the checkpoint stores (bfloat16 for today's hub models): precision=auto loads
     # it as stored. A local config.json's dtype/torch_dtype wins over this.
     dtype: str | None = None
+    # run the model repository's own Python (its modeling/tokenizer code): off unless set;
+    # passed to every loader (tokenizer, config, weights)
     trust_remote_code: bool = False
+    # weights from pickle files (pytorch_model.bin, *.pt) run code when loaded: refused unless
+    # set; safetensors only by default
+    allow_pickle: bool = False
 
 
 @dataclass
@@ -132,6 +137,10 @@ class TrainConfig:
     # once memory.cache_limit=auto bounds the cache).
     pad_multiple: int = 0
     resume: bool = False  # continue from the latest checkpoint in the run dir
+    # a checkpoint that cannot be written (disk full, permission): stop (exit 2, the previous
+    # checkpoint kept) or continue training without it
+    on_save_error: str = "stop"
+    keep_checkpoints: int = 2  # newest N kept; the oldest goes only once the new one is complete
     progress: bool = True  # progress bar on stderr
 
 
@@ -189,6 +198,7 @@ VALID = {
     "backend.name": ("auto", "cuda", "mlx"),
     "data.name": ("synthetic", "jsonl", "hf"),
     "train.schedule": ("constant", "linear", "cosine"),
+    "train.on_save_error": ("stop", "continue"),
     "mode": ("train", "plan", "generate"),
 }
 # Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
@@ -245,7 +255,14 @@ def compose(run_dir: Any, *overrides: str) -> Any:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="finetune.conf", version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        try:
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        except Exception as e:  # the one line the CLI prints for the same overrides
+            line = config_error_line(e)
+            if line is None:
+                raise
+            GlobalHydra.instance().clear()
+            raise UserError(line) from e
     OmegaConf.set_struct(cfg, False)
     cfg.run_dir = str(run_dir)
     OmegaConf.set_struct(cfg, True)
@@ -263,23 +280,207 @@ def validate(cfg: Any) -> None:
         if node not in choices:
             raise UserError(f"{dotted}={node} is not valid; choose one of: {', '.join(choices)}")
     check_backend_support(concrete_name(str(cfg.backend.name)), cfg)
-    t = cfg.train
-    for name in ("steps", "batch_size", "grad_accum", "seq_len"):
-        if getattr(t, name) < 1:
-            raise UserError(f"train.{name}={getattr(t, name)} must be >= 1")
-    if t.seq_len < 8:
-        raise UserError(f"train.seq_len={t.seq_len} is too short; use at least 8")
-    if cfg.method.lora.rank < 1:
-        raise UserError(f"method.lora.rank={cfg.method.lora.rank} must be >= 1")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise UserError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)")
+    check_known_keys(cfg)
+    check_ranges(cfg)
     if cfg.data.name == "jsonl" and not cfg.data.path:
         raise UserError("data=jsonl needs a file: add data.path=/path/to/train.jsonl")
     if cfg.data.name == "hf" and not cfg.data.hf_name:
         raise UserError("data=hf needs a data set: add data.hf_name=<hub id>")
-    if cfg.backend.num_devices is not None and cfg.backend.num_devices < 1:
-        raise UserError(f"backend.num_devices={cfg.backend.num_devices} must be >= 1 (or null: the GPUs visible)")
-    if cfg.train.pad_multiple < 0:
-        raise UserError(f"train.pad_multiple={cfg.train.pad_multiple} must be >= 0 (1: no padding; 0: auto)")
-    if cfg.memory.sample_every < 0:
-        raise UserError("memory.sample_every must be >= 0 (0 turns sampling off)")
+
+
+# Every numeric key of the schema and its range: (low, high, low inclusive, high inclusive,
+# None allowed). tests/test_bad_input.py sweeps this table with a value outside each range.
+INF = float("inf")
+RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
+    "backend.num_devices": (1, INF, True, False, True),
+    "model.hidden_size": (1, INF, True, False, False),
+    "model.num_layers": (1, INF, True, False, False),
+    "model.num_heads": (1, INF, True, False, False),
+    "model.num_kv_heads": (1, INF, True, False, False),
+    "model.head_dim": (1, INF, True, False, True),
+    "model.intermediate_size": (1, INF, True, False, False),
+    "model.vocab_size": (1, INF, True, False, False),
+    "model.max_position": (1, INF, True, False, False),
+    "model.rope_theta": (0, INF, False, False, False),
+    "model.rms_norm_eps": (0, 1, False, False, False),
+    "method.lora.rank": (1, INF, True, False, False),
+    "method.lora.alpha": (0, INF, False, False, False),
+    "method.lora.dropout": (0, 1, True, False, False),
+    "method.quant_bits": (2, 8, True, True, False),
+    "method.quant_group_size": (1, INF, True, False, False),
+    "optim.lr": (0, INF, False, False, False),
+    "optim.weight_decay": (0, INF, True, False, False),
+    "optim.betas.0": (0, 1, True, False, False),
+    "optim.betas.1": (0, 1, True, False, False),
+    "optim.eps": (0, 1, False, False, False),
+    "optim.momentum": (0, 1, True, False, False),
+    "optim.max_grad_norm": (0, INF, False, False, True),
+    "data.num_samples": (1, INF, True, False, False),
+    "data.max_samples": (1, INF, True, False, True),
+    "data.val_fraction": (0, 1, True, False, False),
+    "data.max_val_samples": (0, INF, True, False, False),
+    "train.steps": (1, INF, True, False, False),
+    "train.batch_size": (1, INF, True, False, False),
+    "train.grad_accum": (1, INF, True, False, False),
+    "train.seq_len": (8, INF, True, False, False),
+    "train.warmup_steps": (0, INF, True, False, False),
+    "train.eval_every": (0, INF, True, False, False),
+    "train.eval_batches": (0, INF, True, False, False),
+    "train.save_every": (0, INF, True, False, False),
+    "train.seed": (0, 2**32 - 1, True, True, False),
+    "train.pad_multiple": (0, INF, True, False, False),
+    "train.keep_checkpoints": (1, INF, True, False, False),
+    "memory.sample_every": (0, INF, True, False, False),
+    "generate.max_new_tokens": (1, INF, True, False, False),
+    "generate.temperature": (0, INF, True, False, False),
+}
+# why a bound is there, where it is not plain arithmetic
+_RANGE_HINTS = {
+    "train.seq_len": "shorter leaves no room for a prompt and its answer",
+    "train.seed": "seeds are 32-bit",
+    "method.lora.num_layers": "-1 adapts every layer",
+    "memory.sample_every": "0 turns sampling off",
+    "train.eval_every": "0 turns evaluation off",
+    "train.save_every": "0 saves only the final adapter",
+    "train.pad_multiple": "1: no padding; 0: auto",
+    "method.lora.dropout": "a probability",
+    "data.val_fraction": "a fraction of the data",
+}
+
+
+def _range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    if hi == INF:
+        return f">= {lo:g}" if lo_in else f"> {lo:g}"
+    return f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
+def check_ranges(cfg: Any) -> None:
+    """Raise UserError for the first numeric key outside its range (``RANGES``), or a string
+    or bool where a number belongs, naming the range."""
+    def fail(dotted: str, value: Any, rng: str) -> None:
+        hint = _RANGE_HINTS.get(dotted)
+        fix = "set optim.betas=[0.9,0.999]" if dotted.startswith("optim.betas.") else f"set {dotted} to a value {rng}"
+        raise UserError(f"{dotted}={value} must be {rng}{f' ({hint})' if hint else ''}; {fix}")
+
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2:
+        raise UserError(f"optim.betas={betas} needs two values; set optim.betas=[0.9,0.999]")
+    for dotted, (lo, hi, lo_in, hi_in, nullable) in RANGES.items():
+        value = _value(cfg, dotted) if not dotted.startswith("optim.betas.") else betas[int(dotted[-1])]
+        if value is None and nullable:
+            continue
+        rng = _range_text(lo, hi, lo_in, hi_in)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            fail(dotted, value, f"a number {rng}")
+        if (value < lo if lo_in else value <= lo) or (value > hi if hi_in else value >= hi):
+            fail(dotted, value, rng)
+    n = cfg.method.lora.num_layers
+    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+        fail("method.lora.num_layers", n, ">= 1 or -1")
+    budget = cfg.memory.budget
+    if budget is not None:
+        from finetune.budget import parse_budget
+
+        parse_budget(budget, 2**40)  # the size only checks a percentage's range here
+    if cfg.train.warmup_steps > cfg.train.steps:
+        raise UserError(f"train.warmup_steps={cfg.train.warmup_steps} is more than train.steps={cfg.train.steps}; "
+                        "lower train.warmup_steps")
+
+
+# Free-form nodes: their keys are the user's (extra) or each logger option's own YAML.
+_OPEN = ("extra",)
+
+
+def _schema_keys(node_type: Any) -> dict[str, Any]:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(node_type)
+    return {f.name: hints[f.name] for f in dataclasses.fields(node_type)}
+
+
+def _nearest(key: str, valid: list[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    shown = near or valid[:8]
+    return f"{'did you mean' if near else 'valid keys'}: {', '.join(shown)}"
+
+
+def check_known_keys(cfg: Any) -> None:
+    """Raise UserError for a key the schema does not have (added with ``+key=...``), anywhere in
+    the tree, naming the nearest valid keys. A logger's keys are those of its option's YAML."""
+    import dataclasses
+
+    def walk(node: Any, node_type: Any, prefix: str) -> None:
+        valid = _schema_keys(node_type)
+        for key in list(node.keys()):
+            if key not in valid:
+                raise UserError(f"{prefix}{key} is not a config key; {_nearest(str(key), sorted(valid))}")
+            t = valid[key]
+            if dataclasses.is_dataclass(t) and node.get(key) is not None:
+                walk(node[key], t, f"{prefix}{key}.")
+
+    walk(cfg, Config, "")
+    for name, settings in (cfg.get("logger") or {}).items():
+        known = _logger_keys(str(name))
+        if known is None or settings is None:
+            continue  # an unknown logger is named by finetune.loggers.build
+        for key in settings.keys():
+            if key not in known:
+                raise UserError(f"logger.{name}.{key} is not a config key; {_nearest(str(key), sorted(known))}")
+
+
+def _logger_keys(name: str) -> set[str] | None:
+    from importlib import resources
+
+    import yaml
+
+    path = resources.files("finetune.conf") / "logger" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    doc = yaml.safe_load(path.read_text()) or {}
+    return set((doc.get(name) or {}).keys())
+
+
+def config_error_line(exc: BaseException) -> str | None:
+    """One line naming the fix for a Hydra/OmegaConf composition error (an unknown key, a
+    string where a number belongs, an unparsable override); None for anything else."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    try:
+        from hydra.errors import HydraException
+    except ImportError:  # pragma: no cover
+        HydraException = ()  # type: ignore[assignment,misc]
+    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        full = str(getattr(cause, "full_key", "") or getattr(cause, "key", "") or "")
+        parent, _, key = full.rpartition(".")
+        try:
+            node_type: Any = Config
+            for part in parent.split(".") if parent else []:
+                node_type = _schema_keys(node_type)[part]
+            valid = sorted(_schema_keys(node_type))
+        except (KeyError, TypeError):
+            valid = sorted(_logger_keys(parent.split(".")[-1]) or []) if parent.startswith("logger.") else []
+        near = f"; {_nearest(key, valid)}" if valid else ""
+        return f"{full} is not a config key{near}"
+    if isinstance(cause, ValidationError):
+        full = str(getattr(cause, "full_key", "") or "")
+        msg = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        want = "a value of the schema's type"
+        try:
+            node_type = Config
+            for part in full.split("."):
+                node_type = _schema_keys(node_type)[part]
+            want = {int: "a whole number", float: "a number", bool: "true or false"}.get(
+                next((t for t in (bool, int, float) if t in (node_type, *getattr(node_type, "__args__", ()))), None),
+                want)
+        except (KeyError, TypeError):
+            pass
+        return f"{full}: {msg}; give {full} {want}"
+    if isinstance(exc, (HydraException, OmegaConfBaseException)):
+        first = str(exc).strip().splitlines()
+        text = " ".join(ln.strip() for ln in first) if first else type(exc).__name__
+        return f"{text[:300]} (see finetune --help for the keys and groups)"
+    return None

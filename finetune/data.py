@@ -47,19 +47,32 @@ def load_records(data_cfg: Any, seed: int) -> list[dict[str, Any]]:
         return generate(data_cfg.num_samples, seed=seed)
     if data_cfg.name == "jsonl":
         path = Path(data_cfg.path).expanduser()
+        if path.is_dir():
+            raise UserError(f"data.path={data_cfg.path} is a directory; point it at a .jsonl file inside it")
         if not path.is_file():
             raise UserError(f"data.path={data_cfg.path} does not exist; point it at a .jsonl file")
         records = []
-        with path.open() as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{n} is not valid JSON ({e.msg}); fix or remove that line") from None
-                if data_cfg.max_samples and len(records) >= data_cfg.max_samples:
-                    break
+        n = 0
+        try:
+            with path.open("rb") as f:  # decoded a line at a time: an error names its line
+                for n, raw in enumerate(f, 1):
+                    line = raw.decode("utf-8")
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path}:{n} is not valid JSON ({e.msg}); fix or remove that line") from None
+                    check_record(rec, f"{path}:{n}")
+                    records.append(rec)
+                    if data_cfg.max_samples and len(records) >= data_cfg.max_samples:
+                        break
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{n} is not UTF-8 text (byte {e.object[e.start]:#04x}); re-encode the file "
+                            "as UTF-8 (iconv -t UTF-8)") from None
+        except OSError as e:
+            raise UserError(f"data.path={data_cfg.path} cannot be read ({e.strerror or e}); check its permissions "
+                            "or copy it somewhere readable") from None
         if not records:
             raise UserError(f"{path} holds no records; it needs one JSON object a line")
         return records
@@ -71,8 +84,39 @@ def load_records(data_cfg: Any, seed: int) -> list[dict[str, Any]]:
         ds = datasets.load_dataset(data_cfg.hf_name, data_cfg.hf_config, split=data_cfg.hf_split)
         if data_cfg.max_samples:
             ds = ds.select(range(min(data_cfg.max_samples, len(ds))))
-        return [dict(r) for r in ds]
+        records = [dict(r) for r in ds]
+        for i, rec in enumerate(records):
+            check_record(rec, f"{data_cfg.hf_name} row {i}")
+        return records
     raise UserError(f"data={data_cfg.name} is not valid; choose one of: synthetic, jsonl, hf")
+
+
+_TEXT_FIELDS = ("text", "prompt", "completion", "question", "answer")
+
+
+def check_record(rec: Any, where: str) -> None:
+    """UserError, naming the line and the fix, for a record of the wrong shape: not an object,
+    a text field that is not a string, chat turns that are not {role, content} objects."""
+    if not isinstance(rec, dict):
+        raise UserError(f"{where} is a JSON {type(rec).__name__}, not an object; each line needs one object such as "
+                        '{"prompt": "...", "completion": "..."}')
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} turns")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m.get("role"):
+                raise UserError(f"{where}: chat turn {i} has no 'role'; give every turn a role (system, user, "
+                                "assistant) and a content string")
+            if not isinstance(m.get("content"), str):
+                raise UserError(f"{where}: chat turn {i} ({m['role']}) has no string 'content'; give every turn "
+                                "its text as a string")
+        return
+    for key in _TEXT_FIELDS:
+        if key in rec and not isinstance(rec[key], str):
+            if key == "answer" and isinstance(rec[key], (int, float)) and not isinstance(rec[key], bool):
+                continue  # a numeric answer reads as its text
+            raise UserError(f"{where}: '{key}' is a {type(rec[key]).__name__}, not a string; store it as text")
 
 
 def _render(record: dict[str, Any], tokenizer: Any, mask_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
@@ -227,6 +271,10 @@ def build(cfg: Any, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     """Load, tokenize and split the configured data. Returns the source and its stats."""
     records = load_records(cfg.data, cfg.train.seed)
     tok = tokenize(records, tokenizer, cfg.train.seq_len, cfg.data.mask_prompt)
+    if not tok.ids and tok.dropped_no_target:
+        raise UserError(f"no completion tokens left in any of the {tok.dropped_no_target} samples after truncating to "
+                        f"train.seq_len={cfg.train.seq_len} (the prompt fills it; longest sample {tok.longest} tokens); "
+                        f"raise train.seq_len (e.g. train.seq_len={tok.longest}) or shorten the prompts")
     if not tok.ids:
         raise UserError("no sample has any target token after tokenizing; check the data format or train.seq_len")
     if tok.truncated:

@@ -22,6 +22,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -39,9 +40,39 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file under ``root``, then each directory (so the names are durable too)."""
+    root = Path(root)
+    dirs = [root]
+    for p in root.rglob("*"):
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in dirs:
+        _fsync_dir(d)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # a platform without directory fds (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary directory; on success it replaces ``path`` whole.
+    """Yield an empty temporary directory; on success it is fsynced and replaces ``path`` whole.
 
     A crash inside the block leaves ``path`` as it was (the old version, or absent).
     """
@@ -50,6 +81,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -59,5 +91,6 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

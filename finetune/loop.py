@@ -13,6 +13,8 @@ import gc
 import json
 import logging
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from finetune import checkpoints
 from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
 from finetune.config import UserError, validate
 from finetune.io import atomic_dir, atomic_write_json
+from finetune.redact import redact_tree
 from finetune.runlog import RunLog
 
 log = logging.getLogger("finetune")
@@ -49,12 +52,24 @@ class Trainer:
         validate(cfg)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # a run dir this process made is removed again if the run fails on a bad input before
+        # writing anything a user could take for a result
+        self.created_run_dir = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.run_dir / f".write_test.{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"run dir {self.run_dir} cannot be created or written ({e.strerror or e}); "
+                            "set hydra.run.dir= to a writable directory") from None
         self.events: list[dict[str, Any]] = []
         # metrics.jsonl, the progress bar and the chosen loggers; a logger's missing package
-        # stops the run here, before anything is downloaded or loaded
+        # stops the run here, before anything is downloaded or loaded. Their copy of the
+        # config has every token and key masked (finetune/redact.py).
         chosen = cfg.get("logger")
-        self.runlog = RunLog(self.run_dir, chosen, OmegaConf.to_container(cfg, resolve=True) if chosen else None)
+        self.runlog = RunLog(self.run_dir, chosen,
+                             redact_tree(OmegaConf.to_container(cfg, resolve=True)) if chosen else None)
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -63,7 +78,7 @@ class Trainer:
         from finetune import data as data_mod
         from finetune.accounting import Accountant
         from finetune.governor import Governor
-        from finetune.model_source import resolve_model_dir
+        from finetune.model_source import check_weights, resolve_model_dir
 
         cfg = self.cfg
         self.backend_name, reason = resolve_backend_name(cfg.backend.name)
@@ -72,7 +87,14 @@ class Trainer:
         # Before any download: stop if even the weights and state cannot fit the budget.
         self.governor.before_load(seq_len=8, only_check=True)
         self.model_dir = resolve_model_dir(cfg.model, seed=0)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        check_weights(self.model_dir, cfg.model)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir),
+                                                           trust_remote_code=bool(cfg.model.trust_remote_code))
+        except (OSError, ValueError, KeyError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"model.path={self.model_dir}: its tokenizer cannot be loaded ({first[:200]}); point "
+                            "model.path at a complete HF-format model (tokenizer files included)") from None
         self.data, self.data_stats = data_mod.build(cfg, self.tokenizer)
         self.backend = get_backend(self.backend_name)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample
@@ -98,34 +120,82 @@ class Trainer:
         self.runlog.event(ev)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, step: int) -> None:
-        with atomic_dir(checkpoints.checkpoint_path(self.run_dir, step)) as tmp:
-            (tmp / "backend").mkdir()
-            self.backend.save_state(tmp / "backend")
-            atomic_write_json(tmp / "trainer_state.json", {
-                "step": step, "micro_batch": self.governor.micro,
-                "grad_checkpointing": self.governor.grad_checkpointing,
-                "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
-                "tokens": self.tokens, "samples": self.samples})
-        checkpoints.prune(self.run_dir, keep=checkpoints.KEEP)
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with the run that resumes it."""
+        m = self.cfg.method
+        return {"backend": self.backend_name, "model": str(self.cfg.model.name), "model_path": str(self.model_dir),
+                "method": str(m.name), "lora_rank": int(m.lora.rank), "lora_keys": list(m.lora["keys"])}
+
+    def save_checkpoint(self, step: int, stop: _StopOnSignal | None = None) -> bool:
+        """Write the checkpoint after ``step`` (temporary name, fsync, rename), then prune to
+        ``train.keep_checkpoints``. A failed write leaves the earlier checkpoints as they were
+        and, per ``train.on_save_error``, stops the run (UserError) or returns False."""
+        path = checkpoints.checkpoint_path(self.run_dir, step)
+        try:
+            with atomic_dir(path) as tmp:
+                (tmp / "backend").mkdir()
+                self.backend.save_state(tmp / "backend")
+                _save_fault(step, stop)
+                atomic_write_json(tmp / checkpoints.STATE_FILE, {
+                    "step": step, "micro_batch": self.governor.micro,
+                    "grad_checkpointing": self.governor.grad_checkpointing,
+                    "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
+                    "tokens": self.tokens, "samples": self.samples, **self._identity()})
+        except OSError as e:
+            prev = checkpoints.latest_checkpoint(self.run_dir)
+            kept = f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint exists"
+            msg = (f"checkpoint at step {step} not saved ({e.strerror or e}); {kept}; free space or fix "
+                   f"permissions on {path.parent}")
+            if self.cfg.train.on_save_error == "continue":
+                log.warning("%s; training goes on (train.on_save_error=continue)", msg)
+                self.runlog.event({"step": step, "trigger": "save_error", "action": "continue",
+                                   "before": None, "after": None, "error": str(e)})
+                return False
+            raise UserError(f"{msg}, then continue with train.resume=true hydra.run.dir={self.run_dir} "
+                            "(or set train.on_save_error=continue)") from None
+        checkpoints.prune(self.run_dir, keep=int(self.cfg.train.keep_checkpoints))
+        return True
 
     def maybe_resume(self) -> int:
         if not self.cfg.train.resume:
             return 0
-        latest = checkpoints.latest_state(self.run_dir)
-        if latest is None:
+        ckpts = checkpoints.list_checkpoints(self.run_dir)
+        if not ckpts:
             raise UserError(f"train.resume=true but {self.run_dir}/checkpoints holds no checkpoint; "
                             "point hydra.run.dir at the run to continue, or set train.save_every")
-        ckpt, state = latest
         eff = self.cfg.train.batch_size * self.cfg.train.grad_accum
-        if state["effective_batch"] != eff:
-            raise UserError(f"checkpoint was trained with effective batch {state['effective_batch']}, this run has {eff}; "
-                            "keep train.batch_size * train.grad_accum equal to resume")
-        self.backend.load_state(ckpt / "backend")
-        self.governor.restore(state)
-        self.tokens, self.samples = state["tokens"], state["samples"]
-        print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
-        return int(state["step"])
+        mine = self._identity()
+        for ckpt in reversed(ckpts):  # newest first; a damaged one gives way to the one before
+            try:
+                state = checkpoints.read_state(ckpt)
+                int(state["step"]), int(state["tokens"]), int(state["samples"]), int(state["effective_batch"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"checkpoint {ckpt.name} is damaged (trainer state: {e}); trying the one before", file=sys.stderr)
+                continue
+            for key in ("backend", "model_path", "method", "lora_rank", "lora_keys"):
+                if key in state and state[key] != mine[key]:
+                    raise UserError(f"checkpoint {ckpt} is from another run ({key}={state[key]}, this run has "
+                                    f"{mine[key]}); resume with the same backend, model and method, or start a "
+                                    "new run dir")
+            if state["effective_batch"] != eff:
+                raise UserError(f"checkpoint was trained with effective batch {state['effective_batch']}, this run "
+                                f"has {eff}; keep train.batch_size * train.grad_accum equal to resume")
+            try:
+                self.backend.load_state(ckpt / "backend")
+            except Exception as e:  # a truncated or missing tensor file, a wrong shape
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"checkpoint {ckpt.name} is damaged ({type(e).__name__}: {first[:200]}); trying the one before",
+                      file=sys.stderr)
+                continue
+            self.governor.restore(state)
+            self.tokens, self.samples = state["tokens"], state["samples"]
+            if ckpt != ckpts[-1]:
+                print(f"resumed from {ckpt} (the previous good checkpoint) at step {state['step']}", file=sys.stderr)
+            else:
+                print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
+            return int(state["step"])
+        raise UserError(f"every checkpoint in {self.run_dir}/checkpoints is damaged; start a new run dir "
+                        "(or remove train.resume=true)")
 
     # -- one step ----------------------------------------------------------------------------
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
@@ -175,7 +245,9 @@ class Trainer:
         stop = _StopOnSignal()
         for step in range(start + 1, cfg.train.steps + 1):
             if stop.requested:
-                self.save_checkpoint(step - 1)
+                if not self.save_checkpoint(step - 1, stop):
+                    stop.close()
+                    raise SystemExit(stop.exit_code)
                 print(f"stopped by {stop.requested} after step {step - 1}; checkpoint saved: continue with "
                       f"train.resume=true hydra.run.dir={self.run_dir}", file=sys.stderr)
                 stop.close()
@@ -202,12 +274,17 @@ class Trainer:
             rec.update(self.acct.metrics_fields() if sample is not None else {})
             self.runlog.step(rec, self.acct.progress_text)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
-                self.save_checkpoint(step)
+                self.save_checkpoint(step, stop)
+            _leak_fault()
         stop.close()
         self.runlog.close_progress()
         wall = time.perf_counter() - t_run
-        with atomic_dir(self.run_dir / "adapter") as tmp:
-            self.backend.save_adapter(tmp)
+        try:
+            with atomic_dir(self.run_dir / "adapter") as tmp:
+                self.backend.save_adapter(tmp)
+        except OSError as e:
+            raise UserError(f"adapter not saved to {self.run_dir / 'adapter'} ({e.strerror or e}); free space or fix "
+                            "permissions, then rerun with train.resume=true (checkpoints kept)") from None
         if cfg.train.save_every:
             self.save_checkpoint(cfg.train.steps)
         summary = self._summary(losses, val_loss, wall, step_seconds)
@@ -288,12 +365,45 @@ def _fault_injection(step: int, micro: int) -> None:
             os.abort()
 
 
+def _save_fault(step: int, stop: _StopOnSignal | None) -> None:
+    """Test-only faults inside a checkpoint write (after the tensors, before the state file):
+    FINETUNE_FAULT_SAVE=STEP[,STEP...] raises OSError(ENOSPC) at those steps, as a full disk
+    would (root ignores a read-only directory's mode, so tests cannot rely on one);
+    FINETUNE_FAULT_SAVE_PAUSE=FILE, on a save a signal asked for, creates FILE and waits, so
+    a test can send the second signal while the checkpoint is half-written."""
+    import errno
+
+    spec = os.environ.get("FINETUNE_FAULT_SAVE")
+    if spec and str(step) in spec.split(","):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    marker = os.environ.get("FINETUNE_FAULT_SAVE_PAUSE")
+    if marker and stop is not None and stop.requested:
+        Path(marker).write_text(str(step))
+        for _ in range(6000):  # at most 60 s: the second signal ends it long before
+            time.sleep(0.01)
+
+
+_LEAKED: list[Any] = []
+
+
+def _leak_fault() -> None:
+    """Test-only planted leak for benchmarks/soak.py: FINETUNE_FAULT_LEAK_BYTES=N keeps an
+    N-byte array alive per optimizer step (never freed), which the soak must flag."""
+    n = int(os.environ.get("FINETUNE_FAULT_LEAK_BYTES") or 0)
+    if n > 0:
+        import numpy as np
+
+        _LEAKED.append(np.ones(n, np.uint8))  # ones, not zeros: the pages are touched, so they count in RSS
+
+
 class _StopOnSignal:
     """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): finish the step in flight,
     checkpoint, exit 128 + the signal's number (143, 130), as a shell reports a signal.
 
-    A second Ctrl-C interrupts at once (the previous handler is back after the first). A
-    signal the process was started ignoring (SIGINT in a background job) stays ignored.
+    A second signal (either) exits at once: KeyboardInterrupt (130) for SIGINT, SystemExit
+    (143) for SIGTERM, raised wherever the process is, so a checkpoint being written is
+    abandoned under its temporary name and the last good one stays as it was. A signal the
+    process was started ignoring (SIGINT in a background job) stays ignored.
     """
 
     def __init__(self) -> None:
@@ -323,15 +433,34 @@ class _StopOnSignal:
     def _handler(self, signum: int, frame: Any) -> None:
         import signal
 
-        self.requested = signal.Signals(signum).name
-        if signum == signal.SIGINT and signum in self._previous:
-            previous = self._previous.pop(signum)
-            signal.signal(signum, signal.default_int_handler if previous is None else previous)
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            print(f"second {name}: exiting now; the last good checkpoint is kept", file=sys.stderr)
+            self.close()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.requested = name
 
 
 def train(cfg: Any) -> dict[str, Any]:
     """Run a training job for a composed config; return the summary (also in summary.json)."""
     trainer = Trainer(cfg)
-    with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
-        trainer.setup()
-        return trainer.train()
+    try:
+        with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
+            trainer.setup()
+            return trainer.train()
+    except UserError:
+        _remove_if_no_result(trainer)
+        raise
+
+
+def _remove_if_no_result(trainer: Trainer) -> None:
+    """After a bad input: remove the run dir this process created when it holds no result
+    (summary.json, adapter/, a checkpoint), so nothing half-made looks like a run."""
+    d = trainer.run_dir
+    if not trainer.created_run_dir or not d.is_dir():
+        return
+    if (d / "summary.json").exists() or (d / "adapter").exists() or checkpoints.list_checkpoints(d):
+        return
+    shutil.rmtree(d, ignore_errors=True)

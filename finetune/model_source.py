@@ -89,3 +89,23 @@ def stored_quantization(model_cfg: Any, model_dir: Path | str | None = None) -> 
         return None
     return {"bits": int(q["bits"]), "group_size": int(q["group_size"]), "mode": str(q.get("mode", "affine")),
             "source": where}
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_weights(model_dir: Path | str, model_cfg: Any) -> None:
+    """UserError, naming the fix, for a model directory without weights, or with pickle-only
+    weights (loading a pickle runs code from the file) unless ``model.allow_pickle=true``."""
+    d = Path(model_dir)
+    files = [p for p in d.iterdir() if p.is_file()] if d.is_dir() else []
+    safetensors = [p for p in files if p.name.endswith(".safetensors")]
+    pickles = [p for p in files if p.name.endswith(PICKLE_SUFFIXES) and "training_args" not in p.name]
+    if safetensors:
+        return
+    if pickles:
+        if getattr(model_cfg, "allow_pickle", False):
+            return
+        raise UserError(f"model.path={d} has only pickle weights ({pickles[0].name}), which run code when loaded; "
+                        "convert them to safetensors, or set model.allow_pickle=true if you trust the source")
+    raise UserError(f"model.path={d} holds no weights (*.safetensors); point model.path at a complete model directory")

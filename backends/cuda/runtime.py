@@ -87,6 +87,23 @@ def _measure_cuda_contexts(indices: list[int]) -> dict[int, int | None]:
     return out
 
 
+def _check_architecture(model_dir: Path, trust_remote_code: bool) -> None:
+    """UserError, naming the fix, for a config.json whose model_type transformers cannot build."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return  # model_source has already named an unreadable config.json
+    if model_type in CONFIG_MAPPING or trust_remote_code:
+        return
+    raise UserError(f"{model_dir}: architecture model_type={model_type!r} is not one transformers can load; "
+                    "upgrade transformers, use a supported model, or set model.trust_remote_code=true if the "
+                    "repository ships its own code and you trust it")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -196,7 +213,12 @@ class CudaBackend:
         self._check_precision("bf16-true" if prec == "auto" and self.dtypes.weights == "bfloat16" else prec, device)
         torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
 
-        kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": cfg.backend.attn_implementation}
+        _check_architecture(model_dir, bool(cfg.model.trust_remote_code))
+        kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": cfg.backend.attn_implementation,
+                                  # the repository's own Python runs only when the user said so
+                                  "trust_remote_code": bool(cfg.model.trust_remote_code),
+                                  # pickle weights run code when loaded (model.allow_pickle)
+                                  "use_safetensors": None if cfg.model.get("allow_pickle") else True}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
         split = cfg.backend.device_map == "auto" and device.type == "cuda"
         kwargs["device_map"] = "auto" if split else {"": str(device)}

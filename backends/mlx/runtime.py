@@ -34,6 +34,24 @@ def _nbytes(tree: Any) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree)) if tree is not None else 0
 
 
+def _check_architecture(model_dir: Path) -> None:
+    """UserError, naming the fix, for a config.json whose model_type mlx-lm has no module for."""
+    import importlib.util
+    import json
+
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    if isinstance(name, str) and name.isidentifier() and importlib.util.find_spec(f"mlx_lm.models.{name}"):
+        return
+    raise UserError(f"{model_dir}: architecture model_type={model_type!r} is not one mlx-lm can load; "
+                    "use backend=cuda (transformers) or a model mlx-lm supports")
+
+
 def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]  # "mlx.core.float32" -> "float32"
 
@@ -95,7 +113,11 @@ class MlxBackend:
         mx.random.seed(self.seed)  # LoRA init draws from the global key
         from finetune.model_source import stored_quantization
 
-        model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True)
+        _check_architecture(model_dir)
+        trust = bool(cfg.model.trust_remote_code)  # the tokenizer's own code runs only when set
+        model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True,
+                                                        tokenizer_config={"trust_remote_code": trust},
+                                                        trust_remote_code=trust)
         self.model = model
         if prec == "32-true":
             # mlx_lm.load keeps a checkpoint's stored dtype (often bf16 on the hub); 32-true
