@@ -382,9 +382,6 @@ def check_ranges(cfg: Any) -> None:
         from finetune.budget import parse_budget
 
         parse_budget(budget, 2**40)  # the size only checks a percentage's range here
-    if cfg.train.warmup_steps > cfg.train.steps:
-        raise UserError(f"train.warmup_steps={cfg.train.warmup_steps} is more than train.steps={cfg.train.steps}; "
-                        "lower train.warmup_steps")
 
 
 # Free-form nodes: their keys are the user's (extra) or each logger option's own YAML.
