@@ -457,10 +457,14 @@ def train(cfg: Any) -> dict[str, Any]:
 
 def _remove_if_no_result(trainer: Trainer) -> None:
     """After a bad input: remove the run dir this process created when it holds no result
-    (summary.json, adapter/, a checkpoint), so nothing half-made looks like a run."""
+    (summary.json, adapter/, a checkpoint, a non-empty metrics.jsonl: a run that trained or
+    adapted before it stopped keeps its record), so nothing half-made looks like a run."""
     d = trainer.run_dir
     if not trainer.created_run_dir or not d.is_dir():
         return
     if (d / "summary.json").exists() or (d / "adapter").exists() or checkpoints.list_checkpoints(d):
+        return
+    m = d / "metrics.jsonl"
+    if m.is_file() and m.stat().st_size > 0:  # steps ran or the governor acted: the record of why it stopped
         return
     shutil.rmtree(d, ignore_errors=True)

@@ -218,7 +218,7 @@ class CudaBackend:
                                   # the repository's own Python runs only when the user said so
                                   "trust_remote_code": bool(cfg.model.trust_remote_code),
                                   # pickle weights run code when loaded (model.allow_pickle)
-                                  "use_safetensors": None if cfg.model.get("allow_pickle") else True}
+                                  "use_safetensors": None if getattr(cfg.model, "allow_pickle", False) else True}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
         split = cfg.backend.device_map == "auto" and device.type == "cuda"
         kwargs["device_map"] = "auto" if split else {"": str(device)}
