@@ -37,9 +37,11 @@ GIB = 2**30
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[str, int, float]:
-    """Run ``cmd``; return (stdout+stderr, peak RSS bytes of that process, wall seconds)."""
+    """Run ``cmd`` (``env`` added to this process's environment); return (stdout+stderr, peak RSS
+    bytes of that process, wall seconds)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, **(env or {})})
     out = p.stdout.read() if p.stdout else ""
     _, status, ru = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,22 +37,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from mlx_footprint import GSM8K, peer as mlx_peer  # noqa: E402
+from mlx_footprint import GSM8K, _run, make_data, peer as mlx_peer  # noqa: E402
 
 GIB = 2**30
 ARCH = ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
         "model.intermediate_size=704", "model.vocab_size=2048"]
 SEQ = 512
-
-
-def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[str, int]:
-    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env={**os.environ, **(env or {})})
-    out = p.stdout.read() if p.stdout else ""
-    _, status, ru = os.wait4(p.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"failed: {' '.join(cmd[:6])} ...\n{out[-3000:]}")
-    return out, int(ru.ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
 
 
 def model_dir() -> Path:
@@ -63,16 +52,6 @@ def model_dir() -> Path:
     return resolve_model_dir(compose("/tmp/unused", *ARCH).model)
 
 
-def make_data(work: Path, n: int) -> Path:
-    d = work / "data"
-    d.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(x) for x in GSM8K.read_text().splitlines()[:n]]
-    texts = [json.dumps({"text": f"Question: {r['question']}\nAnswer: {r['answer']}"}) for r in rows]
-    (d / "train.jsonl").write_text("\n".join(texts) + "\n")
-    (d / "valid.jsonl").write_text("\n".join(texts[:16]) + "\n")
-    return d
-
-
 def ours(backend: str, work: Path, data: Path, steps: int, i: int) -> dict:
     run = work / f"ours_{backend}_{i}"
     cmd = [sys.executable, "-m", "finetune", f"backend={backend}", *ARCH, "data=jsonl",
@@ -80,7 +59,7 @@ def ours(backend: str, work: Path, data: Path, steps: int, i: int) -> dict:
            "train.batch_size=8", f"train.seq_len={SEQ}", "train.warmup_steps=0", "train.schedule=constant",
            "optim.lr=1e-4", "method.lora.rank=8", "method.lora.alpha=16", "train.progress=false",
            f"hydra.run.dir={run}"]
-    _, rss = _run(cmd, work)
+    _, rss, _ = _run(cmd, work)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.startswith('{"step"')]
     tail = recs[10:]
     secs = sum(r["step_seconds"] for r in tail)
@@ -127,7 +106,7 @@ json.dump({"tokens": tokens, "times": times}, open(out + "/counts.json", "w"))
 def trainer(work: Path, data: Path, model: Path, steps: int, i: int) -> dict:
     out = work / f"trainer_{i}"
     out.mkdir()
-    _, rss = _run([sys.executable, "-c", TRAINER, str(model), str(data / "train.jsonl"), str(steps), str(out), str(SEQ)],
+    _, rss, _ = _run([sys.executable, "-c", TRAINER, str(model), str(data / "train.jsonl"), str(steps), str(out), str(SEQ)],
                   work, env={"TOKENIZERS_PARALLELISM": "false"})
     c = json.loads((out / "counts.json").read_text())
     tok, t = c["tokens"][10:], c["times"][10:]
