@@ -215,17 +215,15 @@ def _gib(v: Any) -> str:
     return "n/a" if v is None else f"{v / GIB:.3f}"
 
 
-UNITS = ((GIB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
-
-
-def _unit(rs: list[dict[str, Any]], key: str) -> tuple[int, str]:
+def _unit(rs: list[dict[str, Any]], key: str) -> tuple[float, str]:
     """One unit per byte column, the largest its biggest value reaches (a tiny model's state
     is KiB, a 7B's GiB), so the column reads without a row of 0.000s."""
-    top = max((abs(r[key]) for r in rs if r.get(key) is not None), default=0)
-    return next(((size, name) for size, name in UNITS if top >= size), (1, "B"))
+    from finetune.accounting.report import unit_for
+
+    return unit_for(max((abs(r[key]) for r in rs if r.get(key) is not None), default=0))
 
 
-def _fmt(key: str, v: Any, unit: int = GIB) -> str:
+def _fmt(key: str, v: Any, unit: float = GIB) -> str:
     if v is None:
         return "n/a"
     if key.endswith("_bytes"):
@@ -279,7 +277,7 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from finetune.accounting.report import save_png
+    from finetune.accounting.report import save_png, unit_for
 
     n = len(rs)
     xs = list(range(n))
@@ -294,7 +292,7 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     budgets = {r["budget_bytes"] for r in rs if r.get("budget_bytes")}
     budget = budgets.pop() if len(budgets) == 1 else None
     draw_budget = budget is not None and top and budget <= 3 * top
-    scale, unit = next(((sz, nm) for sz, nm in UNITS if max(top, budget if draw_budget else 0) >= sz), (1, "B"))
+    scale, unit = unit_for(max(top, budget if draw_budget else 0))
     width = min(max(8.0, 2.5 + 0.55 * n), 24.0)
     fig = Figure(figsize=(width, 6.4), dpi=110)
     FigureCanvasAgg(fig)
@@ -324,7 +322,7 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel(f"{unit}\n(device / allocator)", fontsize=9)
     ax.set_title(f"sweep memory: {n} job(s); census at the first optimizer step, peaks per job")
     rss = [(r.get("peak_rss_bytes") or 0) for r in rs]
-    hscale, hunit = next(((sz, nm) for sz, nm in UNITS if max(rss + [0]) >= sz), (1, "B"))
+    hscale, hunit = unit_for(max(rss + [0]))
     hax.bar(xs, [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
     hax.set_ylabel(f"{hunit}\n(process)", fontsize=9)
     labels = [short_label(r["job"]) for r in rs]

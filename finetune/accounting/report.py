@@ -109,7 +109,8 @@ def render_gather_table(gathered: dict[str, Any]) -> str:
 
 
 # -- plot ----------------------------------------------------------------------------------
-def _unit(vmax: float) -> tuple[float, str]:
+def unit_for(vmax: float) -> tuple[float, str]:
+    """(bytes per unit, its name): the largest binary unit ``vmax`` reaches (B below 1 KiB)."""
     for size, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
         if vmax >= size:
             return float(size), name
@@ -192,7 +193,7 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
     # the budget joins the scale only when it is near the figures: a 24 GiB budget over a
     # 300 MiB run would flatten everything, so it is then named instead of drawn
     draw_budget = budget is not None and (not top or budget <= 3 * top)
-    scale, unit = _unit(max(top, budget if draw_budget and budget else 0))
+    scale, unit = unit_for(max(top, budget if draw_budget and budget else 0))
     if stacks and n:
         ax.stackplot(xs, *[[v / scale for v in row] for row in stacks],
                      labels=[f"census: {k.replace('_', ' ')}" for k in stack_keys],
@@ -208,7 +209,7 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
                 "no allocator figures on this device", transform=ax.transAxes, ha="center", va="top", color="#777777")
     _ylabel(ax, "allocator / device", unit)
     hvals = [s[k] for k, *_ in HOST_LINES for s in samples if s.get(k) is not None]
-    hscale, hunit = _unit(max(hvals) if hvals else 0)
+    hscale, hunit = unit_for(max(hvals) if hvals else 0)
     _lines(hax, samples, HOST_LINES, hscale)
     _ylabel(hax, "host", hunit)
     for a in (ax, hax):
