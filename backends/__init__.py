@@ -32,10 +32,15 @@ def capabilities(name: str) -> Capabilities:
 
 def concrete_name(name: str) -> str:
     """``auto`` -> the backend a run here would use, without importing a framework: mlx on
-    Apple Silicon, else cuda (on a GPU or on CPU)."""
-    if name != "auto":
-        return name
-    return "mlx" if sys.platform == "darwin" and platform.machine() == "arm64" else "cuda"
+    Apple Silicon, else cuda (on a GPU or on CPU). Raises UserError for an unknown name."""
+    from finetune.budget import apple_silicon
+    from finetune.config import UserError
+
+    if name == "auto":
+        return "mlx" if apple_silicon() else "cuda"
+    if name not in BACKENDS:
+        raise UserError(f"backend.name={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
+    return name
 
 
 def _cuda_visible() -> bool:

@@ -217,16 +217,6 @@ def memory_model(backend: str) -> ModuleType:
     return importlib.import_module(f"finetune.backends.{backend}.memory")
 
 
-def concrete_name(name: str) -> str:
-    from finetune.backends import BACKENDS
-    from finetune.backends import concrete_name as _concrete
-
-    out = _concrete(name)
-    if out not in BACKENDS:
-        raise UserError(f"backend.name={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
-    return out
-
-
 def _block_keys(keys: list[str]) -> tuple[str, ...]:
     """Map PEFT-style (``q_proj``) or mlx-lm-style (``self_attn.q_proj``) keys to block Linears."""
     out: list[str] = []
@@ -249,6 +239,8 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
     for a combination the backend would refuse."""
     arch = arch_from_cfg(_get(cfg, "model"))
     b = _get(cfg, "backend")
+    from finetune.backends import concrete_name
+
     backend = state.backend if state is not None else concrete_name(str(_get(b, "name", "auto")))
     m, o, t = _get(cfg, "method"), _get(cfg, "optim"), _get(cfg, "train")
     method, optim = str(_get(m, "name", "lora")), str(_get(o, "name", "adamw"))
