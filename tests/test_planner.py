@@ -335,8 +335,10 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
                                       (("train.grad_checkpointing=true", "method.lora.num_layers=1"), 8, 128),
                                       (("train.grad_checkpointing=true",), 16, 256)])
 def test_mlx_peak_within_tolerance(over, B, T, tmp_path):
-    """mx.get_peak_memory over two real optimizer steps (forward+backward and update) on the
-    tiny model vs the planned peak_allocated_bytes: within 10% (calibrated model).
+    """mx.get_peak_memory over four real optimizer steps (forward+backward and update) on the
+    tiny model vs the planned peak_allocated_bytes: within 10% (calibrated model). Four, not
+    two: on CPU the same step's peak is bimodal with MLX's thread timing (measured 24.34 or
+    24.86 MB for the same batch), and the highest of four steps is the peak the plan prices.
 
     Measured in a fresh process: MLX's counters are process-wide, and arrays an earlier test
     left alive (then freed mid-measurement by the collector) would skew a baseline taken here."""
@@ -354,7 +356,7 @@ model_dir = resolve_model_dir(cfg.model)
 be = MlxBackend()
 be.setup(cfg, model_dir)
 peak = 0
-for step in range(2):
+for step in range(4):
     mx.reset_peak_memory()
     for micro in range(int(cfg.train.grad_accum)):
         be.forward_backward(_fixed_batch(cfg.model.vocab_size, {B}, {T}, seed=step * 10 + micro), 1.0)
