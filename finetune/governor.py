@@ -48,7 +48,6 @@ class Governor:
 
         self.cfg, self.backend_name, self.emit = cfg, backend_name, emit
         self.state = RunState.from_config(cfg, backend_name)  # the governor owns the run's live state
-        self.effective = self.state.effective_batch
         self.adapt = bool(cfg.memory.adapt)
         self.backend: Any = None
         from finetune.budget import device_memory, run_device
@@ -63,6 +62,11 @@ class Governor:
         self._swap_base: int | None = None
         self._swap_acted_at: int | None = None
         self._cache_limit_pending = False  # memory.cache_limit=auto: set after the first measured step
+
+    @property
+    def effective(self) -> int:
+        """Samples per optimizer step, fixed for the run."""
+        return self.state.effective_batch
 
     @property
     def micro(self) -> int:
