@@ -98,11 +98,13 @@ class Capabilities:
     why_not: dict[str, str]  # "optim.name": why a choice other backends run is not run here
     nvml: bool  # the device has a driver view (NVML) to reconcile with the allocator
     cache_limit: bool  # the allocator's cache can be capped (the governor sets it)
+    strategies: tuple[str, ...] = ("ddp",)  # how several processes share one run (backend.strategy)
 
     def choices(self, key: str) -> tuple[str, ...]:
         return {"method.name": self.methods, "optim.name": self.optimizers,
                 "precision.name": tuple(self.precisions),
-                "backend.attn_implementation": self.attn_implementations}[key]
+                "backend.attn_implementation": self.attn_implementations,
+                "backend.strategy": self.strategies}[key]
 
 
 @dataclass
@@ -123,9 +125,49 @@ class OutOfMemory(Exception):
     micro-batch."""
 
 
+class Comm:
+    """The ranks of one run, as the loop sees them: framework-free collectives on small values.
+
+    This one is the single process (world size 1; every collective returns its input). A
+    backend started under a launcher (torchrun, ``accelerate launch``, SLURM, ``mlx.launch``)
+    returns its own subclass from ``Backend.connect``, built on its framework's process group
+    (torch.distributed over nccl/gloo, mx.distributed over ring/MPI). Every rank must call
+    each collective in the same order; the loop does (one agreement per optimizer step, one
+    gather per sampled step, one at the end).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    description: str = "one process"
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """Elementwise ``op`` ("sum" | "max") of ``values`` over ranks (float64; the same
+        length on every rank)."""
+        return [float(v) for v in values]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, at index = rank, on every rank."""
+        return [obj]
+
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+
+    def close(self) -> None:
+        """Leave the process group (end of run)."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str  # "cuda" | "mlx"
+
+    def connect(self, cfg: Any) -> Comm:
+        """Join the launcher's process group when started by one (its environment says so),
+        before setup(); return the ranks' Comm (``Comm()`` for one process). Under several
+        ranks the backend keeps it: ``optimizer_step`` sums gradients over ranks first, and
+        ``save_adapter``/``save_state`` write on rank 0 (or, sharded, on every rank into the
+        one directory the loop names on each)."""
+        ...
 
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
         """Load the base model from the HF-format ``model_dir``, apply the method (lora, dora,

@@ -30,6 +30,11 @@ class BackendConfig:
     # cuda backend: "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them), or
     # "flash_attention_2" (needs the flash-attn package and a CUDA GPU)
     attn_implementation: str = "sdpa"
+    # several processes (torchrun / accelerate launch / SLURM on cuda, mlx.launch on mlx):
+    # "ddp" replicates the model and sums gradients over ranks; "fsdp" (cuda) shards weights,
+    # gradients and optimizer state over ranks (FSDP2 fully_shard). The planner plans per rank
+    # for it when backend.num_devices > 1 without device_map=auto.
+    strategy: str = "ddp"
 
 
 @dataclass
@@ -203,7 +208,7 @@ VALID = {
 }
 # Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
 # never against a list restated here.
-BACKEND_KEYS = ("method.name", "optim.name", "precision.name", "backend.attn_implementation")
+BACKEND_KEYS = ("method.name", "optim.name", "precision.name", "backend.attn_implementation", "backend.strategy")
 
 
 def _value(cfg: Any, dotted: str) -> Any:

@@ -254,6 +254,21 @@ class DataSource:
         return out[:max_batches] if max_batches > 0 else out
 
 
+def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rank ``rank``'s share of an optimizer step's batch: rows rank, rank + W, ... . The
+    batch is sorted longest first, so strided rows give every rank a like mix of lengths
+    (contiguous slices would give rank 0 all the longest). Each slice is cut to its own
+    longest sample; the loss scale stays the whole step's (the loop's), so the sum over ranks
+    is the one-process step."""
+    if world_size <= 1:
+        return batch
+    rows = np.arange(rank, len(batch.lengths), world_size)
+    lens = batch.lengths[rows]
+    t = min(padded_length(int(lens.max()), batch.pad_multiple, batch.max_len), batch.input_ids.shape[1])
+    return Batch(batch.input_ids[rows, :t], batch.loss_mask[rows, :t], lens,
+                 batch.indices[rows] if len(batch.indices) else batch.indices, batch.pad_multiple, batch.max_len)
+
+
 def pad_multiple(cfg: Any) -> int:
     """``train.pad_multiple``, with 0 (auto) resolved: 32 on an Apple GPU, where MLX reuses a
     freed Metal buffer only for a request within two pages of its size (so repeated shapes
@@ -267,8 +282,12 @@ def pad_multiple(cfg: Any) -> int:
     return 32 if apple_silicon() and cfg.backend.name in ("mlx", "auto") else 1
 
 
-def build(cfg: Any, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
-    """Load, tokenize and split the configured data. Returns the source and its stats."""
+def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, dict[str, Any]]:
+    """Load, tokenize and split the configured data. Returns the source and its stats.
+
+    ``world_size`` ranks share each optimizer step: the source's batches hold the effective
+    batch of all of them (train.batch_size * train.grad_accum per rank), and each rank trains
+    its own slice (``rank_slice``)."""
     records = load_records(cfg.data, cfg.train.seed)
     tok = tokenize(records, tokenizer, cfg.train.seq_len, cfg.data.mask_prompt)
     if not tok.ids and tok.dropped_no_target:
@@ -284,7 +303,7 @@ def build(cfg: Any, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
         log.warning("%d samples had no target token within train.seq_len and were dropped", tok.dropped_no_target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = pad_multiple(cfg)
-    src = DataSource(tok, int(pad), cfg.train.batch_size * cfg.train.grad_accum, cfg.train.seed,
+    src = DataSource(tok, int(pad), cfg.train.batch_size * cfg.train.grad_accum * int(world_size), cfg.train.seed,
                      cfg.data.val_fraction, cfg.data.max_val_samples, multiple, int(cfg.train.seq_len))
     lens = np.array([len(x) for x in tok.ids])
     stats = {"records": len(records), "samples": len(tok.ids), "train_samples": len(src.train_idx),

@@ -18,4 +18,5 @@ CAPABILITIES = Capabilities(
     why_not={},
     nvml=True,  # CUDA devices have a driver-level view (NVML) beside the allocator
     cache_limit=False,  # torch's caching allocator has no cap on cached blocks to set
+    strategies=("ddp", "fsdp"),  # under torchrun: replicated (gradient all-reduce) or FSDP2 fully_shard
 )
