@@ -120,6 +120,10 @@ class DataConfig:
     val_fraction: float = 0.05
     max_val_samples: int = 64
     mask_prompt: bool = True  # prompt tokens do not count in the loss
+    # tokenized data is cached on disk, keyed by the data file, the tokenizer and the settings
+    # that change tokens, and reused by the next run and every sweep job; false: tokenize anew
+    cache: bool = True
+    cache_dir: str | None = None  # null: $FINETUNE_CACHE, else ~/.cache/finetune/tokens
 
 
 @dataclass
@@ -147,6 +151,9 @@ class TrainConfig:
     on_save_error: str = "stop"
     keep_checkpoints: int = 2  # newest N kept; the oldest goes only once the new one is complete
     progress: bool = True  # progress bar on stderr
+    # chunked loss: logits computed and reduced this many tokens at a time inside the loss and
+    # recomputed in backward, so the full [B, T, V] logits never exist; 0: off
+    loss_chunk: int = 0
 
 
 @dataclass
@@ -325,6 +332,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "data.val_fraction": (0, 1, True, False, False),
     "data.max_val_samples": (0, INF, True, False, False),
     "train.steps": (1, INF, True, False, False),
+    "train.loss_chunk": (0, INF, True, False, False),
     "train.batch_size": (1, INF, True, False, False),
     "train.grad_accum": (1, INF, True, False, False),
     "train.seq_len": (8, INF, True, False, False),
