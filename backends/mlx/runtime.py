@@ -8,11 +8,18 @@ so an adapter written here loads with ``mlx_lm.generate --adapter-path`` and
 What MLX cannot do that the cuda backend can: autocast (no bf16-mixed / 16-mixed), 8-bit or
 paged optimizers, a reserved-bytes peak counter, and (on Linux CPU) a hard memory limit:
 ``mx.set_memory_limit`` is advisory there, allocations past it still succeed.
+
+Under ``mlx.launch -n N`` (ring, or jaccl over Thunderbolt RDMA, or MPI) ``connect`` joins
+``mx.distributed``: data parallel, every rank holding the whole model, gradients summed over
+ranks before each update, rank 0 writing the saves.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,10 +27,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from finetune.backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.mlx.capabilities import CAPABILITIES
 from mlx import nn
-from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from finetune.config import UserError, check_backend_support
 
@@ -86,6 +93,108 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[Any], optim.Optimizer]] = {
 }
 
 
+# ---- several processes (mlx.launch) --------------------------------------------------------
+# What each mx.distributed backend's launcher leaves in the environment (mlx's
+# _distributed_utils/launch.py): ring writes the hosts' "ip:port" lists to a temporary file
+# named by MLX_HOSTFILE (an empty file under -n 1: one process) and sets MLX_RANK; jaccl
+# (Thunderbolt RDMA, macOS 26.2+) sets MLX_IBV_DEVICES and MLX_JACCL_COORDINATOR; mpirun
+# sets OMPI_COMM_WORLD_SIZE.
+_FIXES = {
+    "ring": "check that every host in the hostfile reaches the others at the IPs listed, that the ports are "
+            "free (mlx.launch -p PORT picks others) and that every rank runs the same command",
+    "jaccl": "check the hostfile's rdma devices (mlx.distributed_config --backend jaccl) and that rank 0's IP "
+             "is reachable from every host",
+    "mpi": "check that mpirun reaches every host and that MLX finds libmpi (mlx.launch --backend mpi)",
+}
+
+
+def launcher_backend(env: dict[str, str] | None = None) -> str | None:
+    """The mx.distributed backend whose launcher started this process with more than one rank,
+    or None (no launcher, or ``mlx.launch -n 1``)."""
+    env = os.environ if env is None else env
+    if env.get("MLX_IBV_DEVICES") and "MLX_RANK" in env:
+        return "jaccl"
+    hostfile = env.get("MLX_HOSTFILE")
+    if hostfile and "MLX_RANK" in env:
+        try:
+            one_process = not Path(hostfile).read_text().strip()  # -n 1: mlx.launch writes ""
+        except OSError:
+            one_process = False  # let init fail on it, with the fix named
+        return None if one_process else "ring"
+    if int(env.get("OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "mpi"
+    return None
+
+
+class MlxComm(Comm):
+    """The ranks of an ``mx.distributed`` group. Values cross as raw bytes (float64 packed into
+    uint8 and all-gathered, then reduced here in rank order), so a reduction is exact and gives
+    the same number on every rank, where mlx's own all_sum would round through float32."""
+
+    def __init__(self, group: Any, kind: str) -> None:
+        self.group = group
+        self.rank, self.world_size = int(group.rank()), int(group.size())
+        self.kind = kind
+        self.hosts: list[str] = self.all_gather_object(socket.gethostname())
+        self.local_rank = self.hosts[: self.rank].count(self.hosts[self.rank])
+        n_hosts = len(dict.fromkeys(self.hosts))
+        self.description = f"mx.distributed {kind}: {self.world_size} processes on {n_hosts} host(s)"
+
+    def _gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), at index = rank."""
+        out = mx.distributed.all_gather(mx.array(np.frombuffer(data, np.uint8)), group=self.group)
+        rows = np.asarray(out).reshape(self.world_size, len(data))
+        return [r.tobytes() for r in rows]
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce op={op!r}; choose sum or max")
+        if not values:
+            return []
+        rows = [np.frombuffer(b, np.float64) for b in self._gather_bytes(np.asarray(values, np.float64).tobytes())]
+        acc = rows[0].copy()
+        for r in rows[1:]:  # rank order: the same float sum on every rank
+            acc = acc + r if op == "sum" else np.maximum(acc, r)
+        return [float(v) for v in acc]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        data = pickle.dumps(obj)
+        lengths = [int(np.frombuffer(b, np.int64)[0]) for b in self._gather_bytes(np.int64(len(data)).tobytes())]
+        padded = self._gather_bytes(data + bytes(max(lengths) - len(data)))
+        return [pickle.loads(b[:n]) for b, n in zip(padded, lengths)]
+
+    def barrier(self) -> None:
+        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=self.group))
+
+    def close(self) -> None:
+        """mx.distributed has no call to leave a group: its sockets close with the process."""
+
+
+def sum_over_ranks(tree: Any, group: Any, chunk_bytes: int = 32 * 2**20) -> Any:
+    """``tree`` summed elementwise over the ranks of ``group``: consecutive arrays of one dtype
+    are flattened into chunks of about ``chunk_bytes`` (one all_sum per chunk, as mlx's
+    ``nn.average_gradients``, which mlx-lm's trainer uses), but summed, not averaged: the loop
+    scales every rank's loss by 1 / label tokens of the whole step, so the sum is the
+    one-process gradient."""
+    flat = tree_flatten(tree)
+    out: list[tuple[str, mx.array]] = []
+    i = 0
+    while i < len(flat):
+        j, size, dtype = i, 0, flat[i][1].dtype
+        while j < len(flat) and flat[j][1].dtype == dtype and (j == i or size + flat[j][1].nbytes <= chunk_bytes):
+            size += flat[j][1].nbytes
+            j += 1
+        chunk = flat[i:j]
+        if len(chunk) == 1:
+            out.append((chunk[0][0], mx.distributed.all_sum(chunk[0][1], group=group)))
+        else:
+            big = mx.distributed.all_sum(mx.concatenate([v.reshape(-1) for _, v in chunk]), group=group)
+            cuts = np.cumsum([v.size for _, v in chunk])[:-1].tolist()
+            out += [(k, part.reshape(v.shape)) for (k, v), part in zip(chunk, mx.split(big, cuts))]
+        i = j
+    return tree_unflatten(out)
+
+
 class MlxBackend:
     """One model, its adapters and its optimizer on MLX. See ``backends.base.Backend``."""
 
@@ -100,6 +209,24 @@ class MlxBackend:
         self._wired_limit: int | None = None
         self._limits: dict[str, int | None] | None = None  # read once in memory(), then kept current
         self._device_info: dict[str, Any] = dict(mx.device_info())  # fixed for the process
+        self.comm: Comm = Comm()
+
+    # ---- ranks -------------------------------------------------------------------------
+    def connect(self, cfg: Any) -> Comm:
+        """Join ``mx.distributed`` when ``mlx.launch`` (or mpirun) started this process as one of
+        several ranks; otherwise stay one process (``Comm()``) and change nothing."""
+        kind = launcher_backend()
+        if kind is None:
+            self.comm = Comm()
+            return self.comm
+        try:
+            group = mx.distributed.init(strict=True, backend=kind)
+        except (RuntimeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"rank {os.environ.get('MLX_RANK', '?')}: mx.distributed.init(backend={kind}) failed "
+                            f"({first[:200]}); {_FIXES[kind]}") from None
+        self.comm = MlxComm(group, kind) if group.size() > 1 else Comm()
+        return self.comm
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
@@ -165,6 +292,8 @@ class MlxBackend:
         if prec == "bf16-true":
             model.set_dtype(mx.bfloat16)  # floating params only: packed quant weights stay uint32
         mx.eval(model.parameters())
+        if self.comm.world_size > 1:
+            self._broadcast_trainable()
         model.train()
         self.optimizer = self._make_optimizer(cfg.optim)
         self._vg = nn.value_and_grad(model, self._loss)
@@ -183,6 +312,16 @@ class MlxBackend:
             extra={"lora": self.lora, "quantization": self.quant and {"mode": "affine", **self.quant},
                    "adam_bias_correction": oname in ("adam", "adamw")},
         )
+
+    def _broadcast_trainable(self) -> None:
+        """Give every rank rank 0's trainable weights (once, after setup): a sum of rank 0's
+        values and every other rank's zeros, exact in any dtype. The seeded LoRA init already
+        agrees on one machine; hosts with different mlx builds or checkpoints might not."""
+        mine = self.model.trainable_parameters()
+        if self.comm.rank != 0:
+            mine = tree_map(mx.zeros_like, mine)
+        self.model.update(sum_over_ranks(mine, self.comm.group))
+        mx.eval(self.model.parameters())
 
     def _block_keys(self, short: list[str]) -> list[str]:
         """Map PEFT-style names (``q_proj``) to mlx-lm's paths inside a block (``self_attn.q_proj``)."""
@@ -228,7 +367,9 @@ class MlxBackend:
     def _reseed(self) -> None:
         # mx.random.state has no setter, so a saved key cannot be put back. Instead the key
         # is a function of (train.seed, micro-step): a resumed run draws the same dropout masks.
-        mx.random.seed(self.seed * 1_000_003 + self._micro)
+        # Under W ranks each rank draws its own keys (micro * W + rank; W = 1 is the plain count).
+        w = self.comm.world_size
+        mx.random.seed(self.seed * 1_000_003 + self._micro * w + self.comm.rank)
 
     def forward_backward(self, batch: Batch, loss_scale: float, on_phase: PhaseHook | None = None) -> float:
         """Accumulate grads of loss_sum * loss_scale; return loss_sum. value_and_grad fuses
@@ -250,9 +391,16 @@ class MlxBackend:
         return float(loss_sum)
 
     def optimizer_step(self, lr: float) -> float | None:
-        if self._grads is None:
-            return None
+        """Under several ranks the accumulated gradients are first summed over them (every rank
+        then holds the one-process gradient, bit for bit the same), so the norm, the clip and
+        the update agree on every rank."""
         grads = self._grads
+        if self.comm.world_size > 1:
+            if grads is None:  # a rank with no rows this step still joins the sum
+                grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
+            grads = sum_over_ranks(grads, self.comm.group)
+        if grads is None:
+            return None
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm:
             grads, norm = optim.clip_grad_norm(grads, float(max_norm))
@@ -298,7 +446,12 @@ class MlxBackend:
         self.grad_checkpointing = enabled
 
     # ---- save / resume -----------------------------------------------------------------
-    def save_adapter(self, path: Path) -> None:
+    def save_adapter(self, path: Path | None) -> None:
+        """Write the adapter (or, for method=full, an mlx-lm model directory) into ``path``;
+        nothing when ``path`` is None (the ranks other than 0 under mlx.launch: every rank
+        holds the same weights)."""
+        if path is None:
+            return
         path = Path(path)
         if self.method == "full":
             from mlx_lm.utils import save
@@ -321,7 +474,11 @@ class MlxBackend:
         }
         (path / "adapter_config.json").write_text(json.dumps(config, indent=4))
 
-    def save_state(self, path: Path) -> None:
+    def save_state(self, path: Path | None) -> None:
+        """Trainable weights, optimizer state and the RNG's micro-step count into ``path``;
+        nothing when ``path`` is None (a rank other than 0: its state equals rank 0's)."""
+        if path is None:
+            return
         path = Path(path)
         params = dict(tree_flatten(self.model.trainable_parameters()))
         mx.save_safetensors(str(path / "trainable.safetensors"), params)

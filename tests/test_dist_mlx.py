@@ -1,0 +1,166 @@
+"""backend=mlx under ``mlx.launch -n 2 --backend ring`` on this machine's CPU (localhost): the
+collectives of MlxComm, the gradient summed over ranks, rank 0's initial weights on every
+rank, saves on rank 0 only, and a two-rank run of the CLI whose losses equal one process of
+the same effective batch. Real processes, the tiny model, no mocks.
+
+mlx.launch exits 0 even when a rank fails (it only prints "[WARN] Node with rank R exited
+with code C"), so every launch here is judged by its output and the files the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from finetune.backends.base import Comm
+from finetune.backends.mlx.runtime import MlxBackend, launcher_backend
+from finetune.config import ModelConfig
+from finetune.tiny import build_tiny
+
+from conftest import REPO, finetune_cmd
+
+pytestmark = pytest.mark.mlx
+
+SCRIPT = REPO / "tests" / "dist_scripts" / "mlx_comm.py"
+LAUNCH_TIMEOUT_S = 600  # MLX on a shared 2-core CPU: a launch that needs ~20 s may take minutes
+_LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE")
+
+
+def mlx_launch() -> list[str]:
+    """This interpreter's ``mlx.launch`` console script, else its entry point through -c."""
+    script = Path(sysconfig.get_path("scripts")) / "mlx.launch"
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
+
+
+def free_ports(n: int = 2) -> int:
+    """A first port of ``n`` consecutive free ones on 127.0.0.1 (the ring listens on port + rank):
+    mlx.launch's default 32323 would collide with anyone else's launch on this machine."""
+    for _ in range(100):
+        first = random.randrange(20000, 60000)
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launch(n: int, command: list[str], log_dir: Path) -> str:
+    """Run ``command`` on ``n`` local ranks under mlx.launch's ring; return the combined output
+    after checking that every rank exited 0. stdin is a pipe that stays open: on a closed or
+    /dev/null stdin mlx.launch's select loop spins a core."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    with open(log_dir / "out.log", "wb") as out, open(log_dir / "err.log", "wb") as err:
+        p = subprocess.Popen([*mlx_launch(), "-n", str(n), "--backend", "ring", "-p", str(free_ports(n)), *command],
+                             stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=REPO, env=env)
+        try:
+            p.wait(timeout=LAUNCH_TIMEOUT_S)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdin.close()
+    text = (log_dir / "out.log").read_text(errors="replace") + (log_dir / "err.log").read_text(errors="replace")
+    assert p.returncode == 0 and "[WARN]" not in text, text[-4000:]
+    return text
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    # built before any launch: two ranks building the cached tiny model at once would race
+    return build_tiny(ModelConfig())
+
+
+def test_launcher_backend_reads_the_environment(tmp_path: Path) -> None:
+    two, one = tmp_path / "two.json", tmp_path / "one.json"
+    two.write_text('[["127.0.0.1:5000"], ["127.0.0.1:5001"]]\n')
+    one.write_text("\n")  # mlx.launch -n 1 writes an empty hostfile
+    assert launcher_backend({}) is None
+    assert launcher_backend({"MLX_RANK": "0", "MLX_HOSTFILE": str(two)}) == "ring"
+    assert launcher_backend({"MLX_RANK": "0", "MLX_HOSTFILE": str(one)}) is None
+    assert launcher_backend({"MLX_RANK": "1", "MLX_HOSTFILE": str(tmp_path / "gone")}) == "ring"  # init says why
+    assert launcher_backend({"MLX_RANK": "0", "MLX_IBV_DEVICES": "/tmp/x", "MLX_JACCL_COORDINATOR": "a:1"}) == "jaccl"
+    assert launcher_backend({"OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"
+    assert launcher_backend({"OMPI_COMM_WORLD_SIZE": "1"}) is None
+
+
+def test_no_launcher_is_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in _LAUNCH_ENV:
+        monkeypatch.delenv(k, raising=False)
+    comm = MlxBackend().connect(None)
+    assert type(comm) is Comm and comm.world_size == 1 and comm.rank == 0
+
+
+def test_broken_launch_fails_in_one_line(tmp_path: Path) -> None:
+    """A ring port someone else holds: rank 0 cannot listen, and says what to change."""
+    port = free_ports(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    code = ("import sys\nfrom finetune.config import UserError\nfrom finetune.backends.mlx.runtime import MlxBackend\n"
+            "try:\n    MlxBackend().connect(None)\nexcept UserError as e:\n    print(e)\n    sys.exit(2)\n")
+    held = socket.socket()
+    held.bind(("127.0.0.1", port))
+    held.listen()
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)})
+    finally:
+        held.close()
+    assert r.returncode == 2, r.stderr
+    msg = r.stdout.strip()
+    assert "\n" not in msg and "mx.distributed.init(backend=ring) failed" in msg and "mlx.launch -p PORT" in msg, msg
+
+
+def test_comm_and_summed_gradient_under_mlx_launch(model_dir: Path, tmp_path: Path) -> None:
+    """Two ranks: exact float64 reductions, objects of different sizes gathered, rank 0's LoRA
+    init on rank 1 (which seeded another), one optimizer step on half the batch each equal to
+    one process's step on the whole batch, and only rank 0 writing."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
+    subprocess.run([sys.executable, str(SCRIPT), str(one), str(model_dir)], check=True, cwd=REPO, env=env,
+                   timeout=LAUNCH_TIMEOUT_S)
+    launch(2, [sys.executable, str(SCRIPT), str(two), str(model_dir)], tmp_path / "logs")
+    ref = json.loads((one / "rank0.json").read_text())
+    r0, r1 = (json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1))
+
+    assert ref["world_size"] == 1 and ref["description"] == "one process"
+    assert (r0["rank"], r1["rank"], r0["world_size"], r1["world_size"]) == (0, 1, 2, 2)
+    assert (r0["local_rank"], r1["local_rank"]) == (0, 1)  # both on this host
+    assert r0["description"] == "mx.distributed ring: 2 processes on 1 host(s)"
+    for r in (r0, r1):
+        assert r["sum"] == [2.0 + 2.0**-40, 30.0, -2.0]  # 2**-40 survives: float64, not float32
+        assert r["max"] == [1.0, 0.0, 3.5] and r["empty"] == []
+        assert r["gathered"] == [{"rank": 0, "blob": "x", "t": [0, None]},
+                                 {"rank": 1, "blob": "x" * 1001, "t": [1, None]}]
+        # rank 1 seeded 1001, rank 0 (and the one process) 1000: the broadcast won
+        assert r["init_digest"] == ref["init_digest"]
+        assert r["loss_sum"] == pytest.approx(ref["loss_sum"], rel=1e-6)
+        # summed, not averaged: the norm of the one-process gradient (clipped at 0.1 after)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) and r["grad_norm"] > 0.1
+    assert r0["grad_norm"] == r1["grad_norm"] and r0["step_digest"] == r1["step_digest"]  # bit for bit
+    assert r0["weights"].keys() == ref["weights"].keys()
+    for k, v in ref["weights"].items():
+        assert r0["weights"][k] == pytest.approx(v, abs=1e-7), k
+    for d in ("adapter", "state"):  # rank 1 was given None: it wrote nothing, rank 0 all of it
+        assert sorted(p.name for p in (two / d).iterdir()) == sorted(p.name for p in (one / d).iterdir())
