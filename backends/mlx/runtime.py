@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -223,6 +224,8 @@ class MlxBackend:
             group = mx.distributed.init(strict=True, backend=kind)
         except (RuntimeError, ValueError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            # the ring says "(error: 98)": add the errno's words (address in use, refused)
+            first = re.sub(r"\(error: (\d+)\)", lambda m: f"(error {m[1]}: {os.strerror(int(m[1]))})", first)
             raise UserError(f"rank {os.environ.get('MLX_RANK', '?')}: mx.distributed.init(backend={kind}) failed "
                             f"({first[:200]}); {_FIXES[kind]}") from None
         self.comm = MlxComm(group, kind) if group.size() > 1 else Comm()
