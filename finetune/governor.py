@@ -84,16 +84,18 @@ class Governor:
     def grad_checkpointing(self, value: bool) -> None:
         self.state.grad_checkpointing = bool(value)
 
-    def _act(self, step: int, trigger: str, action: str, before: dict[str, Any], after: dict[str, Any]) -> None:
-        self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after})
+    def _act(self, step: int, trigger: str, action: str, before: dict[str, Any], after: dict[str, Any],
+             **detail: Any) -> None:
+        self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after, **detail})
 
-    def _lower_micro(self, step: int, trigger: str) -> bool:
+    def _lower_micro(self, step: int, trigger: str, **detail: Any) -> bool:
         new = smaller_divisor(self.effective, self.micro)
         if new is None or new >= self.micro:
             return False
         before = {"batch_size": self.micro, "grad_accum": self.effective // self.micro}
         self.micro = new
-        self._act(step, trigger, "lower_micro_batch", before, {"batch_size": new, "grad_accum": self.effective // new})
+        self._act(step, trigger, "lower_micro_batch", before, {"batch_size": new, "grad_accum": self.effective // new},
+                  **detail)
         return True
 
     # -- before any weight is loaded ---------------------------------------------------------
@@ -193,16 +195,20 @@ class Governor:
         self.grad_checkpointing = bool(state.get("grad_checkpointing", self.grad_checkpointing))
 
     # -- while training ----------------------------------------------------------------------
-    def on_oom(self, step: int, exc: Exception) -> None:
-        """An allocation failed mid-step: lower the micro-batch so the loop redoes the step."""
+    def on_oom(self, step: int, exc: Exception, ranks: list[int] | None = None) -> None:
+        """An allocation failed mid-step: lower the micro-batch so the loop redoes the step.
+        Under several ranks every rank calls this at the same step (``ranks``: those that ran
+        out, recorded in the event), so all lower to the same micro-batch."""
+        detail = {"ranks": ranks} if ranks else {}
         if not self.adapt:
             raise UserError(f"out of memory at step {step} with micro-batch {self.micro} and memory.adapt=false; "
                             "set memory.adapt=true or lower train.batch_size (raise train.grad_accum to keep the batch)")
-        if not self._lower_micro(step, "oom"):
+        if not self._lower_micro(step, "oom", **detail):
             if not self.grad_checkpointing:
                 self.grad_checkpointing = True
                 self.backend.set_grad_checkpointing(True)
-                self._act(step, "oom", "enable_grad_checkpointing", {"grad_checkpointing": False}, {"grad_checkpointing": True})
+                self._act(step, "oom", "enable_grad_checkpointing", {"grad_checkpointing": False},
+                          {"grad_checkpointing": True}, **detail)
                 return
             raise UserError(f"out of memory at step {step} even at micro-batch 1 with gradient checkpointing; "
                             "try method=qlora, fewer method.lora.num_layers, a lower train.seq_len, or a larger device "

@@ -85,6 +85,13 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finalize_dir(tmp, path)
+
+
+def finalize_dir(tmp: str | Path, path: str | Path) -> None:
+    """Put the complete directory ``tmp`` in place of ``path`` (the end of ``atomic_dir``; also
+    used where several processes filled one ``tmp``, as sharded checkpoints do)."""
+    tmp, path = Path(tmp), Path(path)
     old = None
     if path.exists():
         old = path.with_name(f".{path.name}.old")

@@ -24,10 +24,11 @@ from omegaconf import OmegaConf
 
 from finetune import checkpoints
 from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
+from finetune.backends.base import Comm
 from finetune.config import UserError, validate
-from finetune.io import atomic_dir, atomic_write_json
+from finetune.io import atomic_dir, atomic_write_json, finalize_dir
 from finetune.redact import redact_tree
-from finetune.runlog import RunLog
+from finetune.runlog import RankRunLog, RunLog
 
 log = logging.getLogger("finetune")
 
@@ -70,6 +71,35 @@ class Trainer:
         chosen = cfg.get("logger")
         self.runlog = RunLog(self.run_dir, chosen,
                              redact_tree(OmegaConf.to_container(cfg, resolve=True)) if chosen else None)
+        self.comm = Comm()  # one process until connect() joins a launcher's ranks
+        self._stop: _StopOnSignal | None = None
+        self._stop_agreed = False
+
+    # -- ranks -------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Pick the backend and join the launcher's process group, if one started us (torchrun,
+        ``accelerate launch``, SLURM, ``mlx.launch``). Under several ranks rank 0's run dir is
+        the run's (Hydra names each rank's by its own clock), rank 0 alone writes the run log,
+        and the planner plans per rank for ``backend.num_devices`` = the world size."""
+        cfg = self.cfg
+        self.backend_name, self._backend_reason = resolve_backend_name(cfg.backend.name)
+        self.backend = get_backend(self.backend_name)
+        self.comm = self.backend.connect(cfg)
+        if self.comm.world_size <= 1:
+            return
+        mine = self.run_dir
+        self.run_dir = Path(self.comm.all_gather_object(str(mine))[0])
+        if self.run_dir != mine:
+            if self.created_run_dir or all(p.name == ".hydra" or p.suffix == ".log" for p in mine.iterdir()):
+                shutil.rmtree(mine, ignore_errors=True)  # this rank's own, unused: rank 0's is the run's
+            self.created_run_dir = False
+            cfg.run_dir = str(self.run_dir)
+        if cfg.backend.get("device_map") != "auto":
+            cfg.backend.num_devices = self.comm.world_size
+        if self.comm.rank != 0:
+            self.runlog = RankRunLog(self.run_dir)
+            # the warnings every rank would repeat (truncated samples, plan notes): rank 0's
+            logging.getLogger("finetune").setLevel(logging.ERROR)
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -81,8 +111,11 @@ class Trainer:
         from finetune.model_source import check_weights, resolve_model_dir
 
         cfg = self.cfg
-        self.backend_name, reason = resolve_backend_name(cfg.backend.name)
-        print(reason, file=sys.stderr)
+        if not hasattr(self, "backend"):
+            self.connect()
+        if self.comm.rank == 0:
+            print(self._backend_reason + (f"; {self.comm.world_size} ranks ({cfg.backend.strategy})"
+                                          if self.comm.world_size > 1 else ""), file=sys.stderr)
         self.governor = Governor(cfg, self.backend_name, self._event)
         # Before any download: stop if even the weights and state cannot fit the budget.
         self.governor.before_load(seq_len=8, only_check=True)
@@ -95,8 +128,7 @@ class Trainer:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"model.path={self.model_dir}: its tokenizer cannot be loaded ({first[:200]}); point "
                             "model.path at a complete HF-format model (tokenizer files included)") from None
-        self.data, self.data_stats = data_mod.build(cfg, self.tokenizer)
-        self.backend = get_backend(self.backend_name)
+        self.data, self.data_stats = data_mod.build(cfg, self.tokenizer, world_size=self.comm.world_size)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample
         self.governor.before_load(seq_len=self.data_stats["max_padded_tokens"])
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
@@ -108,13 +140,15 @@ class Trainer:
         if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
-        self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every)
+        self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every, rank=self.comm.rank)
         self.acct.run_facts = {"adaptations": self.events, "adapt": bool(cfg.memory.adapt),
                                "budget_set": cfg.memory.budget is not None}
         self.acct.sample(0, "load")
 
     def _event(self, ev: dict[str, Any]) -> None:
         self.events.append(ev)
+        if self.comm.rank != 0:  # every rank decides the same (one collective); rank 0 says it
+            return
         print(f"[governor] step {ev['step']}: {ev['trigger']} -> {ev['action']} "
               f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})", file=sys.stderr)
         self.runlog.event(ev)
@@ -130,31 +164,96 @@ class Trainer:
         """Write the checkpoint after ``step`` (temporary name, fsync, rename), then prune to
         ``train.keep_checkpoints``. A failed write leaves the earlier checkpoints as they were
         and, per ``train.on_save_error``, stops the run (UserError) or returns False."""
+        if self.comm.world_size > 1:
+            return self._save_checkpoint_ranks(step, stop)
         path = checkpoints.checkpoint_path(self.run_dir, step)
         try:
             with atomic_dir(path) as tmp:
                 (tmp / "backend").mkdir()
                 self.backend.save_state(tmp / "backend")
                 _save_fault(step, stop)
-                atomic_write_json(tmp / checkpoints.STATE_FILE, {
-                    "step": step, "micro_batch": self.governor.micro,
-                    "grad_checkpointing": self.governor.grad_checkpointing,
-                    "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
-                    "tokens": self.tokens, "samples": self.samples, **self._identity()})
+                atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
         except OSError as e:
-            prev = checkpoints.latest_checkpoint(self.run_dir)
-            kept = f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint exists"
-            msg = (f"checkpoint at step {step} not saved ({e.strerror or e}); {kept}; free space or fix "
-                   f"permissions on {path.parent}")
-            if self.cfg.train.on_save_error == "continue":
-                log.warning("%s; training goes on (train.on_save_error=continue)", msg)
-                self.runlog.event({"step": step, "trigger": "save_error", "action": "continue",
-                                   "before": None, "after": None, "error": str(e)})
-                return False
-            raise UserError(f"{msg}, then continue with train.resume=true hydra.run.dir={self.run_dir} "
-                            "(or set train.on_save_error=continue)") from None
+            return self._save_failed(step, path, e)
         checkpoints.prune(self.run_dir, keep=int(self.cfg.train.keep_checkpoints))
         return True
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {"step": step, "micro_batch": self.governor.micro,
+                "grad_checkpointing": self.governor.grad_checkpointing,
+                "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
+                "world_size": self.comm.world_size,
+                "tokens": self.tokens, "samples": self.samples, **self._identity()}
+
+    def _save_checkpoint_ranks(self, step: int, stop: _StopOnSignal | None) -> bool:
+        """The checkpoint of a run of several ranks. ddp: rank 0 writes it (every rank's RNG
+        in it). fsdp: every rank writes its shards into one temporary directory (torch's
+        distributed checkpoint), then rank 0 adds the trainer state and renames it into place.
+        Every rank learns whether the save worked (one all-reduce), so all stop or all go on."""
+        path = checkpoints.checkpoint_path(self.run_dir, step)
+        comm, rank = self.comm, self.comm.rank
+        rank_states = comm.all_gather_object(self.backend.rank_state() if hasattr(self.backend, "rank_state")
+                                             else None)
+        error: OSError | None = None
+        if getattr(self.backend, "sharded", False):
+            tmp = path.with_name(f".{path.name}.shards.tmp")
+            if rank == 0:
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    (tmp / "backend").mkdir(parents=True)
+                except OSError as e:
+                    error = e
+            if comm.all_reduce([1.0 if error else 0.0])[0] == 0:
+                try:
+                    self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
+                except OSError as e:
+                    error = e
+                if comm.all_reduce([1.0 if error else 0.0])[0] == 0 and rank == 0:
+                    try:
+                        _save_fault(step, stop)
+                        atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
+                        from finetune.io import fsync_tree
+
+                        fsync_tree(tmp)
+                        finalize_dir(tmp, path)
+                    except OSError as e:
+                        error = e
+            if rank == 0 and error is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        elif rank == 0:
+            try:
+                with atomic_dir(path) as tmp:
+                    (tmp / "backend").mkdir()
+                    self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
+                    _save_fault(step, stop)
+                    atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
+            except OSError as e:
+                error = e
+        failed = comm.all_reduce([1.0 if error else 0.0])[0] > 0
+        if failed:
+            return self._save_failed(step, path, error or OSError(f"rank 0 could not write {path}"))
+        if rank == 0:
+            checkpoints.prune(self.run_dir, keep=int(self.cfg.train.keep_checkpoints))
+        return True
+
+    def _rank_states(self, rank_states: list[Any]) -> tuple[Any, ...]:
+        # a backend that keeps per-rank state (torch's RNG) takes every rank's; MLX draws its
+        # dropout keys from (seed, rank, micro-step) and needs none
+        return (rank_states,) if hasattr(self.backend, "rank_state") else ()
+
+    def _save_failed(self, step: int, path: Path, e: OSError) -> bool:
+        """A checkpoint not written: say so; stop (UserError) or go on, per train.on_save_error."""
+        prev = checkpoints.latest_checkpoint(self.run_dir)
+        kept = f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint exists"
+        msg = (f"checkpoint at step {step} not saved ({e.strerror or e}); {kept}; free space or fix "
+               f"permissions on {path.parent}")
+        if self.cfg.train.on_save_error == "continue":
+            log.warning("%s; training goes on (train.on_save_error=continue)", msg)
+            self.runlog.event({"step": step, "trigger": "save_error", "action": "continue",
+                               "before": None, "after": None, "error": str(e)})
+            return False
+        raise UserError(f"{msg}, then continue with train.resume=true hydra.run.dir={self.run_dir} "
+                        "(or set train.on_save_error=continue)") from None
 
     def maybe_resume(self) -> int:
         if not self.cfg.train.resume:
@@ -177,9 +276,14 @@ class Trainer:
                     raise UserError(f"checkpoint {ckpt} is from another run ({key}={state[key]}, this run has "
                                     f"{mine[key]}); resume with the same backend, model and method, or start a "
                                     "new run dir")
-            if state["effective_batch"] != eff:
-                raise UserError(f"checkpoint was trained with effective batch {state['effective_batch']}, this run "
-                                f"has {eff}; keep train.batch_size * train.grad_accum equal to resume")
+            world, saved_world = self.comm.world_size, int(state.get("world_size", 1))
+            if state["effective_batch"] * saved_world != eff * world:
+                if world == saved_world == 1:
+                    raise UserError(f"checkpoint was trained with effective batch {state['effective_batch']}, this "
+                                    f"run has {eff}; keep train.batch_size * train.grad_accum equal to resume")
+                raise UserError(f"checkpoint was trained with effective batch {state['effective_batch'] * saved_world} "
+                                f"({saved_world} rank(s)), this run has {eff * world} ({world} rank(s)); keep "
+                                "train.batch_size * train.grad_accum * ranks equal to resume")
             try:
                 self.backend.load_state(ckpt / "backend")
             except Exception as e:  # a truncated or missing tensor file, a wrong shape
@@ -189,7 +293,9 @@ class Trainer:
                 continue
             self.governor.restore(state)
             self.tokens, self.samples = state["tokens"], state["samples"]
-            if ckpt != ckpts[-1]:
+            if self.comm.rank != 0:
+                pass
+            elif ckpt != ckpts[-1]:
                 print(f"resumed from {ckpt} (the previous good checkpoint) at step {state['step']}", file=sys.stderr)
             else:
                 print(f"resumed from {ckpt} at step {state['step']}", file=sys.stderr)
@@ -200,23 +306,42 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
+        from finetune.data import rank_slice
+
         _fault_injection(step, self.governor.micro)
-        batch = self.data.train_batch(step - 1)
-        self._step_max_len = int(batch.input_ids.shape[1])  # the widest micro-batch, padded
-        scale = 1.0 / batch.label_tokens
+        batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
+        mine = rank_slice(batch, self.comm.rank, self.comm.world_size)
+        self._step_max_len = int(mine.input_ids.shape[1])  # the widest micro-batch, padded
+        scale = 1.0 / batch.label_tokens  # of the whole step: the sum over ranks is one process's
         def hook(phase: str) -> None:
             self.acct.sample(step, phase)
 
+        world, rank = self.comm.world_size, self.comm.rank
         while True:
+            loss_sum, oom = 0.0, None
             try:
-                loss_sum = 0.0
-                for micro in batch.split(self.governor.micro):
+                for micro in mine.split(self.governor.micro):
                     loss_sum += self.backend.forward_backward(micro, scale, hook)
-                break
             except OutOfMemory as e:
-                self.backend.zero_grad()
-                self.backend.release_cache()
-                self.governor.on_oom(step, e)  # lowers the micro-batch or raises UserError
+                oom = e
+            oom_ranks = [rank] if oom is not None else []
+            if world > 1:
+                # one agreement per step, before any gradient is communicated: which ranks ran
+                # out of memory, whether any was asked to stop, and the step's loss
+                flags = [0.0] * world
+                flags[rank] = 1.0 if oom is not None else 0.0
+                asked = self._stop is not None and self._stop.requested is not None
+                agreed = self.comm.all_reduce(flags + [1.0 if asked else 0.0, loss_sum])
+                oom_ranks = [r for r in range(world) if agreed[r] > 0]
+                self._stop_agreed = agreed[world] > 0
+                loss_sum = agreed[world + 1]
+            if not oom_ranks:
+                break
+            self.backend.zero_grad()
+            self.backend.release_cache()
+            # lowers the micro-batch (the same on every rank) or raises UserError
+            self.governor.on_oom(step, oom or OutOfMemory(f"out of memory on rank(s) {oom_ranks}"),
+                                 ranks=oom_ranks if world > 1 else None)
         grad_norm = self.backend.optimizer_step(lr_at(step, self.cfg))
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
 
@@ -242,14 +367,17 @@ class Trainer:
         val_loss = None
         step_seconds = 0.0
         t_run = time.perf_counter()
-        stop = _StopOnSignal()
+        stop = self._stop = _StopOnSignal()
         for step in range(start + 1, cfg.train.steps + 1):
-            if stop.requested:
+            # several ranks stop together, at the step they agreed on (_train_step's all-reduce)
+            if (stop.requested if self.comm.world_size == 1 else self._stop_agreed):
                 if not self.save_checkpoint(step - 1, stop):
                     stop.close()
                     raise SystemExit(stop.exit_code)
-                print(f"stopped by {stop.requested} after step {step - 1}; checkpoint saved: continue with "
-                      f"train.resume=true hydra.run.dir={self.run_dir}", file=sys.stderr)
+                if self.comm.rank == 0:
+                    print(f"stopped by {stop.requested or 'a signal to another rank'} after step {step - 1}; "
+                          f"checkpoint saved: continue with train.resume=true hydra.run.dir={self.run_dir}",
+                          file=sys.stderr)
                 stop.close()
                 raise SystemExit(stop.exit_code)
             self.acct.start_step(step)
@@ -264,7 +392,7 @@ class Trainer:
             sample = self.acct.sample(step, "optimizer")
             if step == 1 and sample is not None:
                 self._calibrate(sample)
-            self.governor.after_step(step, sample)
+            self.governor.after_step(step, self._agreed_sample(sample))
             rec = {"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
                    "tokens_per_sec": ntok / dt if dt > 0 else None}
@@ -279,15 +407,24 @@ class Trainer:
         stop.close()
         self.runlog.close_progress()
         wall = time.perf_counter() - t_run
+        rank = self.comm.rank
         try:
-            with atomic_dir(self.run_dir / "adapter") as tmp:
-                self.backend.save_adapter(tmp)
+            if rank == 0:
+                with atomic_dir(self.run_dir / "adapter") as tmp:
+                    self.backend.save_adapter(tmp)
+            elif getattr(self.backend, "sharded", False):
+                self.backend.save_adapter(None)  # gathers the shards for rank 0 (a collective)
         except OSError as e:
             raise UserError(f"adapter not saved to {self.run_dir / 'adapter'} ({e.strerror or e}); free space or fix "
                             "permissions, then rerun with train.resume=true (checkpoints kept)") from None
         if cfg.train.save_every:
             self.save_checkpoint(cfg.train.steps)
         summary = self._summary(losses, val_loss, wall, step_seconds)
+        if self.comm.world_size > 1:
+            self._gather_ranks(summary)
+            if rank != 0:  # rank 0 writes and prints for every rank
+                self.comm.close()
+                return summary
         atomic_write_json(self.run_dir / "summary.json", summary)
         self.runlog.summary(summary)
         try:
@@ -295,11 +432,49 @@ class Trainer:
         except Exception as e:  # a plot must never cost the run its results
             log.warning("memory.png not written: %s", e)
         print(self.acct.table(), file=sys.stderr)
+        if self.comm.world_size > 1:
+            from finetune.accounting.ranks import render_rank_table
+
+            print(render_rank_table(summary["memory"]["per_rank"]), file=sys.stderr)
         for ex in summary["memory"].get("explanations", []):
             print(f"[memory] {ex['text']}", file=sys.stderr)
         self.runlog.close()
+        self.comm.close()
         print(f"run dir: {self.run_dir}", file=sys.stderr)
         return summary
+
+    def _agreed_sample(self, sample: dict[str, Any] | None) -> dict[str, Any] | None:
+        """What the governor decides on: this rank's sample in one process; under several, every
+        rank's merged (the largest of each figure, fresh only when every rank's reading is), so
+        every rank takes the same decision at the same step."""
+        if self.comm.world_size == 1:
+            return sample
+        keys = ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "peak_allocated", "allocated",
+                "reserved", "swap_used", "psi_some_avg10", "inactive_split")
+        mine = None if sample is None else {**{k: sample.get(k) for k in keys},
+                                            "system_fresh": sample.get("system_fresh", True)}
+        got = [g for g in self.comm.all_gather_object(mine) if g is not None]
+        if not got:
+            return None
+        merged: dict[str, Any] = {"system_fresh": all(g["system_fresh"] for g in got)}
+        for k in keys:
+            vals = [g[k] for g in got if g.get(k) is not None]
+            merged[k] = max(vals) if vals else None
+        return merged
+
+    def _gather_ranks(self, summary: dict[str, Any]) -> None:
+        """Every rank's memory to rank 0: summary["ranks"], summary["memory"]["per_rank"] (rows
+        and Overall) and explanations that name their rank."""
+        from finetune.accounting import ranks
+
+        mine = ranks.rank_report(self.comm.rank, self.info.device, summary["memory"], self.acct.samples)
+        reports = self.comm.all_gather_object(mine)
+        merged = ranks.merge(reports)
+        summary["world_size"] = self.comm.world_size
+        summary["strategy"] = str(self.cfg.backend.strategy)
+        summary["ranks"] = merged["ranks"]
+        summary["memory"]["per_rank"] = merged
+        summary["memory"]["explanations"] = ranks.explanations(reports)
 
     def _calibrate(self, sample: dict[str, Any]) -> None:
         """After the first optimizer step: compare the plan to that step's sample (whose
@@ -447,11 +622,13 @@ def train(cfg: Any) -> dict[str, Any]:
     """Run a training job for a composed config; return the summary (also in summary.json)."""
     trainer = Trainer(cfg)
     try:
+        trainer.connect()  # the backend, and the launcher's ranks if several were started
         with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
             trainer.setup()
             return trainer.train()
     except UserError:
-        _remove_if_no_result(trainer)
+        if trainer.comm.rank == 0:
+            _remove_if_no_result(trainer)
         raise
 
 

@@ -213,3 +213,27 @@ def _quiet_close(lg: Any, status: str) -> None:
         lg.close(status)
     except Exception as e:  # closing a broken logger must not hide the run's own outcome
         log.warning("logger %s did not close cleanly: %s: %s", lg.name, type(e).__name__, e)
+
+
+class RankRunLog(RunLog):
+    """The run log of a rank other than 0 in a run of several processes: rank 0 writes
+    metrics.jsonl, the progress bar and the loggers for all of them, so this one keeps
+    nothing (every rank's memory reaches rank 0 at the end of the run, see finetune/loop.py)."""
+
+    def __init__(self, run_dir: str | Path):
+        super().__init__(run_dir, None, None)
+
+    def begin(self, start_step: int | None, *, progress: bool = False, total: int = 0) -> None:
+        self._began = True
+
+    def step(self, rec: dict[str, Any], progress_text: Callable[[], str] | None = None) -> None:
+        pass
+
+    def event(self, ev: dict[str, Any]) -> None:
+        pass
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def close(self, status: str = "finished") -> None:
+        self._closed = True

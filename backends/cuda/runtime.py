@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from finetune.backends.base import Batch, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.cuda.capabilities import CAPABILITIES
 
 from finetune.config import UserError
@@ -50,9 +50,9 @@ def _choose(what: str, value: str, valid: tuple[str, ...] | dict) -> None:
                         f"choose one of: {', '.join(valid)}")
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+def _resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":  # under a launcher, each rank its own GPU (LOCAL_RANK)
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"backend.device={name} but no CUDA device is visible; "
@@ -182,6 +182,31 @@ class CudaBackend:
         self.model_dir: Path | None = None
         self._contexts: dict[int, int | None] = {}  # CUDA context bytes per device, at setup
         self._totals: dict[int, int] | None = None  # device memory per CUDA index, read once
+        self.comm: Comm = Comm()  # the ranks of the run (one process unless a launcher started several)
+        self.strategy: str | None = None  # "ddp" | "fsdp" under several ranks, else None
+        self.sharded = False  # fsdp: every rank saves its shards into one checkpoint directory
+
+    # ---- several processes -------------------------------------------------------------
+    def connect(self, cfg: Any) -> Comm:
+        """Join torchrun's (or accelerate's, or SLURM's) process group when one launched us:
+        nccl on GPUs, gloo on the CPU (backend.device=cpu or no GPU visible)."""
+        from finetune.backends.cuda import distributed
+
+        world = distributed.launched_world()
+        if world is None:
+            return self.comm
+        rank, size, local_rank = world
+        use_cuda = torch.cuda.is_available() and str(cfg.backend.device) != "cpu"
+        if use_cuda and local_rank >= torch.cuda.device_count():
+            raise UserError(f"rank {rank} has LOCAL_RANK={local_rank} but this node sees {torch.cuda.device_count()} "
+                            "GPU(s); launch at most that many processes per node (--nproc-per-node)")
+        if cfg.backend.strategy == "fsdp" and cfg.backend.device_map == "auto":
+            raise UserError("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
+                            "(it splits one process's model over GPUs)")
+        self.comm = distributed.TorchComm(rank, size, local_rank, use_cuda)
+        self.strategy = str(cfg.backend.strategy)
+        self.sharded = self.strategy == "fsdp"
+        return self.comm
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
@@ -203,7 +228,7 @@ class CudaBackend:
         stored, _ = stored_dtype(cfg.model, model_dir)
         # the same dtypes the planner priced (finetune/precision.py)
         self.dtypes = precision_mod.resolve("cuda", prec, m.name, stored)
-        device = _resolve_device(cfg.backend.device)
+        device = _resolve_device(cfg.backend.device, self.comm.local_rank)
         if device.type == "cuda":  # before anything else touches CUDA in this process
             split_later = cfg.backend.device_map == "auto"
             self._contexts = _measure_cuda_contexts(list(range(torch.cuda.device_count())) if split_later
@@ -248,6 +273,8 @@ class CudaBackend:
             self.model = self._add_adapters(hf, m, prec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+        if self.comm.world_size > 1:
+            self._distribute(cfg)
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = _build_optimizer(o, trainable)
@@ -266,6 +293,26 @@ class CudaBackend:
                    "grad_scaler": self.scaler is not None,
                    "grad_checkpointing": self.grad_checkpointing},
         )
+
+    def _distribute(self, cfg: Any) -> None:
+        """Several ranks: equal trainable weights everywhere (ddp), or FSDP2 shards (fsdp);
+        then each rank its own dropout stream (seed + rank)."""
+        from finetune.backends.cuda import distributed
+
+        if self.strategy == "fsdp":
+            if cfg.method.name == "qlora":
+                raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights here; use "
+                                "backend.strategy=ddp with method=qlora, or method=lora with fsdp")
+            if cfg.optim.name not in ("adamw", "adam", "sgd"):
+                raise UserError(f"optim={cfg.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
+                                "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
+            autocast = self.autocast_dtype
+            self.units = distributed.shard_model(self.model, self.hf, self.comm, param_dtype=autocast,
+                                                 reduce_dtype=torch.float32 if autocast is not None else None)
+            self.device = self.comm.device
+        else:
+            distributed.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])
+        torch.manual_seed(cfg.train.seed * 1_000_003 + self.comm.rank)
 
     @staticmethod
     def _check_precision(prec: str, device: torch.device) -> None:
@@ -390,6 +437,10 @@ class CudaBackend:
         grads. Returns the pre-clip global grad norm (unscaled under 16-mixed)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.strategy == "ddp":  # fsdp reduce-scattered them in backward already
+            from finetune.backends.cuda.distributed import sum_gradients
+
+            sum_gradients([p for g in self.optimizer.param_groups for p in g["params"]])
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and report the true (unscaled) norm
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -406,6 +457,8 @@ class CudaBackend:
         else:
             self.optimizer.step()
         self.zero_grad()
+        if norm is not None and hasattr(norm, "full_tensor"):  # fsdp: a DTensor over the shards
+            norm = norm.full_tensor()
         return None if norm is None else float(norm)
 
     def eval_loss(self, batch: Batch) -> float:
@@ -418,38 +471,69 @@ class CudaBackend:
             self.model.train()
 
     # ---- files -------------------------------------------------------------------------
-    def save_adapter(self, path: Path) -> None:
+    def save_adapter(self, path: Path | None) -> None:
         """PEFT adapter (safetensors) for lora/dora/qlora; for full, the HF model plus the base
-        model's tokenizer files."""
+        model's tokenizer files. Under fsdp every rank calls this (the full weights are
+        gathered from the shards, a collective) and rank 0, whose ``path`` is set, writes."""
+        state = None
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if path is None:
+            return
         path = Path(path)
         if self.cfg.method.name == "full":
-            self.hf.save_pretrained(str(path))
+            self.hf.save_pretrained(str(path), state_dict=state)
             src = self.model_dir
             for name in TOKENIZER_FILES:
                 if (src / name).is_file():
                     shutil.copy2(src / name, path / name)
         else:
-            self.model.save_pretrained(str(path))  # adapter_config.json + adapter_model.safetensors
+            # adapter_config.json + adapter_model.safetensors (PEFT keeps the adapter keys of state)
+            self.model.save_pretrained(str(path), state_dict=state)
 
-    def save_state(self, path: Path) -> None:
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's RNG (every rank's goes into rank 0's checkpoint, for an exact resume)."""
+        return {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+    def save_state(self, path: Path, rank_states: list[dict[str, Any]] | None = None) -> None:
         """trainable.safetensors (requires_grad params by name), optimizer.pt, rng.pt (torch
-        CPU/CUDA RNG and the GradScaler)."""
+        CPU/CUDA RNG, each rank's under several, and the GradScaler). Under fsdp every rank
+        writes its shards of the trainable weights and optimizer state into ``path``/dcp with
+        torch.distributed.checkpoint (a collective); rank 0 writes rng.pt."""
         from safetensors.torch import save_file
 
         path = Path(path)
-        weights = {n: p.detach().cpu().contiguous()
-                   for n, p in self.model.named_parameters() if p.requires_grad}
-        save_file(weights, str(path / "trainable.safetensors"))
-        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        torch.save({"cpu": torch.get_rng_state(), "cuda": cuda_rng,
-                    "scaler": self.scaler.state_dict() if self.scaler else None}, path / "rng.pt")
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(self._sharded_state(), checkpoint_id=str(path / "dcp"))
+        else:
+            weights = {n: p.detach().cpu().contiguous()
+                       for n, p in self.model.named_parameters() if p.requires_grad}
+            save_file(weights, str(path / "trainable.safetensors"))
+            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        if self.comm.rank == 0:
+            torch.save({**self.rank_state(), "ranks": rank_states,
+                        "scaler": self.scaler.state_dict() if self.scaler else None}, path / "rng.pt")
+
+    def _sharded_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        model = {k: v for k, v in get_model_state_dict(self.model).items() if k in trainable}
+        return {"model": model, "optim": get_optimizer_state_dict(self.model, self.optimizer)}
 
     def load_state(self, path: Path) -> None:
         """Restore save_state's files after setup() with the same config."""
         from safetensors.torch import load_file
 
         path = Path(path)
+        if self.sharded:
+            self._load_sharded(path)
+            return
         saved = load_file(str(path / "trainable.safetensors"))
         params = dict(self.model.named_parameters())
         missing = sorted(n for n, p in params.items() if p.requires_grad and n not in saved)
@@ -462,10 +546,33 @@ class CudaBackend:
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         if getattr(self.optimizer, "is_paged", False):
             self._repage_optimizer_state()
+        self._load_rng(path)
+
+    def _load_sharded(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if not (path / "dcp").is_dir():
+            raise UserError(f"checkpoint {path} was not saved sharded (backend.strategy=fsdp); resume it with the "
+                            "strategy it was trained with")
+        state = self._sharded_state()
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        self._load_rng(path)
+
+    def _load_rng(self, path: Path) -> None:
         rng = torch.load(path / "rng.pt", weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        mine = rng
+        if self.comm.world_size > 1 and rng.get("ranks") and len(rng["ranks"]) == self.comm.world_size:
+            mine = rng["ranks"][self.comm.rank]
+        torch.set_rng_state(mine["cpu"])
+        if mine["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(mine["cuda"])
         if self.scaler and rng["scaler"]:
             self.scaler.load_state_dict(rng["scaler"])
 
@@ -543,9 +650,12 @@ class CudaBackend:
         out = dict.fromkeys(CENSUS_KEYS, 0)
         seen: set[tuple[str, int, int]] = set()
 
+        from finetune.backends.cuda.distributed import local
+
         def add(key: str, t: Any) -> None:
             if not torch.is_tensor(t) or t.device.type == "meta":
                 return
+            t = local(t)  # fsdp: this rank's shard is what its memory holds
             nbytes = t.numel() * t.element_size()
             ident = (str(t.device), t.data_ptr(), nbytes)
             if nbytes and ident not in seen:
