@@ -9,6 +9,7 @@ Every figure is an int of bytes; constants cite the code they come from.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -119,10 +120,10 @@ def quant_of(s: Setup, role: str, in_f: int) -> str | None:
 
 
 def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
-    """(bytes of the tensor itself, bytes of its quantization constants)."""
-    if t.quant == "bnb4":
+    """(bytes of the tensor itself on one rank, bytes of its quantization constants)."""
+    if t.quant == "bnb4":  # never sharded: fsdp refuses method=qlora
         return bnb4_bytes(t.numel, s.double_quant)
-    return t.numel * t.dtype_bytes, 0
+    return t.local_numel * t.dtype_bytes, 0
 
 
 def rounding_bytes(nbytes: int, s: Setup) -> int:
@@ -180,7 +181,7 @@ def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, 
 
 def optimizer_shared_bytes(s: Setup, trainable: list[Tensor]) -> int:
     """State shared by every tensor, held once on the first device: bitsandbytes' 8-bit maps."""
-    if s.optim in ("adamw_8bit", "paged_adamw_8bit") and any(t.numel >= BNB_MIN_8BIT_SIZE for t in trainable):
+    if s.optim in ("adamw_8bit", "paged_adamw_8bit") and any(t.local_numel >= BNB_MIN_8BIT_SIZE for t in trainable):
         return BNB_QMAPS_BYTES
     return 0
 
@@ -189,15 +190,17 @@ def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
     """Workspace the optimizer step allocates on top of weights, grads and state."""
     if not trainable:
         return 0
-    largest = max(t.numel * t.dtype_bytes for t in trainable)
+    # per rank: under FSDP the optimizer steps each parameter's local shard (a DTensor's
+    # _local_tensor), so every size here is the local one
+    largest = max(t.local_numel * t.dtype_bytes for t in trainable)
     if s.optim in ("adamw", "adam") and s.device == "cuda":
         # torch/optim/adam.py _multi_tensor_adam (foreach, the CUDA default):
         # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs) allocates one more state-sized list.
-        return sum(t.numel * t.dtype_bytes for t in trainable)
+        return sum(t.local_numel * t.dtype_bytes for t in trainable)
     if s.optim == "adafactor":
         # transformers Adafactor.step: fp32 `update` (grad**2 + eps, then the approximation)
         # and p.float() copies for 16-bit params, one parameter at a time.
-        return 3 * max(t.numel for t in trainable) * 4
+        return 3 * max(t.local_numel for t in trainable) * 4
     # per-tensor kernels (torch single-tensor path on CPU; bitsandbytes fused 8-bit/32-bit)
     return largest if s.optim in ("adamw", "adam", "sgd") else 0
 
@@ -261,6 +264,135 @@ def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float)
     return max(fb, grads) + int(overlap * min(fb, grads))
 
 
+# ---- several processes (torchrun, accelerate launch, SLURM) ----------------------------------------
+
+# The runtime's DDP gradient sum (backends/cuda/distributed.py sum_gradients imports it):
+# gradients of one dtype are packed in order into flat buckets (torch.cat) of at most this many
+# bytes, a gradient larger than that alone in its own; each is all-reduced and copied back
+# before the next is built, so one bucket is alive at a time (torch's own
+# DistributedDataParallel caps its buckets at the same 25 MiB, bucket_cap_mb).
+DDP_BUCKET_BYTES = 25 << 20
+# Optimizers that step FSDP2's DTensor parameters in our runtime: torch's own (their foreach
+# kernels dispatch on DTensor). bitsandbytes' 8-bit and paged optimizers hand raw pointers of
+# plain tensors to their CUDA kernels, and transformers' Adafactor factors p.grad as a plain
+# tensor: neither accepts a DTensor.
+FSDP_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+def ranks(cfg: Any) -> tuple[int, str]:
+    """(data-parallel ranks, strategy) the plan is for: ``backend.num_devices`` ranks with
+    ``backend.strategy`` unless ``backend.device_map=auto`` (one process split over the GPUs,
+    planned by ``resolve_device``); 1 rank otherwise. Refuses fsdp with device_map=auto."""
+    b = _get(cfg, "backend")
+    strategy = str(_get(b, "strategy", "ddp") or "ddp")
+    split = _get(b, "device_map") == "auto"
+    if strategy == "fsdp" and split:
+        raise UserError("backend.strategy=fsdp shards the model over ranks and backend.device_map=auto splits one "
+                        "process over GPUs; drop backend.device_map=auto (or use backend.strategy=ddp)")
+    n = _get(b, "num_devices")
+    return (int(n) if n and not split else 1), strategy
+
+
+def _refuse_fsdp(s: Setup) -> None:
+    """The runtime's refusals under fsdp (backends/cuda/runtime.py _distribute), on the setup so
+    the planner's levers skip them too. One process shards nothing: nothing to refuse."""
+    if s.strategy != "fsdp" or s.world_size <= 1:
+        return
+    if s.optim not in FSDP_OPTIMIZERS:
+        raise UserError(f"optim={s.optim} is not supported under backend.strategy=fsdp (bitsandbytes' 8-bit/paged "
+                        "optimizers and adafactor do not take FSDP's DTensor parameters); use optim=adamw, adam or "
+                        "sgd, or backend.strategy=ddp")
+    if s.method == "qlora":
+        # bitsandbytes' Params4bit keeps its QuantState beside the tensor, which FSDP2's DTensor drops
+        raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights; use backend.strategy=ddp "
+                        "with method=qlora, or method=lora with fsdp")
+
+
+def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
+    """The parameters as one rank holds them.
+
+    ddp: every rank a whole replica. fsdp (FSDP2 ``fully_shard``, full shard): every parameter
+    sharded on dim 0 over the ranks, frozen ones too (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param.py FSDPParam._init_sharded_param: torch.chunk(param, world_size, dim=0); each
+    rank's storage is ``new_zeros(chunks[0].size())``, i.e. ceil(dim0 / N) rows, padded to rank
+    0's). Its gradient (foreach_reduce's reduce-scatter output, viewed per parameter) and the
+    optimizer's state (zeros_like the local shard) are as large.
+    """
+    _refuse_fsdp(s)
+    if s.strategy != "fsdp" or s.world_size <= 1:
+        return tensors
+    return [dataclasses.replace(t, shards=s.world_size) for t in tensors]
+
+
+def _padded_numel(t: Tensor, world: int) -> int:
+    """Elements of ``t`` with dim 0 padded to a multiple of ``world``
+    (_fsdp_common.py _get_dim0_padded_size: what all-gather outputs and reduce-scatter
+    inputs hold per parameter)."""
+    return -(-t.shape[0] // world) * world * math.prod(t.shape[1:])
+
+
+def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, Any]]:
+    """Named bytes one rank holds for the ranks' collectives, beyond its own weights, grads
+    and state, each with the phase it adds to: "forward_backward" (on top of activations),
+    "grad_sync" (its own moment after backward: weights + state + grads + it) or
+    "optimizer_step" (on top of the step's workspace). ``tensors``: the whole inventory.
+    """
+    if s.world_size <= 1:
+        return {}
+    trainable = [t for t in tensors if t.trainable]
+    if s.strategy == "ddp":
+        # sum_gradients, after backward and before the step: the largest bucket of any dtype is
+        # at most DDP_BUCKET_BYTES (several gradients) or one gradient larger than that
+        by_dtype: dict[int, list[int]] = {}
+        for t in trainable:
+            by_dtype.setdefault(t.dtype_bytes, []).append(t.numel * t.dtype_bytes)
+        bucket = max((max(max(g), min(DDP_BUCKET_BYTES, sum(g))) for g in by_dtype.values()), default=0)
+        return {"ddp_bucket": {"bytes": bucket, "phase": "grad_sync"}} if bucket else {}
+    # fsdp: one unit per decoder layer plus the root (embeddings, final norm, lm_head).
+    N = s.world_size
+    units: dict[int | None, list[Tensor]] = {}
+    for t in tensors:
+        units.setdefault(t.layer, []).append(t)
+
+    # The runtime's MixedPrecisionPolicy (backends/cuda/distributed.py shard_model): param_dtype
+    # = the autocast dtype, reduce_dtype = fp32 under autocast; without autocast both None, so
+    # each parameter is gathered, differentiated and reduced in its own dtype
+    # (_fsdp_param.py init_dtype_attrs). So fp32 LoRA adapters reduce in fp32, a full
+    # fine-tune in its weights' dtype.
+    def unsharded_bytes(t: Tensor) -> int:
+        return s.a if s.autocast else t.dtype_bytes
+
+    def reduce_bytes(t: Tensor) -> int:
+        return 4 if s.autocast else t.dtype_bytes
+
+    def gathered(ts: list[Tensor]) -> int:
+        return sum(_padded_numel(t, N) * unsharded_bytes(t) for t in ts)
+
+    root = gathered(units.get(None, []))
+    layer = max((gathered(ts) for k, ts in units.items() if k is not None), default=0)
+    unit_grads = max((sum(t.numel * unsharded_bytes(t) for t in ts if t.trainable) for ts in units.values()),
+                     default=0)
+    unit_reduce = max((sum(_padded_numel(t, N) * reduce_bytes(t) for t in ts if t.trainable)
+                       for ts in units.values()), default=0)
+    return {
+        # _fsdp_param_group.py: the root keeps its unsharded parameters from its pre_forward
+        # to its post_backward (_fsdp_state.py lazy_init: reshard_after_forward=False for the
+        # root); a layer unit's are alive while it computes, and the next unit's are already
+        # gathered (forward: AllGatherState kept until the next copy-out, the implicit
+        # prefetch; backward: _backward_prefetch): root + 2 x the largest layer unit.
+        "all_gather": {"bytes": root + 2 * layer, "phase": "forward_backward"},
+        # autograd writes a unit's unsharded gradients (the gathered dtype) into
+        # unsharded_param.grad; post_backward -> foreach_reduce copies them into the
+        # reduce-scatter input, then frees them.
+        "unsharded_grads": {"bytes": unit_grads, "phase": "forward_backward"},
+        # _fsdp_collectives.py foreach_reduce: reduce_scatter_input, the unit's padded
+        # gradients in the reduce dtype; reduce_scatter_max_input_buffers=1 keeps one in flight.
+        # Its output is the rank's sharded gradient, counted in grads (the runtime reduces
+        # every micro-batch and FSDP2 adds it into the sharded .grad: no unsharded accumulation).
+        "reduce_scatter": {"bytes": unit_reduce, "phase": "forward_backward"},
+    }
+
+
 # ---- overheads and notes ---------------------------------------------------------------------------
 
 def device_overhead(s: Setup) -> int:
@@ -279,6 +411,18 @@ def notes(s: Setup) -> list[str]:
                    "pressure): not in peak_bytes")
     if s.device == "cpu":
         out.append("cpu: the process's own resident libraries are not counted")
+    if s.world_size > 1 and s.strategy == "ddp":
+        out.append(f"ddp over {s.world_size} ranks: every rank holds whole weights, gradients and optimizer state "
+                   "and its own micro-batch's activations; gradients are summed one flat bucket at a time (at most "
+                   f"{DDP_BUCKET_BYTES >> 20} MiB, or one larger gradient alone); ranks are identical")
+    if s.world_size > 1 and s.strategy == "fsdp":
+        out.append(f"fsdp over {s.world_size} ranks: every parameter (frozen ones too), its gradient and optimizer "
+                   "state are sharded on dim 0 (ceil(rows / N) per rank, padded to rank 0's); ranks are identical "
+                   "(rank 0's figures; the last ranks' optimizer state can be smaller by the padding rows); "
+                   "parameters gathered in the autocast dtype, else their own; the all-gather and reduce-scatter "
+                   "buffers peak mid-backward and are added to the forward/backward peak whole (an upper bound)")
+    if s.world_size > 1 and s.device == "cuda":
+        out.append("several ranks: NCCL's own communication buffers sit outside torch's allocator and are not counted")
     return out
 
 

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from finetune.config import UserError
-from finetune.planner.model import BLOCK_KEYS, Arch, Setup, Tensor, _first_stage
+from finetune.planner.model import BLOCK_KEYS, Arch, Setup, Tensor, _first_stage, _get
 
 # ---- constants ------------------------------------------------------------------------------------
 
@@ -193,6 +193,41 @@ def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float)
     return max(fb, grads) + int(overlap * min(fb, grads))
 
 
+# ---- several processes (mlx.launch) ---------------------------------------------------------------
+
+def ranks(cfg: Any) -> tuple[int, str]:
+    """(ranks, strategy): ``backend.num_devices`` processes under mlx.launch (1 when null), data
+    parallel (capabilities: ddp only; backend.device_map is a cuda key and means nothing here)."""
+    b = _get(cfg, "backend")
+    n = _get(b, "num_devices")
+    return (int(n) if n else 1), str(_get(b, "strategy", "ddp") or "ddp")
+
+
+def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
+    """Every rank holds the whole model (replicated)."""
+    return tensors
+
+
+def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, Any]]:
+    """Bytes one rank holds for the gradient sum, with the phase it adds to (see the cuda
+    model's ``collective_buffers``).
+
+    mx.distributed.all_sum returns a new array; the primitive (mlx/backend/cpu/distributed.cpp
+    AllReduce::eval_cpu: the ring backend's communication stream is a CPU stream on a Mac too,
+    Metal has no eval_gpu for it) reuses its input's buffer only when that input is donatable,
+    i.e. nothing else references it. backends/mlx/runtime.py optimizer_step still references
+    the accumulated gradients (``self._grads``, cleared after mx.eval) while the step's graph is
+    evaluated, so its ``sum_over_ranks`` makes one more gradient tree, alive with the
+    optimizer's update graph in the same mx.eval: an array alone gets all_sum's new output, a
+    run of small ones a concatenation (~32 MiB, as mlx.nn.average_gradients), which all_sum
+    then donates to its output.
+    """
+    if s.world_size <= 1:
+        return {}
+    tree = sum(t.numel * t.dtype_bytes for t in tensors if t.trainable)
+    return {"all_sum_output": {"bytes": tree, "phase": "optimizer_step"}} if tree else {}
+
+
 # ---- overheads and notes ---------------------------------------------------------------------------
 
 def device_overhead(s: Setup) -> int:
@@ -204,6 +239,10 @@ def notes(s: Setup) -> list[str]:
            "[B, H, T, T] softmax); unified memory: no separate context"]
     if s.device == "cpu":
         out.append("cpu: the process's own resident libraries are not counted")
+    if s.world_size > 1:
+        out.append(f"mlx.launch over {s.world_size} ranks (data parallel): every rank holds the whole model, "
+                   "gradients and optimizer state and its own micro-batch's activations; summing the gradients "
+                   "(mx.distributed.all_sum) holds one more gradient tree during the step; ranks are identical")
     return out
 
 

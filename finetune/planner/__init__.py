@@ -10,7 +10,10 @@ memory during a step:
 - optimizer state per optimizer and per tensor (bitsandbytes' small-tensor and paging rules);
 - activations kept for backward, per layer that needs gradients, by attention implementation
   and gradient checkpointing; logits and the loss at full vocabulary;
-- framework overheads (CUDA context, allocator rounding).
+- framework overheads (CUDA context, allocator rounding);
+- several processes (``backend.num_devices`` ranks without ``device_map=auto``): per rank for
+  ``backend.strategy`` (ddp replicas, FSDP2 shards), plus the collectives' buffers (the memory
+  model's ``rank_tensors`` and ``collective_buffers``); plan.json's ``per_rank`` section.
 
 Every figure is an int of bytes. The mechanisms cite the libraries' code they model (file and
 function, versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate
@@ -29,7 +32,7 @@ Public API: ``plan``, ``format_table``, ``run_plan``, ``trainable_params``, ``pa
 from __future__ import annotations
 
 # The backends' own constants and pricing functions, re-exported for callers that name them here.
-from finetune.backends.cuda.memory import BNB_QMAPS_BYTES, CUDA_CONTEXT_BYTES, bnb4_bytes
+from finetune.backends.cuda.memory import BNB_QMAPS_BYTES, CUDA_CONTEXT_BYTES, DDP_BUCKET_BYTES, bnb4_bytes
 from finetune.backends.mlx.memory import mlx_quant_bytes
 from finetune.budget import parse_budget
 from finetune.planner.fit import FitResult, fit_to_budget
@@ -57,7 +60,7 @@ from finetune.planner.report import format_table, plan_error, run_plan
 __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error",
            "run_plan", "trainable_params",
            # the pieces, for tests and scripts that price parts of a plan
-           "BNB_QMAPS_BYTES", "CUDA_CONTEXT_BYTES", "GIB", "MIB", "SCHEMA_VERSION", "Arch", "Setup", "Tensor",
+           "BNB_QMAPS_BYTES", "CUDA_CONTEXT_BYTES", "DDP_BUCKET_BYTES", "GIB", "MIB", "SCHEMA_VERSION", "Arch", "Setup", "Tensor",
            "activations", "arch_from_cfg", "bnb4_bytes", "inventory", "memory_model", "mlx_quant_bytes",
            "optimizer_state_bytes", "resolve"]
 

@@ -190,6 +190,11 @@ class Setup:
     notes: list[str] = field(default_factory=list)
     dtype_source: str = ""  # where the stored dtype was read (precision=auto plans it)
     pre_quant: dict[str, Any] | None = None  # an MLX pre-quantized checkpoint's bits and group size
+    # Data-parallel ranks of the run (backend.num_devices without device_map=auto; under a
+    # launcher the loop sets it to the world size) and how they share the model
+    # (backend.strategy: ddp replicates, fsdp shards). 1: one process.
+    world_size: int = 1
+    strategy: str = "ddp"
 
     @property
     def wd(self) -> int:
@@ -259,6 +264,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
     mm.pre_quantized(cfg, pre_quant)
     device, n_devices, dev_notes = mm.resolve_device(cfg, str(_get(cfg, "mode", "train") or "train"), method)
     notes += dev_notes
+    world_size, strategy = mm.ranks(cfg)  # the backend's refusals for a strategy come from here
     # both runtimes load with these same dtypes (finetune/precision.py)
     dt = prec_mod.resolve(backend, precision, method, stored)
     weight_dtype, adapter_dtype, compute_dtype = dt.weights, dt.adapters, dt.compute
@@ -296,7 +302,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
         ckpt=state.grad_checkpointing if state is not None else bool(_get(t, "grad_checkpointing", False)), attn="sdpa" if attn == "flash_attention_2" else attn,
         momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
         budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
-        pre_quant=pre_quant if backend == "mlx" else None,
+        pre_quant=pre_quant if backend == "mlx" else None, world_size=world_size, strategy=strategy,
     )
     if setup.pre_quant:
         # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
@@ -321,10 +327,23 @@ class Tensor:
     trainable: bool
     dtype_bytes: int
     quant: str | None = None  # "bnb4" | "mlx" | None
+    shards: int = 1  # ranks it is sharded over on dim 0 (FSDP), 1 = whole on every rank
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape one rank holds: ceil(dim 0 / shards) rows (FSDP2 pads every rank's
+        shard to rank 0's, torch.chunk's first chunk)."""
+        if self.shards <= 1 or not self.shape:
+            return self.shape
+        return (-(-self.shape[0] // self.shards), *self.shape[1:])
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
 
 
 def inventory(arch: Arch, s: Setup) -> list[Tensor]:

@@ -114,10 +114,13 @@ def _core(arch: Arch, s: Setup) -> dict[str, Any]:
     total, trainable = _count(tensors)
     on_gpu = s.device == "cuda"
     mm = memory_model(s.backend)
+    # What one rank holds (whole replicas, or FSDP's shards) and what its collectives add.
+    held = mm.rank_tensors(tensors, s)
+    buffers = mm.collective_buffers(tensors, s)
     # Group bytes by module so a split model's share can be priced per device.
     by_module: dict[str, dict[str, int]] = {}
-    trainable_t = [t for t in tensors if t.trainable]
-    for t in tensors:
+    trainable_t = [t for t in held if t.trainable]
+    for t in held:
         mod = by_module.setdefault(_module_of(t), dict.fromkeys(
             _MODULE_KEYS, 0))
         w, q = mm.weight_bytes(t, s)
@@ -127,7 +130,7 @@ def _core(arch: Arch, s: Setup) -> dict[str, Any]:
         if t.trainable:
             mod["trainable_weights"] += w
             mod["grads"] += w  # a gradient has its parameter's shape and dtype
-            st, paged = mm.optimizer_state_bytes(s.optim, t.shape, t.dtype_bytes, on_gpu, s.momentum,
+            st, paged = mm.optimizer_state_bytes(s.optim, t.local_shape, t.dtype_bytes, on_gpu, s.momentum,
                                                  host_step=s.device == "cpu")
             mod["optimizer_state"] += st
             mod["optimizer_state_paged"] += paged
@@ -162,7 +165,7 @@ def _core(arch: Arch, s: Setup) -> dict[str, Any]:
             workspace if mm.WORKSPACE_WITH_LOGITS else max(0, workspace - dev_logits))
         if last:
             dev_act += act_detail["head"]
-        devices.append(_price(s, agg, dev_act, dev_logits, opt_tr if agg["grads"] else 0, d, mods))
+        devices.append(_price(s, agg, dev_act, dev_logits, opt_tr if agg["grads"] else 0, d, mods, buffers))
     tot = {k: sum(dv["bytes"][k] for dv in devices) for k in devices[0]["bytes"]}
     if n_dev == 1:
         summary = devices[0]
@@ -184,21 +187,50 @@ def _core(arch: Arch, s: Setup) -> dict[str, Any]:
         "activations_detail": act_detail,
         "quant_constants_bytes": sum(m["quant"] for m in by_module.values()),
         "optimizer_step_workspace_bytes": opt_tr,
+        # the ranks' collective buffers: {name: {bytes, phase they add to}}, in per_device too
+        "collective_buffers": buffers,
+        "per_rank": _per_rank(s, devices[0]) if s.world_size > 1 else None,
     }
+
+
+_RANK_KEYS = ("weights", "grads", "optimizer_state", "optimizer_state_paged", "activations", "logits")
+
+
+def _per_rank(s: Setup, dev: dict[str, Any]) -> dict[str, Any]:
+    """The plan per data-parallel rank and summed over ranks. Every rank runs the same model
+    on the same micro-batch size with the same sharding, so the ranks' rows are the same figures
+    (not measured differences)."""
+    row = {k: dev["bytes"][k] for k in _RANK_KEYS}
+    row["buffers"] = dict(dev["buffers"])
+    row["peak_bytes"] = dev["peak_bytes"]
+    n = s.world_size
+    overall = {k: v * n for k, v in row.items() if k != "buffers"}
+    overall["buffers"] = {k: v * n for k, v in row["buffers"].items()}
+    return {"strategy": s.strategy, "world_size": n, "ranks_identical": True,
+            "ranks": [{"rank": r, **row, "buffers": dict(row["buffers"])} for r in range(n)],
+            "overall": overall}
 
 
 
 def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, index: int,
-           modules: list[str]) -> dict[str, Any]:
-    """Peak and steady state on one device from its categories."""
+           modules: list[str], buffers: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Peak and steady state on one device from its categories; ``buffers`` are the ranks'
+    collective buffers (the memory model's ``collective_buffers``), each added to its phase."""
     W, S, G = agg["weights"], agg["optimizer_state"], agg["grads"]
     mm = memory_model(s.backend)
     overhead = mm.device_overhead(s)
     rounding = agg["round"]  # the memory model's allocator rounding (0 where none)
+    buffers = buffers or {}
+
+    def extra(phase: str) -> int:
+        return sum(b["bytes"] for b in buffers.values() if b["phase"] == phase)
+
     fb = act + logits
     grads_fb = mm.grads_during_forward_backward(s, fb, G, GRAD_ACTIVATION_OVERLAP)
     step = G + opt_tr
-    phases = {"forward_backward": grads_fb, "optimizer_step": step}
+    phases = {"forward_backward": grads_fb + extra("forward_backward"), "optimizer_step": step + extra("optimizer_step")}
+    if extra("grad_sync"):  # the gradient sum between backward and the step: grads + its buffer
+        phases["grad_sync"] = G + extra("grad_sync")
     phase = max(phases, key=phases.get)
     peak_alloc = W + S + phases[phase] + rounding
     return {
@@ -215,6 +247,7 @@ def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, in
             "overhead": overhead + rounding,
         },
         "overhead_detail": {"cuda_context_estimate": overhead, "allocator_rounding_512B": rounding},
+        "buffers": {k: b["bytes"] for k, b in buffers.items()},
         "steady_state_allocated_bytes": W + S,
         "peak_allocated_bytes": peak_alloc,
         "peak_bytes": peak_alloc + overhead,
@@ -260,6 +293,8 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "backend": s.backend,
         "device": s.device,
         "devices": s.n_devices,
+        "world_size": s.world_size,
+        "strategy": s.strategy if s.world_size > 1 else None,
         "model": {"name": str(_get(_get(cfg, "model"), "name", "")), **{k: v for k, v in arch.__dict__.items()}},
         "method": s.method,
         "optim": s.optim,
@@ -271,7 +306,7 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "lora": {"rank": s.rank, "keys": list(s.keys), "layers": len(s.lora_layers)} if s.adapters else None,
         "batch_size": s.batch,
         "grad_accum": s.grad_accum,
-        "effective_batch": s.batch * s.grad_accum,
+        "effective_batch": s.batch * s.grad_accum,  # per rank, as RunState.effective_batch (x world_size per step)
         "seq_len": s.seq_len,
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
