@@ -60,24 +60,32 @@ def format_table(plan: dict[str, Any]) -> str:
     fits = plan.get("fits")
     verdict = "unknown (no budget)" if fits is None else ("yes" if fits else "NO")
     dt = plan.get("dtypes") or {}
+    pr = plan.get("per_rank")
+    where = f"{plan['device']}{' x' + str(plan['devices']) if plan['devices'] > 1 else ''}"
+    if pr:
+        where += f", {pr['strategy']} over {pr['world_size']} ranks"
     head = (f"plan: {plan['model'].get('name') or 'model'} {plan['method']} {plan['optim']} {plan['precision']} "
-            f"on {plan['backend']} ({plan['device']}{' x' + str(plan['devices']) if plan['devices'] > 1 else ''}): "
-            f"peak {plan['max_device_peak_bytes'] / GIB:.2f} GiB per device vs budget "
+            f"on {plan['backend']} ({where}): "
+            f"peak {plan['max_device_peak_bytes'] / GIB:.2f} GiB per {'rank' if pr else 'device'} vs budget "
             + (f"{plan['budget_bytes'] / GIB:.2f} GiB" if plan.get("budget_bytes") else "unknown")
             + f", fits: {verdict}")
     lines = [head,
              f"  params: {plan['params_total']:,} total, {plan['params_trainable']:,} trainable",
-             (f"  micro-batch {plan['batch_size']} x grad_accum {plan['grad_accum']} = {plan['effective_batch']}, "
-              f"seq_len {plan['seq_len']}, grad_checkpointing {plan['grad_checkpointing']}, "
+             (f"  micro-batch {plan['batch_size']} x grad_accum {plan['grad_accum']} = {plan['effective_batch']}"
+              + (f" per rank, x {pr['world_size']} ranks = {plan['effective_batch'] * pr['world_size']} per step"
+                 if pr else "")
+              + f", seq_len {plan['seq_len']}, grad_checkpointing {plan['grad_checkpointing']}, "
               f"attention {plan['attn_implementation']}"),
              (f"  dtypes: weights {dt.get('weights')}" + (f", adapters {dt['adapters']}" if dt.get("adapters") else "")
               + f", compute {dt.get('compute')}" + (f", quantized {dt['quantized']}" if dt.get("quantized") else "")
               + (f" (stored dtype from {dt['stored']})" if dt.get("stored") else "")),
-             f"  {'category':32s}{'GiB':>9s} {'bytes':>16s}"]
+             f"  {'category' + (' (per rank)' if pr else ''):32s}{'GiB':>9s} {'bytes':>16s}"]
     for k in ("weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
               "activations", "logits", "overhead"):
         note = {"trainable_weights": " (part of weights)", "optimizer_state_paged": " (unified memory, not in peak)"}.get(k, "")
         lines.append(f"  {k:32s}{_gib(b[k])}{note}")
+    for k, v in (plan.get("collective_buffers") or {}).items():
+        lines.append(f"  {'buffer: ' + k:32s}{_gib(v['bytes'])}  (transient, {v['phase']})")
     lines.append(f"  {'steady state (after a step)':32s}{_gib(plan['steady_state_allocated_bytes'])}")
     lines.append(f"  {'peak allocated':32s}{_gib(plan['peak_allocated_bytes'])}  ({plan['peak_phase']})")
     lines.append(f"  {'peak (with overhead)':32s}{_gib(plan['peak_bytes'])}")
@@ -91,6 +99,8 @@ def format_table(plan: dict[str, Any]) -> str:
             lines.append(f"    gpu {dv['index']:<16d}" + "".join(f"{db[k] / GIB:9.2f}" for k in (
                 "weights", "grads", "optimizer_state", "optimizer_state_paged", "activations", "logits"))
                 + f"{dv['peak_bytes'] / GIB:9.2f}  {ok:4s}  {dv['modules']}")
+    if pr:
+        lines += _rank_table(pr, plan.get("budget_bytes"))
     lines.append(f"  {'budget':32s}{_gib(plan.get('budget_bytes'))}  ({plan.get('budget_source')})")
     if plan.get("budget_bytes") is None:
         where = "per GPU" if plan["device"] == "cuda" else "of this device"
@@ -112,6 +122,39 @@ def format_table(plan: dict[str, Any]) -> str:
     for n in plan.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+_RANK_COLS = (("weights", "weights"), ("grads", "grads"), ("optimizer_state", "optim"), ("activations", "activ"),
+              ("logits", "logits"))
+_BUFFER_LABELS = {"all_gather": "gather", "unsharded_grads": "unsh.grad", "reduce_scatter": "r-scatter",
+                  "ddp_bucket": "bucket", "all_sum_output": "all_sum"}
+_MAX_RANK_ROWS = 16  # beyond this many ranks, rank 0's row stands for the identical others
+
+
+def _rank_table(pr: dict[str, Any], budget: int | None) -> list[str]:
+    """A row per rank, then Overall (sums over ranks), GiB = 2^30 bytes."""
+    names = list(pr["ranks"][0]["buffers"])
+    heads = [h for _, h in _RANK_COLS] + [_BUFFER_LABELS.get(n, n[:9]) for n in names] + ["peak"]
+    out = [f"  per rank (GiB), {pr['strategy']} over {pr['world_size']} ranks"
+           + "".join(f"{h:>10s}" for h in heads) + "  fits"]
+
+    def row(label: str, r: dict[str, Any], fits: str) -> str:
+        vals = [r[k] for k, _ in _RANK_COLS] + [r["buffers"][n] for n in names] + [r["peak_bytes"]]
+        width = len(f"  per rank (GiB), {pr['strategy']} over {pr['world_size']} ranks")
+        return f"{'    ' + label:{width}s}" + "".join(f"{v / GIB:10.2f}" for v in vals) + f"  {fits}"
+
+    ranks = pr["ranks"]
+    shown = ranks if len(ranks) <= _MAX_RANK_ROWS else ranks[:1]
+    for r in shown:
+        ok = "?" if budget is None else ("yes" if r["peak_bytes"] <= budget else "NO")
+        out.append(row(f"rank {r['rank']}", r, ok))
+    if len(shown) < len(ranks):
+        out.append(f"    ranks 1..{len(ranks) - 1}: the same as rank 0")
+    out.append(row("Overall", pr["overall"], ""))
+    if pr.get("ranks_identical"):
+        out.append(f"  ranks are identical under {pr['strategy']}: each holds the same share of the model and runs the "
+                   "same micro-batch size (planned figures, not measured differences); Overall sums the ranks")
+    return out
+
 
 def run_plan(cfg: Any) -> dict[str, Any]:
     """mode=plan: compute the plan, write ``cfg.run_dir/plan.json`` atomically (temp file +
