@@ -52,13 +52,33 @@ def launched_world() -> tuple[int, int, int] | None:
     env = os.environ
     if int(env.get("WORLD_SIZE", "1") or 1) > 1:
         return int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "MASTER_ADDR" in env and "RANK" not in env:
-        # srun without torchrun: one task per GPU, torch's env:// rendezvous from SLURM's ids
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    # srun without torchrun (also submitit's tasks_per_node > 1): one task per GPU, torch's
+    # env:// rendezvous from SLURM's ids. SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: the batch
+    # script itself also sees the job's task count, but runs as a step of one task.
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1 and "RANK" not in env:
+        head = env.get("MASTER_ADDR") or _slurm_head_node()
+        if head is None:
+            raise UserError("several SLURM tasks but no MASTER_ADDR; export MASTER_ADDR=$(scontrol show hostnames "
+                            "$SLURM_JOB_NODELIST | head -n1) in the job script (or launch with srun torchrun)")
+        env["MASTER_ADDR"] = head
+        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0") or 0) % 1000))
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("MASTER_PORT", "29500")
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     return None
+
+
+def _slurm_head_node() -> str | None:
+    """The job's first node (``scontrol show hostnames``), where rank 0 listens."""
+    import shutil
+    import subprocess
+
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodes or shutil.which("scontrol") is None:
+        return None
+    out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, timeout=30)
+    names = out.stdout.split()
+    return names[0] if out.returncode == 0 and names else None
 
 
 class TorchComm(Comm):

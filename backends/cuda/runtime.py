@@ -198,8 +198,11 @@ class CudaBackend:
         rank, size, local_rank = world
         use_cuda = torch.cuda.is_available() and str(cfg.backend.device) != "cpu"
         if use_cuda and local_rank >= torch.cuda.device_count():
-            raise UserError(f"rank {rank} has LOCAL_RANK={local_rank} but this node sees {torch.cuda.device_count()} "
-                            "GPU(s); launch at most that many processes per node (--nproc-per-node)")
+            if torch.cuda.device_count() != 1:
+                raise UserError(f"rank {rank} has LOCAL_RANK={local_rank} but this node sees "
+                                f"{torch.cuda.device_count()} GPU(s); launch at most that many processes per node "
+                                "(--nproc-per-node, --ntasks-per-node)")
+            local_rank = 0  # SLURM bound one GPU to this task (--gpus-per-task=1): it is cuda:0 here
         if cfg.backend.strategy == "fsdp" and cfg.backend.device_map == "auto":
             raise UserError("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
                             "(it splits one process's model over GPUs)")
