@@ -31,9 +31,8 @@ Public API: ``plan``, ``format_table``, ``run_plan``, ``trainable_params``, ``pa
 
 from __future__ import annotations
 
-# The backends' own constants and pricing functions, re-exported for callers that name them here.
-from finetune.backends.cuda.memory import BNB_QMAPS_BYTES, CUDA_CONTEXT_BYTES, DDP_BUCKET_BYTES, bnb4_bytes
-from finetune.backends.mlx.memory import mlx_quant_bytes
+from typing import Any
+
 from finetune.budget import parse_budget
 from finetune.planner.fit import FitResult, fit_to_budget
 from finetune.planner.model import (
@@ -70,3 +69,17 @@ def optimizer_state_bytes(optim: str, backend: str, shape: tuple[int, ...], dtyp
     """(allocator-held bytes, paged bytes) of one trainable tensor's optimizer state on
     ``backend``: its memory model's ``optimizer_state_bytes``."""
     return memory_model(backend).optimizer_state_bytes(optim, shape, dtype_bytes, on_gpu, momentum, host_step)
+
+
+# The backends' own constants and pricing functions, re-exported for callers that name them here,
+# on first use: the memory models import finetune.planner.model, so importing them while this
+# package initialises would make `from finetune.backends.cuda.memory import ...` fail when it
+# is a process's first import of either (backends/cuda/distributed.py's is).
+_FROM_BACKENDS = {"BNB_QMAPS_BYTES": "cuda", "CUDA_CONTEXT_BYTES": "cuda", "DDP_BUCKET_BYTES": "cuda",
+                  "bnb4_bytes": "cuda", "mlx_quant_bytes": "mlx"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_BACKENDS:
+        return getattr(memory_model(_FROM_BACKENDS[name]), name)
+    raise AttributeError(f"module 'finetune.planner' has no attribute {name!r}")
