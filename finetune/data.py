@@ -10,6 +10,11 @@ Formats a record may take (jsonl or a hub data set):
 The order of samples is a pure function of (seed, effective batch size, step), never of the
 micro-batch, so the governor can split an optimizer step differently without changing which
 samples it trains on or in what order.
+
+Records stream from the source ``TOKENIZE_CHUNK`` at a time, so a file of any length tokenizes
+in the memory of one chunk; the tokens go straight into an entry of the token cache
+(finetune/tokcache.py: flat memory-mapped arrays, keyed by the data, the tokenizer and every
+setting that changes tokens), which the next run and every sweep job reuse (``prepare``).
 """
 
 from __future__ import annotations
