@@ -24,8 +24,9 @@ class BackendConfig:
     # cuda backend: "auto" splits the model over every visible GPU (as qlora.py does); null
     # keeps it on one device.
     device_map: str | None = None
-    # cuda backend: GPUs to plan a device_map=auto split over (mode=plan on a machine without
-    # them); null: the GPUs visible here, else 1.
+    # GPUs (or Macs) to plan for on a machine without them: with device_map=auto, one process's
+    # layer split over N GPUs; without, N data-parallel ranks of backend.strategy (set to the
+    # world size under torchrun / mlx.launch); null: the GPUs visible here, else 1.
     num_devices: int | None = None
     # cuda backend: "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them), or
     # "flash_attention_2" (needs the flash-attn package and a CUDA GPU)

@@ -241,7 +241,9 @@ def test_ddp_over_4_ranks_is_the_one_process_plan_plus_the_bucket(tmp_path: Path
     if method == "lora":
         assert bucket == sum(grads) == one["bytes"]["grads"] < DDP_BUCKET_BYTES  # the adapters fit one bucket
     else:
-        assert bucket == max(grads) > DDP_BUCKET_BYTES  # the embedding's gradient is a bucket alone
+        # gradients above the bucket (the embedding's) are summed in place; the rest are packed
+        small = [g for g in grads if g <= DDP_BUCKET_BYTES]
+        assert max(grads) > DDP_BUCKET_BYTES and max(small) <= bucket <= DDP_BUCKET_BYTES
     # the gradient sum is its own moment: weights + state + grads + one bucket
     sync = one["steady_state_allocated_bytes"] + one["bytes"]["grads"] + bucket \
         + one["per_device"][0]["overhead_detail"]["allocator_rounding_512B"]

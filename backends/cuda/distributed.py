@@ -40,10 +40,7 @@ import torch
 import torch.distributed as dist
 
 from finetune.backends.base import Comm
-try:
-    from finetune.backends.cuda.memory import DDP_BUCKET_BYTES
-except ImportError:  # the memory model names it once the planner prices the bucket
-    DDP_BUCKET_BYTES = 25 << 20  # flat all-reduce bucket (torch DDP's default bucket_cap_mb=25)
+from finetune.backends.cuda.memory import DDP_BUCKET_BYTES, FSDP_OPTIMIZERS
 from finetune.config import UserError
 
 
@@ -131,7 +128,8 @@ def broadcast_parameters(params: list[torch.Tensor]) -> None:
 
 def sum_gradients(params: list[torch.nn.Parameter], bucket_bytes: int = DDP_BUCKET_BYTES) -> None:
     """Sum every parameter's gradient over ranks, in flat buckets of at most ``bucket_bytes``
-    (one dtype per bucket; one bucket alive at a time), in place."""
+    (one dtype per bucket; one bucket alive at a time), in place. A gradient larger than the
+    bucket is all-reduced where it lies, with no copy."""
     grads = [p.grad for p in params if p.grad is not None]
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for g in grads:
@@ -140,6 +138,9 @@ def sum_gradients(params: list[torch.nn.Parameter], bucket_bytes: int = DDP_BUCK
         bucket: list[torch.Tensor] = []
         size = 0
         for g in group + [None]:  # None flushes the last bucket
+            if g is not None and g.numel() * g.element_size() > bucket_bytes:
+                dist.all_reduce(g, op=dist.ReduceOp.SUM)  # alone and in place: no bucket copy
+                continue
             if g is not None and (not bucket or size + g.numel() * g.element_size() <= bucket_bytes):
                 bucket.append(g)
                 size += g.numel() * g.element_size()

@@ -268,8 +268,8 @@ def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float)
 
 # The runtime's DDP gradient sum (backends/cuda/distributed.py sum_gradients imports it):
 # gradients of one dtype are packed in order into flat buckets (torch.cat) of at most this many
-# bytes, a gradient larger than that alone in its own; each is all-reduced and copied back
-# before the next is built, so one bucket is alive at a time (torch's own
+# bytes (a gradient larger than that is all-reduced in place, no copy); each bucket is
+# all-reduced and copied back before the next is built, so one is alive at a time (torch's own
 # DistributedDataParallel caps its buckets at the same 25 MiB, bucket_cap_mb).
 DDP_BUCKET_BYTES = 25 << 20
 # Optimizers that step FSDP2's DTensor parameters in our runtime: torch's own (their foreach
@@ -341,12 +341,22 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         return {}
     trainable = [t for t in tensors if t.trainable]
     if s.strategy == "ddp":
-        # sum_gradients, after backward and before the step: the largest bucket of any dtype is
-        # at most DDP_BUCKET_BYTES (several gradients) or one gradient larger than that
+        # sum_gradients, after backward and before the step: gradients packed in order into
+        # buckets of at most DDP_BUCKET_BYTES, one alive at a time; a larger gradient is summed
+        # in place and needs none
         by_dtype: dict[int, list[int]] = {}
         for t in trainable:
             by_dtype.setdefault(t.dtype_bytes, []).append(t.numel * t.dtype_bytes)
-        bucket = max((max(max(g), min(DDP_BUCKET_BYTES, sum(g))) for g in by_dtype.values()), default=0)
+        bucket = 0
+        for grads in by_dtype.values():
+            size = 0
+            for g in grads:
+                if g > DDP_BUCKET_BYTES:
+                    continue
+                if size and size + g > DDP_BUCKET_BYTES:
+                    size = 0
+                size += g
+                bucket = max(bucket, size)
         return {"ddp_bucket": {"bytes": bucket, "phase": "grad_sync"}} if bucket else {}
     # fsdp: one unit per decoder layer plus the root (embeddings, final norm, lm_head).
     N = s.world_size

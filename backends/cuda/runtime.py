@@ -306,7 +306,7 @@ class CudaBackend:
             if cfg.method.name == "qlora":
                 raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights here; use "
                                 "backend.strategy=ddp with method=qlora, or method=lora with fsdp")
-            if cfg.optim.name not in ("adamw", "adam", "sgd"):
+            if cfg.optim.name not in distributed.FSDP_OPTIMIZERS:
                 raise UserError(f"optim={cfg.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
             autocast = self.autocast_dtype
