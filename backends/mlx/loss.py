@@ -1,0 +1,188 @@
+"""The token loss of the ``mlx`` backend, whole or a chunk of tokens at a time (``train.loss_chunk``).
+
+``token_loss_sum`` is what ``MlxBackend._loss`` differentiates with ``nn.value_and_grad``. With
+``chunk = 0`` it is today's loss: ``model(ids[:, :-1])`` gives [B, T-1, V] logits, upcast to fp32
+for cross-entropy (4 x 2048 x 152,064 x 4 B = 4.6 GiB with Qwen2's vocabulary, and on MLX's CPU
+backend about four tensors of that size at the step's peak, measured). With ``chunk > 0`` the
+model runs its body (``model.model``) and the head + fp32 cross-entropy run ``chunk`` tokens at
+a time inside an ``mx.custom_function`` that takes each chunk's gradient (with respect to the
+hidden states and the head's trainable weights) right there in the forward graph, as Liger does
+on CUDA; its vjp only scales those by the incoming cotangent. So the head's matmul runs three
+times per token as in the unchunked loss, none recomputed. ``mx.depends`` orders the chunks
+(chunk k + 1's logits after chunk k's loss): without it MLX's scheduler works on many chunks at
+once and the peak grows with their number.
+
+What that bounds, measured with ``mx.get_peak_memory`` on the CPU backend (tests and
+``benchmarks/chunked_loss.py``): the loss's share of the step's peak is about 9-10 x chunk x V x
+4 bytes, whatever B x T is: MLX keeps a chunk's softmax until its gradient is used, so two or
+three chunks' temporaries overlap. MLX has no way to free them sooner from inside a traced
+function (an ``mx.eval`` there keeps the whole graph instead).
+
+Target rows only: where the loss mask can be read (an ``nn.value_and_grad`` step; not under
+``mx.compile``, which forbids reading arrays), only the rows that count go through the head;
+a masked row adds 0 to the sum and nothing to any gradient, so no number changes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten, tree_map
+
+_HEAD_CHECKED: dict[int, weakref.ref] = {}  # id(model): models whose logits are head(body)
+# ModelArgs fields of mlx-lm models whose __call__ transforms the head's output (gemma2 and
+# others: soft-capping; cohere: logit_scale; granite: logits_scaling), used where the
+# numeric check cannot run (under mx.compile).
+_POST_HEAD_ARGS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                   "logit_softcap")
+
+
+def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
+                   grad: bool | None = None) -> mx.array:
+    """Sum of fp32 token cross-entropy over targets ``ids[:, 1:]`` weighted by ``mask[:, 1:]``.
+
+    Args:
+        model: an mlx-lm causal LM (``model.model`` the body, ``model.lm_head`` or a tied
+            ``model.model.embed_tokens`` the head), LoRA layers and all.
+        ids: [B, T] int32 token ids.
+        mask: [B, T] float32 loss mask (the batch's own; column 0 is never a target).
+        chunk: tokens per chunk of the head + cross-entropy; 0 computes the full logits.
+        grad: whether the caller differentiates the result (MLX cannot tell from inside); None
+            takes ``model.training`` (MlxBackend trains in train mode, evaluates in eval mode).
+            False sums the chunks' losses without their gradients; differentiating that result
+            still gives correct gradients, through MLX's own autodiff, but without the bound
+            on the backward's memory.
+
+    Returns:
+        A 0-dim float32 array, differentiable with ``nn.value_and_grad(model, ...)``.
+
+    Raises:
+        ValueError: ``chunk > 0`` on a model whose logits are not its head applied to its
+            body's output (soft-capping, a logit scale), which the chunked path cannot reproduce.
+    """
+    if chunk <= 0:
+        logits = model(ids[:, :-1]).astype(mx.float32)
+        return (nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]).sum()
+    module, call = output_head(model)
+    _check_head(model, call, ids)
+    hidden = model.model(ids[:, :-1])
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = ids[:, 1:].reshape(-1)
+    weights = mask[:, 1:].reshape(-1).astype(mx.float32)
+    rows = _target_rows(weights)
+    if rows is not None:
+        if rows.size == 0:
+            return flat[:0].astype(mx.float32).sum()  # 0, still a function of the model
+        index = mx.array(rows.astype(np.int32))
+        flat, targets, weights = flat[index], targets[index], weights[index]
+    if not (model.training if grad is None else grad):
+        total, done = mx.array(0.0, mx.float32), None
+        for s in range(0, flat.shape[0], chunk):
+            h = flat[s:s + chunk] if done is None else mx.depends(flat[s:s + chunk], done)
+            done = _chunk_loss(module, call, {}, h, targets[s:s + chunk], weights[s:s + chunk])
+            total = total + done
+        return total
+    params = module.trainable_parameters()
+    trainable = bool(tree_flatten(params))
+    loss = _head_loss(module, call, chunk, trainable)
+    return loss(params if trainable else {}, flat, targets, weights)[0]
+
+
+def output_head(model: nn.Module) -> tuple[nn.Module, Any]:
+    """(the module holding the head's weights, the callable mapping hidden states to logits):
+    ``model.lm_head`` twice, or the embedding and its ``as_linear`` when tied."""
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return head, head
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if embed is None or not hasattr(embed, "as_linear"):
+        raise ValueError(f"train.loss_chunk: {type(model).__name__} has neither lm_head nor a tied "
+                         "model.embed_tokens.as_linear; set train.loss_chunk=0")
+    return embed, embed.as_linear
+
+
+def _chunk_loss(module: nn.Module, call: Any, params: dict, h: mx.array, targets: mx.array,
+                weights: mx.array) -> mx.array:
+    if params:
+        module.update(params)  # so the gradient reaches the weights through these arrays
+    logits = call(h).astype(mx.float32)
+    return (nn.losses.cross_entropy(logits, targets) * weights).sum()
+
+
+def _head_loss(module: nn.Module, call: Any, chunk: int, trainable: bool) -> Any:
+    """A custom function (params, flat, targets, weights) -> (loss, d loss/d params,
+    d loss/d flat), the gradients summed chunk by chunk in its forward; its vjp scales them.
+    One function for all chunks, so the head's gradient is one running sum ([V, H] once, not
+    once per chunk)."""
+
+    def chunk_grads(params: dict, h: mx.array, t: mx.array, w: mx.array) -> tuple:
+        if trainable:
+            return mx.value_and_grad(lambda p, x: _chunk_loss(module, call, p, x, t, w), argnums=(0, 1))(params, h)
+        loss, g_h = mx.value_and_grad(lambda x: _chunk_loss(module, call, {}, x, t, w))(h)
+        return loss, ({}, g_h)
+
+    @mx.custom_function
+    def head_loss(params: dict, flat: mx.array, targets: mx.array, weights: mx.array) -> tuple:
+        total, g_params, g_rows, done = mx.array(0.0, mx.float32), None, [], None
+        for s in range(0, flat.shape[0], chunk):
+            h = flat[s:s + chunk]
+            if done is not None:
+                h = mx.depends(h, done)  # this chunk's logits only after the previous chunk's results
+            loss, (g_p, g_h) = chunk_grads(params, h, targets[s:s + chunk], weights[s:s + chunk])
+            total = total + loss
+            g_params = g_p if g_params is None else tree_map(mx.add, g_params, g_p)
+            g_rows.append(g_h)
+            # all of it, not just the loss: else MLX computes a chunk's gradients late and
+            # keeps every chunk's softmax until then (measured: the peak grew with the chunks)
+            done = [loss, g_h, *(v for _, v in tree_flatten(g_params))]
+        return total, g_params, mx.concatenate(g_rows)
+
+    @head_loss.vjp
+    def head_loss_vjp(primals: tuple, cotangents: tuple, outputs: tuple) -> tuple:
+        params, flat, targets, weights = primals
+        c = cotangents[0]
+        g_params = tree_map(lambda g, p: (g * c).astype(p.dtype), outputs[1], params)
+        return g_params, (outputs[2] * c).astype(flat.dtype), mx.zeros_like(targets), mx.zeros_like(weights)
+
+    return head_loss
+
+
+def _target_rows(weights: mx.array) -> np.ndarray | None:
+    """Indices of the rows that count, or None where the mask cannot be read (mx.compile)."""
+    try:
+        return np.flatnonzero(np.asarray(weights))
+    except ValueError:  # "[eval] Attempting to eval an array during function transformations"
+        return None
+
+
+def _check_head(model: nn.Module, call: Any, ids: mx.array) -> None:
+    """Once per model: its logits must be ``call(model.model(x))``; a model whose __call__ does
+    more (soft-capping, scaling) is refused. By ModelArgs field names, then numerically on the
+    first row's first 8 tokens in eval mode (no dropout) where arrays can be read (not under
+    mx.compile, where the field names are all that is checked)."""
+    ref = _HEAD_CHECKED.get(id(model))
+    if ref is not None and ref() is model:
+        return
+    args = getattr(model, "args", None)
+    named = [k for k in _POST_HEAD_ARGS if getattr(args, k, None) not in (None, 1, 1.0)]
+    same = not named
+    if same:
+        x = ids[:1, :8]
+        was_training = model.training
+        model.eval()
+        try:
+            whole, split = model(x), call(model.model(x))
+            same = bool(mx.allclose(whole.astype(mx.float32), split.astype(mx.float32), rtol=1e-5, atol=1e-6))
+        except ValueError:  # "[eval] Attempting to eval an array during function transformations"
+            same = True
+        finally:
+            model.train(was_training)
+    if not same:
+        raise ValueError("train.loss_chunk: this model's logits are not its head applied to its body's "
+                         f"output ({', '.join(named) or 'its __call__ transforms them'}), which the "
+                         "chunked loss would not reproduce; set train.loss_chunk=0")
+    _HEAD_CHECKED[id(model)] = weakref.ref(model)
