@@ -149,7 +149,11 @@ class Accountant:
         self._nvml = NvmlProbe()
         first = self._sys.read()
         self._swap_base: int | None = first["swap_used"]
-        self._micro: dict[tuple[int, str], int] = {}
+        # samples taken so far in the current step, by phase (the step's micro-batch index);
+        # cleared when the step changes: keyed by (step, phase) for the whole run it grew by
+        # ~180 B a step without bound (measured by the soak, benchmarks/soak.py)
+        self._micro: dict[str, int] = {}
+        self._micro_step: int | None = None
         self._reset_step: int | None = None
         self._ever_reset = False
         self._run_peak: dict[str, int | None] = {"allocated": None, "reserved": None}
@@ -233,9 +237,11 @@ class Accountant:
             # step: such a sample would repeat the last one, so it is not taken.
             return None
         t0 = time.perf_counter()
-        key = (step, phase)
-        micro = self._micro.get(key, 0)
-        self._micro[key] = micro + 1
+        if step != self._micro_step:
+            self._micro.clear()
+            self._micro_step = step
+        micro = self._micro.get(phase, 0)
+        self._micro[phase] = micro + 1
         mem = self._memory(step)
         scope = "step" if self._reset_step == step else ("since_reset" if self._ever_reset else "since_load")
         self._fold_peaks(mem, step, phase)
