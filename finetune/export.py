@@ -31,6 +31,13 @@ does arithmetic on them (``lora_alpha = scale * r``), so every value, bf16 inclu
 bit for bit. Reading and writing is this module's own safetensors code (numpy has no bf16), so
 ``--to`` imports neither torch nor mlx; ``--merge`` uses transformers + PEFT, or mlx-lm for an
 MLX-quantized base.
+
+Safety, as training has it: every loader gets ``trust_remote_code`` (off unless
+``--trust-remote-code``), and base weights load from safetensors only unless ``--allow-pickle``
+(a pickle runs code when loaded; see finetune/model_source.py ``check_weights``). No token or key
+(an HF/W&B/MLflow environment variable's value, a value under a secret-named key of the adapter's
+or the base's config) reaches a file this writes: each output is scrubbed in its temporary
+directory (finetune/redact.py) and checked before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import numpy as np
 
 from finetune.config import UserError
 from finetune.io import atomic_dir
+from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -347,6 +355,7 @@ class Base:
     name: str  # as the adapter or --base named it
     config: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
+    pickle_only: bool = False  # weights only in pickles (read with --allow-pickle)
 
     @property
     def num_layers(self) -> int:
@@ -375,9 +384,11 @@ def _bits(q: dict[str, Any], module: str) -> int:
     return int(own["bits"]) if isinstance(own, dict) and "bits" in own else int(q["bits"])
 
 
-def resolve_base(name: str | None, adapter: Adapter, flag: bool) -> Base:
+def resolve_base(name: str | None, adapter: Adapter, flag: bool, allow_pickle: bool = False) -> Base:
     """The base model ``--base`` names (``flag``) or the adapter's config names: a local
-    directory, or a hub id already in the Hugging Face cache."""
+    directory, or a hub id already in the Hugging Face cache. Its weights must be safetensors,
+    or pickles with ``allow_pickle`` (their shapes then read by torch's weights-only unpickler
+    onto the meta device: no code from the file runs, no tensor data is read)."""
     if not name:
         raise UserError(f"{adapter.path} names no base model; pass --base /path/to/base")
     local = Path(str(name)).expanduser()
@@ -394,18 +405,71 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool) -> Base:
     if not (local / "config.json").is_file():
         raise UserError(f"base model {local} (from {where}) has no config.json; "
                         "pass --base with an HF-format model directory")
+    safetensors, pickles = _weight_files(local)
+    if not safetensors and not pickles:
+        raise UserError(f"base model {local} (from {where}) holds no weights (*.safetensors); "
+                        "pass --base with a complete model directory")
+    if not safetensors and not allow_pickle:
+        raise UserError(f"base model {local} (from {where}) has only pickle weights ({pickles[0].name}), which run "
+                        "code when loaded; convert them to safetensors, or add --allow-pickle if you trust the source")
     shapes: dict[str, tuple[int, ...]] = {}
-    for f in sorted(local.glob("*.safetensors")):
+    for f in safetensors:
         header, _ = read_header(f)
         shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return Base(local, str(name), _read_json(local / "config.json"), shapes)
+    if not safetensors:
+        shapes = _pickle_shapes(pickles)
+    return Base(local, str(name), _read_json(local / "config.json"), shapes, pickle_only=not safetensors)
+
+
+def _weight_files(d: Path) -> tuple[list[Path], list[Path]]:
+    """(safetensors files, pickle weight files) of a model directory, as model_source's
+    check_weights counts them (training_args.bin is not weights)."""
+    from finetune.model_source import PICKLE_SUFFIXES
+
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    return ([p for p in files if p.name.endswith(".safetensors")],
+            [p for p in files if p.name.endswith(PICKLE_SUFFIXES) and "training_args" not in p.name])
+
+
+def _pickle_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    try:
+        import torch
+    except ImportError:
+        raise UserError("reading pickle weights (--allow-pickle) needs torch (pip install '.[cuda]'); or convert "
+                        "the base to safetensors") from None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            sd = torch.load(f, map_location="meta", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001  (not a state dict, or one the safe unpickler refuses)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"{f} is not a weights-only state dict ({first[:160]}); convert it to safetensors") from None
+        shapes.update({k: tuple(v.shape) for k, v in sd.items() if hasattr(v, "shape")})
+    return shapes
+
+
+def check_remote_code(model_dir: Path, trust_remote_code: bool, fix: str) -> None:
+    """UserError, naming ``fix`` (the flag or key that trusts it), when the model's config.json
+    needs the model's own Python code (an ``auto_map`` for an architecture transformers does
+    not know) and ``trust_remote_code`` is off: one line, where transformers would raise a
+    multi-line ValueError; the code is never imported. A known architecture loads with
+    transformers' own class, whatever auto_map says, so it passes."""
+    config = _read_json(Path(model_dir) / "config.json")
+    if trust_remote_code or not config.get("auto_map"):
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") in CONFIG_MAPPING:
+        return
+    raise UserError(f"model {model_dir} (model_type={config.get('model_type')!r}) needs its own Python code "
+                    f"({', '.join(sorted(config['auto_map']))} in its auto_map) to load; {fix} if you trust the source")
 
 
 def check_against_base(ad: Adapter, base: Base) -> None:
     """Every adapted module is a linear layer of the base with the adapter's in/out widths."""
     if not base.shapes:
-        raise UserError(f"base model {base.path} has no *.safetensors weights to check the adapter against; "
-                        "pass --base with a safetensors checkpoint")
+        raise UserError(f"base model {base.path} has no weights to check the adapter against; "
+                        "pass --base with a complete model directory")
     for path, mod in ad.modules.items():
         shape = base.linear_shape(path)
         if shape is None:
@@ -429,13 +493,51 @@ def _version() -> str:
 
 
 def provenance(ad: Adapter, base: Base, what: str) -> dict[str, Any]:
-    """Where an export came from: the source's format and path, the base, the tool's version."""
-    return {"tool": "finetune-export", "version": _version(), "made": what, "source_format": ad.fmt,
+    """Where an export came from: the source's format and path, the base, the tool's version
+    (a path or URL holding a secret is masked: this goes into safetensors headers too)."""
+    made = {"tool": "finetune-export", "version": _version(), "made": what, "source_format": ad.fmt,
             "source": str(ad.path.resolve()), "base": str(base.path), "dora": ad.dora, "rank": ad.rank,
             "scale": ad.scale,
             # mlx qlora: the adapter learned against these quantized weights; loaded onto the
             # full-precision base (or bitsandbytes NF4) it meets slightly different ones
             "trained_on_quantized": ad.trained_on_quantized}
+    return redact_tree(made, export_secrets(ad, base))
+
+
+# the base's files that carry settings (a token saved with a tokenizer lands in its config)
+_BASE_CONFIGS = ("config.json", "tokenizer_config.json", "generation_config.json")
+
+
+def export_secrets(ad: Adapter, base: Base) -> list[str]:
+    """Values no exported file may hold, longest first: those of secret-named environment
+    variables (HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), the values under
+    secret-named keys of the adapter's config (mlx-lm keeps every training argument there), and
+    the string values under such keys of the base's config files (their numbers are vocabulary
+    ids, which masking would corrupt)."""
+    found = set(env_secrets())
+    try:
+        found |= set(config_secrets(json.loads((ad.path / MLX_CONFIG).read_text())))
+    except (OSError, ValueError):
+        pass
+    for name in _BASE_CONFIGS:
+        try:
+            found |= {v for v in config_secrets(json.loads((base.path / name).read_text())) if not v.isdigit()}
+        except (OSError, ValueError):
+            continue
+    return sorted(found, key=len, reverse=True)
+
+
+def _scrub(out: Path, ad: Adapter, base: Base) -> None:
+    """Mask every secret in what was written into ``out`` (an atomic write's temporary
+    directory), then check none is left; a secret left in a file that cannot be masked (a
+    tensor file) stops the export before anything is renamed into place."""
+    secrets = export_secrets(ad, base)
+    redact_dir(out, secrets)
+    left = secrets_in_dir(out, secrets)
+    if left:
+        f, _ = left[0]
+        raise UserError(f"{f.name} would hold a token or key (the value of a secret environment variable or config "
+                        "key); nothing written: remove the secret from the adapter's or base's files and export again")
 
 
 def write_peft(ad: Adapter, base: Base, out: Path) -> None:
@@ -535,15 +637,17 @@ def _check_dst(dst: Path, src: Path, overwrite: bool) -> None:
         raise UserError(f"{dst} exists; choose a new output directory or add --overwrite")
 
 
-def convert(src: str | Path, dst: str | Path, to: str, base: str | None = None, overwrite: bool = False) -> Path:
+def convert(src: str | Path, dst: str | Path, to: str, base: str | None = None, overwrite: bool = False,
+            allow_pickle: bool = False) -> Path:
     """Write the adapter in ``src`` (either format) as a ``to`` ("peft" | "mlx") adapter into
-    ``dst``, atomically. Returns ``dst``. Raises UserError naming what cannot be converted."""
+    ``dst``, atomically. Returns ``dst``. Raises UserError naming what cannot be converted.
+    ``allow_pickle``: a base with pickle weights only is read (its shapes, weights-only)."""
     if to not in WRITERS:
         raise UserError(f"--to {to} is not a format; choose one of: {', '.join(WRITERS)}")
     ad = read_adapter(src)
     dst = Path(dst).expanduser()
     _check_dst(dst, ad.path, overwrite)
-    b = resolve_base(base or ad.base, ad, flag=base is not None)
+    b = resolve_base(base or ad.base, ad, flag=base is not None, allow_pickle=allow_pickle)
     if to == "peft" and b.quantization:
         q = b.quantization
         raise UserError(f"base {b.path} is MLX-quantized ({q['bits']}-bit, group {q.get('group_size')}), which "
@@ -552,6 +656,7 @@ def convert(src: str | Path, dst: str | Path, to: str, base: str | None = None, 
     check_against_base(ad, b)
     with atomic_dir(dst) as tmp:
         WRITERS[to](ad, b, tmp)
+        _scrub(tmp, ad, b)
     return dst
 
 
@@ -585,21 +690,24 @@ def dequantize_cost(base: Base) -> tuple[int, int]:
 
 
 def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize: bool = False,
-          overwrite: bool = False, engine: str | None = None) -> Path:
+          overwrite: bool = False, engine: str | None = None, trust_remote_code: bool = False,
+          allow_pickle: bool = False) -> Path:
     """Fuse the adapter in ``src`` into its base and write an HF-format model directory (config,
     safetensors, tokenizer) into ``dst``, atomically.
 
     An MLX-quantized base is fused with mlx-lm and must be dequantized to leave as an HF model;
     that costs disk and memory, so it happens only with ``dequantize=True``. Other bases fuse
     with transformers + PEFT (``merge_and_unload``), or mlx-lm where torch is absent
-    (``engine`` forces one: "peft" | "mlx").
+    (``engine`` forces one: "peft" | "mlx"). ``trust_remote_code`` goes to every loader (the
+    base's own Python runs only when set); ``allow_pickle`` lets transformers load a base whose
+    weights are pickles (mlx-lm loads safetensors only).
     """
     import importlib.util
 
     ad = read_adapter(src)
     dst = Path(dst).expanduser()
     _check_dst(dst, ad.path, overwrite)
-    b = resolve_base(base or ad.base, ad, flag=base is not None)
+    b = resolve_base(base or ad.base, ad, flag=base is not None, allow_pickle=allow_pickle)
     check_against_base(ad, b)
     if b.quantization:
         now, after = dequantize_cost(b)
@@ -613,6 +721,9 @@ def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize:
         engine = "peft" if importlib.util.find_spec("torch") and importlib.util.find_spec("peft") else "mlx"
     if engine == "mlx" and importlib.util.find_spec("mlx_lm") is None:
         raise UserError("--merge needs transformers + peft (pip install '.[cuda]') or mlx-lm (pip install '.[mlx]')")
+    if engine == "mlx" and b.pickle_only:
+        raise UserError(f"base model {b.path} has only pickle weights, which mlx-lm does not load; convert them to "
+                        "safetensors (or merge with transformers + peft installed)")
     with tempfile.TemporaryDirectory(prefix=".finetune-export-", dir=dst.parent if dst.parent.exists() else None) as t:
         native = Path(t) / "adapter"
         want = "peft" if engine == "peft" else "mlx"
@@ -622,19 +733,27 @@ def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize:
             native.mkdir()
             WRITERS[want](ad, b, native)
         with atomic_dir(dst) as tmp:
-            (_merge_peft if engine == "peft" else _merge_mlx)(b, native, tmp)
+            if engine == "peft":
+                _merge_peft(b, native, tmp, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+            else:
+                _merge_mlx(b, native, tmp, trust_remote_code=trust_remote_code)
             config = _read_json(tmp / "config.json")
             config["exported_from"] = provenance(ad, b, "merged model")
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            _scrub(tmp, ad, b)
     return dst
 
 
-def _merge_peft(base: Base, adapter_dir: Path, out: Path) -> None:
+def _merge_peft(base: Base, adapter_dir: Path, out: Path, trust_remote_code: bool, allow_pickle: bool) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype="auto")
+    check_remote_code(base.path, trust_remote_code, "add --trust-remote-code")
+    # use_safetensors=True: transformers refuses pickle weights instead of falling back to them.
+    # The adapter PEFT loads is always adapter_model.safetensors (detect_format / write_peft).
+    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype="auto", trust_remote_code=trust_remote_code,
+                                                 use_safetensors=None if allow_pickle else True)
     with torch.no_grad():
         merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)
@@ -643,11 +762,14 @@ def _merge_peft(base: Base, adapter_dir: Path, out: Path) -> None:
             shutil.copy2(base.path / name, out / name)
 
 
-def _merge_mlx(base: Base, adapter_dir: Path, out: Path) -> None:
+def _merge_mlx(base: Base, adapter_dir: Path, out: Path, trust_remote_code: bool) -> None:
     from mlx.utils import tree_unflatten
     from mlx_lm.utils import dequantize_model, load, save
 
-    model, tokenizer, config = load(str(base.path), adapter_path=str(adapter_dir), return_config=True)
+    # mlx-lm reads model*.safetensors only; the tokenizer's own code runs only when trusted
+    model, tokenizer, config = load(str(base.path), adapter_path=str(adapter_dir), return_config=True,
+                                    tokenizer_config={"trust_remote_code": trust_remote_code},
+                                    trust_remote_code=trust_remote_code)
     fused = [(n, m.fuse(dequantize=True)) for n, m in model.named_modules() if hasattr(m, "fuse")]
     model.update_modules(tree_unflatten(fused))
     if base.quantization:
@@ -675,12 +797,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="--merge onto an MLX-quantized base: write it dequantized (in the dtype of its "
                     "scales, usually 16-bit), which costs disk; without it the cost is printed")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="--merge: let the base's own Python code run (custom architectures); only for a source you "
+                    "trust (default: off, as model.trust_remote_code)")
+    ap.add_argument("--allow-pickle", action="store_true",
+                    help="accept a base whose weights are pickles (*.bin), which run code when loaded; only for a "
+                    "source you trust (default: safetensors only, as model.allow_pickle)")
     a = ap.parse_args(argv)
     try:
         if a.merge:
-            out = merge(a.src, a.dst, base=a.base, dequantize=a.dequantize, overwrite=a.overwrite)
+            out = merge(a.src, a.dst, base=a.base, dequantize=a.dequantize, overwrite=a.overwrite,
+                        trust_remote_code=a.trust_remote_code, allow_pickle=a.allow_pickle)
         else:
-            out = convert(a.src, a.dst, a.to, base=a.base, overwrite=a.overwrite)
+            out = convert(a.src, a.dst, a.to, base=a.base, overwrite=a.overwrite, allow_pickle=a.allow_pickle)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

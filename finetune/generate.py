@@ -10,6 +10,10 @@ adapter's config names where it exists here, else ``model=``. The prompt goes th
 tokenizer's chat template when it has one (as the user's message, generation prompt added).
 Generation itself is the libraries' own (``transformers`` ``generate``, ``mlx_lm.generate``):
 greedy at ``generate.temperature=0``, sampled otherwise with ``train.seed``.
+
+As in training: ``model.trust_remote_code`` (off by default) goes to every loader, and the
+model's weights load from safetensors only unless ``model.allow_pickle=true`` (a pickle runs
+code when loaded; finetune/model_source.py ``check_weights`` refuses it in one line first).
 """
 
 from __future__ import annotations
@@ -30,15 +34,22 @@ def _messages(prompt: str) -> list[dict[str, str]]:
 
 
 def _generate_cuda(model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
-                   seed: int) -> str:
+                   seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+    from finetune.export import check_remote_code
+
+    check_remote_code(model_dir, trust_remote_code, "set model.trust_remote_code=true")
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    # use_safetensors=True: transformers refuses pickle weights rather than falling back to them
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", trust_remote_code=trust_remote_code,
+                                                 use_safetensors=None if allow_pickle else True)
     if adapter is not None:
         from peft import PeftModel
 
+        # the adapter is adapter_model.safetensors (detect_format refuses a pickle-only one;
+        # a converted one is written so), which PEFT prefers over any .bin beside it
         model = PeftModel.from_pretrained(model, str(adapter))
     model.eval()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -62,13 +73,18 @@ def _generate_cuda(model_dir: Path, adapter: Path | None, prompt: str, max_new_t
 
 
 def _generate_mlx(model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
-                  seed: int) -> str:
+                  seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
     import mlx.core as mx
     from mlx_lm import generate
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import load
 
-    model, tok = load(str(model_dir), adapter_path=str(adapter) if adapter is not None else None)
+    if not any(model_dir.glob("*.safetensors")):
+        raise UserError(f"model.path={model_dir} has only pickle weights, which mlx-lm does not load (even with "
+                        "model.allow_pickle=true); convert them to safetensors, or use backend=cuda")
+    # mlx-lm reads model*.safetensors only; the tokenizer's own code runs only when trusted
+    model, tok = load(str(model_dir), adapter_path=str(adapter) if adapter is not None else None,
+                      tokenizer_config={"trust_remote_code": trust_remote_code}, trust_remote_code=trust_remote_code)
     if tok.chat_template:
         ids = tok.apply_chat_template(_messages(prompt), add_generation_prompt=True)
     else:
@@ -127,15 +143,20 @@ def generate(cfg: Any) -> dict[str, Any]:
     from finetune.backends import get_backend
 
     get_backend(backend)  # the framework is installed, else a UserError with the install line
+    from finetune.model_source import check_weights
+
     model_dir, adapter, fmt = resolve(cfg)
+    check_weights(model_dir, cfg.model)  # no weights, or pickles without model.allow_pickle: one line
+    trust, pickle = bool(cfg.model.trust_remote_code), bool(getattr(cfg.model, "allow_pickle", False))
     with tempfile.TemporaryDirectory(prefix="finetune-generate-") as tmp:
         native = adapter
         if adapter is not None and fmt != NATIVE[backend]:
             from finetune.export import convert
 
-            native = convert(adapter, Path(tmp) / "adapter", NATIVE[backend], base=str(model_dir))
+            native = convert(adapter, Path(tmp) / "adapter", NATIVE[backend], base=str(model_dir), allow_pickle=pickle)
         completion = GENERATORS[backend](model_dir, native, str(g.prompt), int(g.max_new_tokens),
-                                         float(g.temperature), int(cfg.train.seed))
+                                         float(g.temperature), int(cfg.train.seed), trust_remote_code=trust,
+                                         allow_pickle=pickle)
     print(completion, flush=True)
     return {"backend": backend, "model_dir": str(model_dir), "adapter": str(adapter) if adapter else None,
             "adapter_format": fmt, "converted": fmt is not None and fmt != NATIVE[backend],

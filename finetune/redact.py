@@ -1,7 +1,11 @@
 """Tokens and keys never reach a file: the saved config (.hydra/), the loggers' copy of it,
 exported configs. A value is secret when its key names one (``api_key``, ``hf_token``,
 ``password``...), when it is the value of such an environment variable (HF_TOKEN,
-WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), or when it is the password in a URL."""
+WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), or when it is the password in a URL.
+
+Model and tokenizer files use "token" for their vocabulary (``bos_token_id``, ``pad_token``:
+``"<|endoftext|>"``): those keys and special-token values are not secrets (masking them would
+break the exported model), see ``is_secret_key``."""
 
 from __future__ import annotations
 
@@ -16,6 +20,23 @@ SECRET_KEY = re.compile(r"(^|[_.-])(token|api[_-]?key|apikey|secret|password|pas
                         re.IGNORECASE)
 _URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+@")
 MIN_SECRET_LEN = 6  # shorter env values ("1", "true") are settings, not secrets
+# vocabulary keys of config.json / tokenizer_config.json: ids (bos_token_id, image_token_index)
+# and the special tokens themselves (pad_token, eos_token, additional_special_tokens)
+VOCAB_KEY = re.compile(r"_token_ids?$|_token_index$|(^|_)(bos|eos|pad|unk|sep|cls|mask)_token$", re.IGNORECASE)
+# a special token's text names a vocabulary entry: "<|im_end|>", "<s>", "[PAD]"
+_SPECIAL_TOKEN = re.compile(r"^(<[^<>\s]{1,64}>|\[[A-Z_]{1,32}\])$")
+
+
+def is_secret_key(key: Any, value: Any) -> bool:
+    """Whether ``value``, found under ``key``, is a secret by its key's name (``api_key``,
+    ``hf_token``, ``password``...), not a tokenizer's vocabulary (ids, special tokens, an
+    AddedToken dict). Empty values are not secrets."""
+    k = str(key)
+    if not SECRET_KEY.search(k) or VOCAB_KEY.search(k) or value is None or value == "":
+        return False
+    if isinstance(value, str) and _SPECIAL_TOKEN.match(value):
+        return False
+    return not (isinstance(value, dict) and "content" in value)  # {"content": "<s>", "special": true, ...}
 
 
 def env_secrets() -> list[str]:
@@ -38,7 +59,8 @@ def config_secrets(tree: Any) -> list[str]:
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             for k, v in node.items():
-                if SECRET_KEY.search(str(k)) and isinstance(v, (str, int)) and len(str(v)) >= MIN_SECRET_LEN:
+                if (is_secret_key(k, v) and isinstance(v, (str, int)) and not isinstance(v, bool)
+                        and len(str(v)) >= MIN_SECRET_LEN):
                     found.append(str(v))
                 else:
                     walk(v)
@@ -54,7 +76,7 @@ def redact_tree(tree: Any, secrets: list[str] | None = None) -> Any:
     """A copy of a plain config tree with secret-named keys and secret values masked."""
     secrets = env_secrets() if secrets is None else secrets
     if isinstance(tree, dict):
-        return {k: MASK if SECRET_KEY.search(str(k)) and v not in (None, "") else redact_tree(v, secrets)
+        return {k: MASK if is_secret_key(k, v) else redact_tree(v, secrets)
                 for k, v in tree.items()}
     if isinstance(tree, list):
         return [redact_tree(v, secrets) for v in tree]
@@ -83,3 +105,60 @@ def redact_hydra_files(cfg: Any) -> None:
         clean = redact_text(text, secrets)
         if clean != text:
             atomic_write_text(f, clean)
+
+
+# files an export writes as text (configs, model cards, chat templates); everything else is
+# binary: tensors, sentencepiece models
+_TEXT_SUFFIXES = (".json", ".md", ".txt", ".yaml", ".yml", ".jinja")
+# a vocabulary's keys are its tokens ("token", "_token" are words in most BPE vocabularies):
+# these files have secret values replaced, never their keys' values masked
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "added_tokens.json")
+
+
+def redact_dir(root: Path | str, secrets: list[str]) -> None:
+    """Mask secrets in every text file under ``root``, in place (call it on the temporary
+    directory of an atomic write, before it is renamed into place): JSON config files lose the
+    values under secret-named keys (``is_secret_key``) and every value in ``secrets``; other
+    text files, vocabularies included, their ``secrets`` and URL passwords. Files that hold no
+    secret are left byte for byte as they were."""
+    import json
+
+    from finetune.io import atomic_write_text
+
+    for f in sorted(p for p in Path(root).rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # not text after all: secrets_in_dir still checks its bytes
+            continue
+        if f.suffix == ".json" and f.name not in _VOCAB_FILES:
+            try:
+                tree = json.loads(text)
+            except ValueError:
+                tree = None
+            if tree is not None:
+                clean_tree = redact_tree(tree, secrets)
+                if clean_tree != tree:
+                    atomic_write_text(f, json.dumps(clean_tree, indent=2, ensure_ascii=False) + "\n")
+                continue
+        clean = redact_text(text, secrets)
+        if clean != text:
+            atomic_write_text(f, clean)
+
+
+def secrets_in_dir(root: Path | str, secrets: list[str]) -> list[tuple[Path, str]]:
+    """(file, secret) for each secret value still found in a file under ``root``: every byte
+    of text and small files; of a ``.safetensors`` file its JSON header (the rest is tensor
+    data), so a merged model of many GiB is checked in milliseconds."""
+    import struct
+
+    found = []
+    needles = [(s, s.encode()) for s in secrets if s]
+    for f in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:
+                head = fh.read(8)
+                data = fh.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+        else:
+            data = f.read_bytes()
+        found += [(f, s) for s, b in needles if b in data]
+    return found
