@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.cuda.capabilities import CAPABILITIES
 
@@ -185,6 +184,7 @@ class CudaBackend:
         self.comm: Comm = Comm()  # the ranks of the run (one process unless a launcher started several)
         self.strategy: str | None = None  # "ddp" | "fsdp" under several ranks, else None
         self.sharded = False  # fsdp: every rank saves its shards into one checkpoint directory
+        self._loss_chunk = 0  # train.loss_chunk: target tokens per chunk of head + loss (0: whole)
 
     # ---- several processes -------------------------------------------------------------
     def connect(self, cfg: Any) -> Comm:
@@ -278,6 +278,10 @@ class CudaBackend:
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
         if self.comm.world_size > 1:
             self._distribute(cfg)
+        self._loss_chunk = int(cfg.train.get("loss_chunk", 0) or 0)
+        if self._loss_chunk and self.sharded:
+            raise UserError("train.loss_chunk calls the output head outside FSDP's forward, where its weights are "
+                            "still sharded; use train.loss_chunk=0 with backend.strategy=fsdp (or strategy=ddp)")
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = _build_optimizer(o, trainable)
@@ -395,14 +399,15 @@ class CudaBackend:
         ids = torch.from_numpy(np.asarray(batch.input_ids, dtype=np.int64)).to(self.device)
         lengths = torch.from_numpy(np.asarray(batch.lengths, dtype=np.int64)).to(self.device)
         attn = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
-        mask = torch.from_numpy(np.asarray(batch.loss_mask[:, 1:], dtype=np.float32))
-        with self._autocast():
-            logits = self.model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-        logits = logits[:, :-1].float()
-        targets = ids[:, 1:].to(logits.device)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                             reduction="none")
-        return (ce.view_as(targets) * mask.to(ce.device)).sum()
+        from finetune.backends.cuda.loss import token_loss_sum
+
+        mask = torch.from_numpy(np.asarray(batch.loss_mask, dtype=np.float32))
+        try:
+            # train.loss_chunk > 0: the head and cross-entropy a chunk of tokens at a time, so
+            # the [B, T, V] logits never exist (backends/cuda/loss.py); 0: the full logits
+            return token_loss_sum(self.model, ids, attn, mask, self._loss_chunk, self._autocast)
+        except ValueError as e:  # a model the chunked loss cannot reproduce: say so once
+            raise UserError(str(e)) from None
 
     def forward_backward(self, batch: Batch, loss_scale: float,
                          on_phase: PhaseHook | None = None) -> float:
