@@ -205,6 +205,7 @@ class MlxBackend:
         self.model: nn.Module | None = None
         self._grads: dict | None = None
         self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
+        self._loss_chunk = 0  # train.loss_chunk: tokens per chunk of head + loss (0: whole logits)
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
         self._ckpt_classes: dict[type, type] = {}
         self._wired_limit: int | None = None
@@ -299,6 +300,7 @@ class MlxBackend:
             self._broadcast_trainable()
         model.train()
         self.optimizer = self._make_optimizer(cfg.optim)
+        self._loss_chunk = int(cfg.train.get("loss_chunk", 0) or 0)
         self._vg = nn.value_and_grad(model, self._loss)
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
         if _metal():  # MLX has no getter for the wired limit: read it once by a swap
@@ -360,8 +362,14 @@ class MlxBackend:
 
     # ---- step --------------------------------------------------------------------------
     def _loss(self, ids: mx.array, mask: mx.array, scale: float) -> tuple[mx.array, mx.array]:
-        logits = self.model(ids[:, :-1]).astype(mx.float32)
-        loss_sum = (nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]).sum()
+        from finetune.backends.mlx.loss import token_loss_sum
+
+        # train.loss_chunk > 0: head + cross-entropy a chunk of tokens at a time, the full
+        # [B, T, V] logits never built (backends/mlx/loss.py); 0: the whole logits
+        try:
+            loss_sum = token_loss_sum(self.model, ids, mask, self._loss_chunk)
+        except ValueError as e:  # a model whose logits the chunked loss cannot reproduce
+            raise UserError(str(e)) from None
         return loss_sum * scale, loss_sum  # grads of the first, the second rides along
 
     def _arrays(self, batch: Batch) -> tuple[mx.array, mx.array]:
