@@ -41,6 +41,11 @@ _HEAD_CHECKED: weakref.WeakSet = weakref.WeakSet()  # models whose logits are ex
 _LIGER = importlib.util.find_spec("liger_kernel") is not None
 
 
+
+class UnsupportedModel(ValueError):
+    """``chunk > 0`` on a model the chunked loss cannot reproduce exactly (its logits are not its
+    head applied to the hidden states it feeds the head). The message names the fix."""
+
 def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    loss_mask: torch.Tensor, chunk: int, autocast_ctx: AutocastFactory,
                    liger: bool = True) -> torch.Tensor:
@@ -62,8 +67,9 @@ def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             head, 0/1 mask, gradients wanted); False forces the torch path.
 
     Raises:
-        ValueError: ``chunk > 0`` on a model whose logits are not its head applied to the
-            hidden states (soft-capping, a logit scale): the chunked path cannot reproduce them.
+        UnsupportedModel: (a ValueError) ``chunk > 0`` on a model whose logits are not its head
+            applied to the hidden states (soft-capping, a logit scale): the chunked path
+            cannot reproduce them.
     """
     if chunk <= 0:
         return _full_loss_sum(model, input_ids, attention_mask, loss_mask, autocast_ctx)
@@ -98,7 +104,7 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
         inner = inner.get_base_model()
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
-        raise ValueError(f"train.loss_chunk: {type(inner).__name__} names no output head "
+        raise UnsupportedModel(f"train.loss_chunk: {type(inner).__name__} names no output head "
                          "(get_output_embeddings); set train.loss_chunk=0")
     return head
 
@@ -145,7 +151,7 @@ def _forward_keeping_head_input(model: torch.nn.Module, head: torch.nn.Module, i
         handle.remove()
     hidden = kept.get("hidden")
     if hidden is None or hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
-        raise ValueError("train.loss_chunk: the model did not call its output head on [B, T, H] "
+        raise UnsupportedModel("train.loss_chunk: the model did not call its output head on [B, T, H] "
                          "hidden states; set train.loss_chunk=0")
     return hidden, out
 
@@ -166,7 +172,7 @@ def _check_head(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.
     finally:
         model.train(was_training)
     if not torch.allclose(again.float(), out.logits.float(), rtol=1e-5, atol=1e-6):
-        raise ValueError("train.loss_chunk: this model's logits are not its output head applied "
+        raise UnsupportedModel("train.loss_chunk: this model's logits are not its output head applied "
                          "to the hidden states (e.g. soft-capping or a logit scale after the "
                          "head), which the chunked loss would not reproduce; set train.loss_chunk=0")
     _HEAD_CHECKED.add(model)

@@ -9,13 +9,14 @@ a time inside an ``mx.custom_function`` that takes each chunk's gradient (with r
 hidden states and the head's trainable weights) right there in the forward graph, as Liger does
 on CUDA; its vjp only scales those by the incoming cotangent. So the head's matmul runs three
 times per token as in the unchunked loss, none recomputed. ``mx.depends`` orders the chunks
-(chunk k + 1's logits after chunk k's loss): without it MLX's scheduler works on many chunks at
-once and the peak grows with their number.
+(chunk k + 1's logits only after chunk k's loss and gradients): without it MLX's scheduler
+works on many chunks at once and the peak grows with their number.
 
 What that bounds, measured with ``mx.get_peak_memory`` on the CPU backend (tests and
-``benchmarks/chunked_loss.py``): the loss's share of the step's peak is about 9-10 x chunk x V x
-4 bytes, whatever B x T is: MLX keeps a chunk's softmax until its gradient is used, so two or
-three chunks' temporaries overlap. MLX has no way to free them sooner from inside a traced
+``benchmarks/chunked_loss.py``): the head's share of the step's peak is about 9-12 x chunk x V
+x 4 bytes whatever B x T is (a chunk alone peaks at 4 x: logits, softmax, the one-hot term and
+their sum; two or three chunks overlap in MLX's scheduler), plus, when the head is trained, its
+[V, H] gradient summed in fp32. MLX has no way to free a chunk sooner from inside a traced
 function (an ``mx.eval`` there keeps the whole graph instead).
 
 Target rows only: where the loss mask can be read (an ``nn.value_and_grad`` step; not under
@@ -41,6 +42,11 @@ _POST_HEAD_ARGS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "
                    "logit_softcap")
 
 
+
+class UnsupportedModel(ValueError):
+    """``chunk > 0`` on a model the chunked loss cannot reproduce exactly (its logits are not its
+    head applied to the hidden states it feeds the head). The message names the fix."""
+
 def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
                    grad: bool | None = None) -> mx.array:
     """Sum of fp32 token cross-entropy over targets ``ids[:, 1:]`` weighted by ``mask[:, 1:]``.
@@ -61,8 +67,9 @@ def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
         A 0-dim float32 array, differentiable with ``nn.value_and_grad(model, ...)``.
 
     Raises:
-        ValueError: ``chunk > 0`` on a model whose logits are not its head applied to its
-            body's output (soft-capping, a logit scale), which the chunked path cannot reproduce.
+        UnsupportedModel: (a ValueError) ``chunk > 0`` on a model whose logits are not its head
+            applied to its body's output (soft-capping, a logit scale), which the chunked path
+            cannot reproduce.
     """
     if chunk <= 0:
         logits = model(ids[:, :-1]).astype(mx.float32)
@@ -100,7 +107,7 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Any]:
         return head, head
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is None or not hasattr(embed, "as_linear"):
-        raise ValueError(f"train.loss_chunk: {type(model).__name__} has neither lm_head nor a tied "
+        raise UnsupportedModel(f"train.loss_chunk: {type(model).__name__} has neither lm_head nor a tied "
                          "model.embed_tokens.as_linear; set train.loss_chunk=0")
     return embed, embed.as_linear
 
@@ -116,8 +123,8 @@ def _chunk_loss(module: nn.Module, call: Any, params: dict, h: mx.array, targets
 def _head_loss(module: nn.Module, call: Any, chunk: int, trainable: bool) -> Any:
     """A custom function (params, flat, targets, weights) -> (loss, d loss/d params,
     d loss/d flat), the gradients summed chunk by chunk in its forward; its vjp scales them.
-    One function for all chunks, so the head's gradient is one running sum ([V, H] once, not
-    once per chunk)."""
+    One function for all chunks, so the head's gradient is one running fp32 sum ([V, H] once,
+    not once per chunk)."""
 
     def chunk_grads(params: dict, h: mx.array, t: mx.array, w: mx.array) -> tuple:
         if trainable:
@@ -134,6 +141,7 @@ def _head_loss(module: nn.Module, call: Any, chunk: int, trainable: bool) -> Any
                 h = mx.depends(h, done)  # this chunk's logits only after the previous chunk's results
             loss, (g_p, g_h) = chunk_grads(params, h, targets[s:s + chunk], weights[s:s + chunk])
             total = total + loss
+            g_p = tree_map(lambda g: g.astype(mx.float32), g_p)  # a bf16 sum over chunks would round
             g_params = g_p if g_params is None else tree_map(mx.add, g_params, g_p)
             g_rows.append(g_h)
             # all of it, not just the loss: else MLX computes a chunk's gradients late and
@@ -182,7 +190,7 @@ def _check_head(model: nn.Module, call: Any, ids: mx.array) -> None:
         finally:
             model.train(was_training)
     if not same:
-        raise ValueError("train.loss_chunk: this model's logits are not its head applied to its body's "
+        raise UnsupportedModel("train.loss_chunk: this model's logits are not its head applied to its body's "
                          f"output ({', '.join(named) or 'its __call__ transforms them'}), which the "
                          "chunked loss would not reproduce; set train.loss_chunk=0")
     _HEAD_CHECKED[id(model)] = weakref.ref(model)
