@@ -250,6 +250,12 @@ def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, A
     # log_softmax's grad: 3 x 4 B per (token, vocab) at the start of backward (the forward
     # end is no higher: model logits + fp32 copy + log_softmax output).
     logits = 12 * n * V
+    if s.loss_chunk and s.loss_chunk < n:
+        # train.loss_chunk (backends/cuda/loss.py): one chunk's fp32 logits, softmax and their
+        # gradient at a time (3 x 4 B per chunk token and vocab entry), the hidden states'
+        # gradient taken in forward and kept for backward (fp32 [n, h]), and the head weight's
+        # fp32 gradient accumulator where the head trains
+        logits = 12 * s.loss_chunk * V + 4 * n * h + (4 * V * h if full else 0)
     return {"layer": layer, "layer_parts": lparts, "lowest": low, "head": head, "transient": transient,
             "logits": logits,
             "ckpt_input": n * h * st,  # non-reentrant checkpoint keeps each layer's input

@@ -176,6 +176,12 @@ def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, A
                      + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
                      + tt * s.batch * arch.heads * T * T) * a)
     logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
+    if s.loss_chunk and s.loss_chunk < n:
+        # train.loss_chunk (backends/mlx/loss.py): one chunk's logits and cotangents at a time,
+        # plus the hidden states' gradient kept from forward (fp32 [n, h]) and, where the head
+        # trains, its fp32 gradient
+        logits = (s.loss_chunk * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
+                  + 4 * n * h + (4 * V * h if s.method == "full" else 0))
     # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
     ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
                           + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * T * T) * a)

@@ -12,6 +12,11 @@ from finetune.planner.model import Arch, Setup, memory_model, resolve
 from finetune.planner.price import _core, plan
 
 
+# the chunk the levers suggest: 1,024 tokens x a 152k vocabulary is 0.6 GB of fp32 logits per
+# chunk, small beside the whole [B, T, V], large enough that the head's matmuls stay efficient
+LOSS_CHUNK_LEVER = 1024
+
+
 def _setup_with(s: Setup, **changes: Any) -> Setup:
     import dataclasses
 
@@ -45,6 +50,8 @@ def _levers(arch: Arch, s: Setup, budget: int) -> list[dict[str, Any]]:
 
     if not s.ckpt:
         trial("train.grad_checkpointing=true", ckpt=True)
+    if not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1):
+        trial(f"train.loss_chunk={LOSS_CHUNK_LEVER}", loss_chunk=LOSS_CHUNK_LEVER)  # the logits never whole
     caps = capabilities(s.backend)
     if s.optim in ("adamw", "adam") and "adamw_8bit" in caps.optimizers:
         trial("optim=adamw_8bit", optim="adamw_8bit")

@@ -195,6 +195,8 @@ class Setup:
     # (backend.strategy: ddp replicates, fsdp shards). 1: one process.
     world_size: int = 1
     strategy: str = "ddp"
+    # train.loss_chunk: target tokens per chunk of head + cross-entropy (0: the whole logits)
+    loss_chunk: int = 0
 
     @property
     def wd(self) -> int:
@@ -303,6 +305,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
         momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
         budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
         pre_quant=pre_quant if backend == "mlx" else None, world_size=world_size, strategy=strategy,
+        loss_chunk=int(_get(t, "loss_chunk", 0) or 0),
     )
     if setup.pre_quant:
         # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
