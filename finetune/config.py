@@ -160,6 +160,9 @@ class TrainConfig:
 @dataclass
 class MemoryConfig:
     sample_every: int = 1  # steps between memory samples
+    # after step 2, forward/backward phase samples on every N-th sampled step only (1: all);
+    # the optimizer-phase sample of every sampled step keeps the peaks exact
+    phase_every: int = 10
     budget: str | None = None  # bytes, "40GiB", "90%" of the device; null: from the device
     adapt: bool = True  # let the governor change micro-batch / checkpointing / limits
     supervise: bool = False  # mlx: restart from the last checkpoint after an uncatchable OOM
@@ -333,6 +336,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "data.val_fraction": (0, 1, True, False, False),
     "data.max_val_samples": (0, INF, True, False, False),
     "train.steps": (1, INF, True, False, False),
+    "memory.phase_every": (1, INF, True, False, False),
     "train.loss_chunk": (0, INF, True, False, False),
     "train.batch_size": (1, INF, True, False, False),
     "train.grad_accum": (1, INF, True, False, False),

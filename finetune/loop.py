@@ -140,7 +140,8 @@ class Trainer:
         if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
-        self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every, rank=self.comm.rank)
+        self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every, rank=self.comm.rank,
+                               phase_every=int(cfg.memory.get("phase_every", 10)))
         self.acct.run_facts = {"adaptations": self.events, "adapt": bool(cfg.memory.adapt),
                                "budget_set": cfg.memory.budget is not None}
         self.acct.sample(0, "load")
@@ -399,10 +400,12 @@ class Trainer:
             if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 val_loss = self.evaluate()
                 rec["val_loss"] = val_loss
+                self.acct.between_steps()  # its memory belongs in the next peak read
             rec.update(self.acct.metrics_fields() if sample is not None else {})
             self.runlog.step(rec, self.acct.progress_text)
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
                 self.save_checkpoint(step, stop)
+                self.acct.between_steps()
             _leak_fault()
         stop.close()
         self.runlog.close_progress()

@@ -733,3 +733,37 @@ def test_timeline_is_bounded() -> None:
     assert steps[:7] == [0, 1, 1, 1, 2, 2, 2] and steps[-1] == 120 and steps == sorted(steps)
     assert acct.summary(1.0)["peaks"]["allocated_bytes"] >= 30 * MiB  # peaks are kept apart
     assert {e["rule"] for e in acct.explain()} >= {"lazy_optimizer_state"}
+
+
+def test_phases_thinned_after_step_2_and_the_peaks_stay_exact() -> None:
+    """memory.phase_every: forward/backward samples on steps 1, 2 and every N-th after; a
+    spike in a forward whose phase is not sampled still reaches the run peak and that step's
+    step_peak (the optimizer-phase read of the peak counters covers the whole step), and
+    start_step reads nothing when the last optimizer sample was the last thing on the device."""
+    spikes = {5: 40 * MiB}  # step 5's forward holds 40 MiB of activations
+    b_all, b_thin = NumpyBackend(), NumpyBackend()
+    every, thin = Accountant(b_all, phase_every=1), Accountant(b_thin, phase_every=4)
+    reads = {"n": 0}
+    memory = b_thin.memory
+
+    def counted() -> dict[str, Any]:
+        reads["n"] += 1
+        return memory()
+
+    b_thin.memory = counted  # type: ignore[method-assign]
+    run(every, b_all, 9, spikes)
+    run(thin, b_thin, 9, spikes)
+    phases = sorted({s["step"] for s in thin.samples if s["phase"] in ("forward", "backward")})
+    assert phases == [1, 2, 4, 8]
+    assert sorted({s["step"] for s in every.samples if s["phase"] == "forward"}) == list(range(1, 10))
+    opt = {s["step"]: s for s in thin.samples if s["phase"] == "optimizer"}
+    opt_all = {s["step"]: s for s in every.samples if s["phase"] == "optimizer"}
+    assert opt[5]["step_peak_allocated"] == opt_all[5]["step_peak_allocated"] >= 40 * MiB
+    assert thin.summary(1.0)["peaks"]["allocated_bytes"] == every.summary(1.0)["peaks"]["allocated_bytes"]
+    # one memory read per sampled phase (load, 2 + 2 + 2 + 2 phase samples, 9 optimizer
+    # samples), one by start_step(1) (the load sample is not an optimizer one) and one by
+    # summary()'s final fold; every later start_step only resets (this double has no peaks())
+    assert reads["n"] == 1 + 1 + 8 + 9 + 1
+    thin.between_steps()  # an evaluation ran: the next start_step reads before it resets
+    thin.start_step(10)
+    assert reads["n"] == 1 + 1 + 8 + 9 + 1 + 1

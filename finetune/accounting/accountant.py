@@ -115,7 +115,7 @@ class Accountant:
 
     def __init__(self, backend: Any, sample_every: int = 1, device_index: int | None = None,
                  census_budget: float = 0.0005, rank: int = 0, max_samples: int = 20_000,
-                 io_budget: float = 0.001):
+                 io_budget: float = 0.001, phase_every: int = 10):
         self.backend = backend
         self.backend_name = str(getattr(backend, "name", "unknown"))
         # whether the device has a driver view (NVML) to read beside the allocator: the
@@ -127,6 +127,14 @@ class Accountant:
         except Exception:
             self._caps_nvml = False
         self.sample_every = int(sample_every)
+        # forward/backward samples after step 2 only on every phase_every-th step (1: every
+        # sampled step). Peaks stay exact: the optimizer-phase sample reads the allocator's
+        # peak counters, which cover the whole step since start_step reset them.
+        self.phase_every = max(1, int(phase_every))
+        # the step whose optimizer-phase sample was the last allocator read, with nothing run
+        # on the device since (the loop says when an evaluation or a checkpoint ran between
+        # steps): start_step then resets the peak counters without reading them first
+        self._clean_after: int | None = None
         self.device_index = device_index
         self.census_budget = float(census_budget)
         self.rank = rank
@@ -193,12 +201,17 @@ class Accountant:
             return
         t0 = time.perf_counter()
         try:
-            # peaks() where the backend has it: two counters instead of every memory figure
-            peaks = getattr(self.backend, "peaks", None)
-            mem = peaks() if peaks is not None else (self.backend.memory() or {})
-            t1 = time.perf_counter()
-            self._fold_peaks(mem, step - 1, "before_step_" + str(step))
-            t2 = time.perf_counter()
+            if self._clean_after == step - 1:
+                # the last optimizer-phase sample already read these counters and the device
+                # ran nothing since: nothing to fold, only the reset
+                t1 = t2 = time.perf_counter()
+            else:
+                # peaks() where the backend has it: two counters instead of every memory figure
+                peaks = getattr(self.backend, "peaks", None)
+                mem = peaks() if peaks is not None else (self.backend.memory() or {})
+                t1 = time.perf_counter()
+                self._fold_peaks(mem, step - 1, "before_step_" + str(step))
+                t2 = time.perf_counter()
             self.backend.reset_peak()
             self._reset_step, self._ever_reset = step, True
         finally:
@@ -232,6 +245,9 @@ class Accountant:
         if not self.will_sample(step):
             return None
         inner = phase in ("forward", "backward")
+        if inner and step not in _ALWAYS_SAMPLED and step % self.phase_every:
+            return None  # phases after step 2 every phase_every-th step (see __init__)
+        self._clean_after = step if phase == "optimizer" else None
         if self._no_allocator and inner:
             # No allocator to read (torch on CPU) and the system figures are reused inside a
             # step: such a sample would repeat the last one, so it is not taken.
@@ -365,6 +381,11 @@ class Accountant:
         elif step > 2 and self._no_allocator is None and "memory_error" not in mem:
             self._no_allocator, self._mem_none = True, mem
         return mem
+
+    def between_steps(self) -> None:
+        """The loop ran something on the device between two steps (an evaluation, a
+        checkpoint): the next start_step reads the peak counters before resetting them."""
+        self._clean_after = None
 
     def invalidate_census(self) -> None:
         """Retake the census at the next sample (call after changing the model or optimizer)."""
