@@ -155,6 +155,8 @@ class TrainConfig:
     # chunked loss: logits computed and reduced this many tokens at a time inside the loss and
     # recomputed in backward, so the full [B, T, V] logits never exist; 0: off
     loss_chunk: int = 0
+    # compile the step (mx.compile on mlx, torch.compile on cuda); off until it measures faster
+    compile: bool = False
 
 
 @dataclass
