@@ -287,6 +287,13 @@ def load(path: Path, key: dict[str, Any]) -> tuple[Ragged, Ragged, dict[str, Any
         raise Damaged("no manifest.json") from None
     except (OSError, ValueError) as e:
         raise Damaged(f"manifest.json unreadable: {e}") from None
+    try:
+        return _check(path, manifest, key)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a manifest of another shape
+        raise Damaged(f"manifest.json malformed ({type(e).__name__}: {e})") from None
+
+
+def _check(path: Path, manifest: dict[str, Any], key: dict[str, Any]) -> tuple[Ragged, Ragged, dict[str, Any]]:
     if manifest.get("format") != CACHE_FORMAT or manifest.get("key") != json.loads(json.dumps(key, default=str)):
         raise Damaged("manifest.json does not match this entry's key")
     arrays = {}

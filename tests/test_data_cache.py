@@ -167,7 +167,7 @@ def test_a_seed_or_a_split_setting_reuses_the_cache(tmp_path, tok, capsys):
 
 
 @pytest.mark.parametrize("damage", ["truncate ids.npy", "flip a byte of mask.npy", "truncate offsets.npy",
-                                    "remove manifest.json"])
+                                    "remove manifest.json", "garble manifest.json"])
 def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path, tok, capsys, caplog, damage):
     data = _jsonl(tmp_path / "train.jsonl", RECORDS)
     good = _flat(data_mod.prepare(_cfg(tmp_path, data), tok))
@@ -181,6 +181,8 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path, tok, capsys, caplog
         b = bytearray(p.read_bytes())
         b[-3] ^= 1
         p.write_bytes(bytes(b))
+    elif what == "garble":
+        p.write_text("[]")
     else:
         p.unlink()
     capsys.readouterr()
