@@ -124,7 +124,7 @@ class DataConfig:
     # tokenized data is cached on disk, keyed by the data file, the tokenizer and the settings
     # that change tokens, and reused by the next run and every sweep job; false: tokenize anew
     cache: bool = True
-    cache_dir: str | None = None  # null: $FINETUNE_CACHE, else ~/.cache/finetune/tokens
+    cache_dir: str | None = None  # null: $FINETUNE_CACHE/tokens, else ~/.cache/finetune/tokens
 
 
 @dataclass
