@@ -8,8 +8,9 @@ over the second half of the run, after allocator caches and lazy state settle.
 
 What grows by design is measured and taken out before judging, each term printed:
 
-- ``timeline``: the Accountant's samples (memory.sample_every=1: about two a step on mlx,
-  one on torch CPU), kept for summary.json and memory.png and bounded by ``max_samples``
+- ``timeline``: the Accountant's samples (memory.sample_every=1: an optimizer sample a step,
+  plus the forward/backward ones memory.phase_every keeps on mlx; torch on CPU has no
+  allocator to read inside a step), kept for summary.json and memory.png, bounded by ``max_samples``
   (20,000; past it older samples are thinned). Its bytes are measured in place at mid-run and
   at the last step (every object reachable from the timeline as the run holds it, inner
   samples still as raw records, ``sys.getsizeof``, each object once) and spread over the
@@ -27,7 +28,7 @@ tracemalloc between steps 500 and 2,000, 3.7 KB/step of Python objects in the ti
 ~180 B/step in the Accountant's per-step counter (unbounded; fixed since), with MLX's active
 memory flat (0.47 MB) and its cache at its 32 MiB limit from step 100; the rest was the free
 heap's swing (RSS minus heap_free, the timeline trimmed, rose 0.3 MiB in 1,800 steps). At its
-bound the timeline holds 20,000 samples, about 37 MiB at mlx's ~1.9 KB each. --leak-bytes N turns on the test-only switch FINETUNE_FAULT_LEAK_BYTES (finetune/loop.py
+bound the timeline holds 20,000 samples: 37-50 MiB at the 1.9-2.6 KB a sample measured here. --leak-bytes N turns on the test-only switch FINETUNE_FAULT_LEAK_BYTES (finetune/loop.py
 keeps an N-byte array alive per step), which must be flagged with about N bytes/step. RSS is
 read by this script from /proc after each step's optimizer sample (the run's own metrics
 repeat a reading between fresh ones). Writes benchmarks/results/soak_<backend>.txt. Measures,
