@@ -17,6 +17,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +171,7 @@ class Trainer:
             return self._save_checkpoint_ranks(step, stop)
         path = checkpoints.checkpoint_path(self.run_dir, step)
         try:
-            with atomic_dir(path) as tmp:
+            with atomic_dir(path) as tmp, _disk_errors(tmp):
                 (tmp / "backend").mkdir()
                 self.backend.save_state(tmp / "backend")
                 _save_fault(step, stop)
@@ -206,7 +208,8 @@ class Trainer:
                     error = e
             if comm.all_reduce([1.0 if error else 0.0])[0] == 0:
                 try:
-                    self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
+                    with _disk_errors(tmp):
+                        self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
                 except OSError as e:
                     error = e
                 if comm.all_reduce([1.0 if error else 0.0])[0] == 0 and rank == 0:
@@ -223,7 +226,7 @@ class Trainer:
                 shutil.rmtree(tmp, ignore_errors=True)
         elif rank == 0:
             try:
-                with atomic_dir(path) as tmp:
+                with atomic_dir(path) as tmp, _disk_errors(tmp):
                     (tmp / "backend").mkdir()
                     self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
                     _save_fault(step, stop)
@@ -413,7 +416,7 @@ class Trainer:
         rank = self.comm.rank
         try:
             if rank == 0:
-                with atomic_dir(self.run_dir / "adapter") as tmp:
+                with atomic_dir(self.run_dir / "adapter") as tmp, _disk_errors(tmp):
                     self.backend.save_adapter(tmp)
             elif getattr(self.backend, "sharded", False):
                 self.backend.save_adapter(None)  # gathers the shards for rank 0 (a collective)
@@ -559,6 +562,32 @@ def _save_fault(step: int, stop: _StopOnSignal | None) -> None:
         Path(marker).write_text(str(step))
         for _ in range(6000):  # at most 60 s: the second signal ends it long before
             time.sleep(0.01)
+
+
+@contextmanager
+def _disk_errors(where: Path) -> Iterator[None]:
+    """A full disk (or quota) while writing ``where``, as OSError whatever the writer raised:
+    torch.save and MLX raise RuntimeError, safetensors SafetensorError, each with the OS's
+    words in the message. Checked here, inside the write, while the half-written files still
+    hold the space (once the temporary directory is removed the disk has room again)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        import errno
+
+        text = str(e)
+        full = any(w in text for w in ("No space left", "ENOSPC", "Disk quota exceeded", "EDQUOT", "File too large"))
+        if not full:
+            try:
+                st = os.statvfs(where)
+                full = st.f_bavail * st.f_frsize < (1 << 20)  # under 1 MiB left: the write ran out
+            except OSError:
+                pass
+        if not full:
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
 
 
 _LEAKED: list[Any] = []

@@ -223,9 +223,6 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint_and_resume_continues(ful
 
 
 @needs_torch
-@pytest.mark.xfail(strict=True, reason="a real ENOSPC reaches save_checkpoint as torch.save's RuntimeError "
-                   "('unexpected pos ...') or safetensors' SafetensorError, not OSError, so it ends in a traceback "
-                   "(exit 1); the save path must map them to OSError (issue 13)")
 def test_a_real_full_disk_stops_with_one_line_naming_the_fix(full_disk_run):
     proc, run, _, _ = full_disk_run
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
