@@ -3,8 +3,9 @@
 The model is the built-in tiny Qwen2 body (hidden 64, 2 layers) with Qwen2's vocabulary size,
 151,936, tied, so the logits dominate the step: one micro-batch of 2 x 257 tokens has 512
 targets and 512 x 151,936 x 4 B = 297 MiB of fp32 logits, against about a megabyte of the
-body's activations (an MLX step of it takes about 10 s on two CPU cores). A small body is the worst case for the time overhead (the step is almost
-all head), and the best case for the memory saving; a real model sits in between.
+body's activations (an MLX step of it takes about 7.5 s of one CPU core). A small body is the
+worst case for the time overhead (the step is almost all head), and the best case for the
+memory saving; a real model sits in between.
 
 Each run is a fresh process that builds the backend with its own setup and
 ``train.loss_chunk`` = 0 (off) or ``--chunk`` (on) (``CudaBackend`` on the CPU:
