@@ -143,7 +143,7 @@ class Trainer:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
         self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every, rank=self.comm.rank,
-                               phase_every=int(cfg.memory.get("phase_every", 10)))
+                               phase_every=int(getattr(cfg.memory, "phase_every", 10)))
         self.acct.run_facts = {"adaptations": self.events, "adapt": bool(cfg.memory.adapt),
                                "budget_set": cfg.memory.budget is not None}
         self.acct.sample(0, "load")
