@@ -207,6 +207,8 @@ class MlxBackend:
         self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
         self._loss_chunk = 0  # train.loss_chunk: tokens per chunk of head + loss (0: whole logits)
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
+        self._compile = False  # train.compile: the step's two halves through mx.compile
+        self._compiled: dict[str, Callable] = {}  # built on first use, dropped when what they traced changes
         self._ckpt_classes: dict[type, type] = {}
         self._wired_limit: int | None = None
         self._limits: dict[str, int | None] | None = None  # read once in memory(), then kept current
@@ -300,8 +302,10 @@ class MlxBackend:
             self._broadcast_trainable()
         model.train()
         self.optimizer = self._make_optimizer(cfg.optim)
-        self._loss_chunk = int(cfg.train.get("loss_chunk", 0) or 0)
+        self._loss_chunk = int(getattr(cfg.train, "loss_chunk", 0) or 0)
         self._vg = nn.value_and_grad(model, self._loss)
+        self._compile = bool(getattr(cfg.train, "compile", False))
+        self._compiled = {}
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
         if _metal():  # MLX has no getter for the wired limit: read it once by a swap
             self._wired_limit = mx.set_wired_limit(0)
@@ -362,13 +366,13 @@ class MlxBackend:
 
     # ---- step --------------------------------------------------------------------------
     def _loss(self, ids: mx.array, mask: mx.array, scale: float) -> tuple[mx.array, mx.array]:
-        from finetune.backends.mlx.loss import token_loss_sum
+        from finetune.backends.mlx.loss import UnsupportedModel, token_loss_sum
 
         # train.loss_chunk > 0: head + cross-entropy a chunk of tokens at a time, the full
         # [B, T, V] logits never built (backends/mlx/loss.py); 0: the whole logits
         try:
             loss_sum = token_loss_sum(self.model, ids, mask, self._loss_chunk)
-        except ValueError as e:  # a model whose logits the chunked loss cannot reproduce
+        except UnsupportedModel as e:  # a model whose logits the chunked loss cannot reproduce
             raise UserError(str(e)) from None
         return loss_sum * scale, loss_sum  # grads of the first, the second rides along
 
@@ -382,13 +386,53 @@ class MlxBackend:
         w = self.comm.world_size
         mx.random.seed(self.seed * 1_000_003 + self._micro * w + self.comm.rank)
 
+    # ---- compiled step (train.compile) ---------------------------------------------------
+    # As mlx-lm's trainer (tuner/trainer.py ``step``): mx.compile with the state the function
+    # reads and writes named as inputs and outputs, so a traced graph sees this call's weights,
+    # optimizer state and random key rather than the ones of the call that traced it. Our loop
+    # calls the two halves apart (gradients accumulate over micro-batches, the update comes
+    # once per step), so each half is compiled on its own. MLX traces again for every new input
+    # shape: with train.pad_multiple=1 every new micro-batch length is a new trace.
+    def _compiled_vg(self) -> Callable:
+        fn = self._compiled.get("vg")
+        if fn is None:
+            # the model is an output too: nn.value_and_grad puts the traced weights into it
+            # (model.update) and the key, which _reseed sets before each micro-batch, is
+            # split by every dropout
+            state = [self.model.state, mx.random.state]
+            fn = self._compiled["vg"] = mx.compile(self._vg, inputs=state, outputs=state)
+        return fn
+
+    def _compiled_update(self) -> Callable:
+        fn = self._compiled.get("update")
+        if fn is None:
+            # the moments must exist before tracing: created inside the trace, they would be
+            # outputs without a primitive ("Attempting to eval an array without a primitive")
+            self.optimizer.init(self.model.trainable_parameters())  # keeps state already there
+            state = [self.model.state, self.optimizer.state]
+            fn = self._compiled["update"] = mx.compile(self._clip_and_update, inputs=state, outputs=state)
+        return fn
+
+    def _clip_and_update(self, grads: dict) -> mx.array:
+        """Clip to optim.max_grad_norm (unless null), apply the update; the pre-clip norm."""
+        max_norm = self.cfg.optim.max_grad_norm
+        if max_norm:
+            grads, norm = optim.clip_grad_norm(grads, float(max_norm))
+        else:
+            norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+        self.optimizer.update(self.model, grads)
+        return norm
+
     def forward_backward(self, batch: Batch, loss_scale: float, on_phase: PhaseHook | None = None) -> float:
         """Accumulate grads of loss_sum * loss_scale; return loss_sum. value_and_grad fuses
         forward and backward, so only the "backward" phase is reported."""
         self._reseed()
         ids, mask = self._arrays(batch)
         try:
-            (_, loss_sum), grads = self._vg(ids, mask, loss_scale)
+            if self._compile:  # the scale as an array: a Python float would be traced as a constant
+                (_, loss_sum), grads = self._compiled_vg()(ids, mask, mx.array(loss_scale, mx.float32))
+            else:
+                (_, loss_sum), grads = self._vg(ids, mask, loss_scale)
             total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
             mx.eval(loss_sum, total)  # materialize: memory figures are real after this
         except RuntimeError as e:
@@ -412,13 +456,8 @@ class MlxBackend:
             grads = sum_over_ranks(grads, self.comm.group)
         if grads is None:
             return None
-        max_norm = self.cfg.optim.max_grad_norm
-        if max_norm:
-            grads, norm = optim.clip_grad_norm(grads, float(max_norm))
-        else:
-            norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-        self.optimizer.learning_rate = lr
-        self.optimizer.update(self.model, grads)
+        self.optimizer.learning_rate = lr  # an array in the optimizer's state: no retrace per step
+        norm = (self._compiled_update() if self._compile else self._clip_and_update)(grads)
         mx.eval(self.model.parameters(), self.optimizer.state, norm)
         self._grads = None
         self._micro_at_step = self._micro
@@ -455,6 +494,7 @@ class MlxBackend:
                 grad_checkpoint(layer)  # patches only the private subclass
             layer.__class__ = self._ckpt_classes[base]
         self.grad_checkpointing = enabled
+        self._compiled = {}  # a traced forward would keep the blocks' previous __call__
 
     # ---- save / resume -----------------------------------------------------------------
     def save_adapter(self, path: Path | None) -> None:
@@ -517,6 +557,7 @@ class MlxBackend:
         self._micro = self._micro_at_step = int(meta["micro_steps"])
         self.seed = int(meta["seed"])
         self._grads = None
+        self._compiled = {}  # the update traced the optimizer state dict this replaced
         mx.eval(self.model.parameters(), self.optimizer.state)
 
     # ---- memory ------------------------------------------------------------------------
