@@ -103,6 +103,51 @@ def _check_architecture(model_dir: Path, trust_remote_code: bool) -> None:
                     "repository ships its own code and you trust it")
 
 
+def _compile_loss(device: torch.device, chunk: int, strategy: str | None) -> Callable:
+    """``token_loss_sum`` through ``torch.compile`` (inductor: the model's forward, the fp32
+    cross-entropy and, through AOTAutograd, their backward), or UserError naming what is
+    missing where inductor cannot build kernels: a C++ compiler on the CPU, Triton on CUDA.
+    Shapes vary per micro-batch: torch compiles the first length static, and on the second
+    length a dynamic-shape graph that the later ones reuse."""
+    import importlib.util
+    import sysconfig
+
+    if strategy == "fsdp":
+        raise UserError("train.compile is not supported with backend.strategy=fsdp here (FSDP2's hooks around "
+                        "a compiled loss are untested); use train.compile=false or backend.strategy=ddp")
+    if chunk:
+        raise UserError("train.compile with train.loss_chunk > 0 is not supported on backend=cuda (the chunked "
+                        "loss picks rows on the host and runs its own autograd function); set one of them off")
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise UserError("train.compile on a CUDA device needs Triton (inductor's GPU kernels): "
+                        "pip install triton, or set train.compile=false")
+    if device.type == "cpu":
+        import torch._inductor.config as inductor_config
+        from torch._inductor import cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler:
+            raise UserError(f"train.compile on the CPU needs a C++ compiler for inductor's kernels and none of "
+                            f"{[c for c in inductor_config.cpp.cxx if c]} was found; install g++ (apt-get install "
+                            "g++) or point CXX at one, or set train.compile=false") from None
+        include = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        if not include.is_file():
+            raise UserError(f"train.compile on the CPU builds kernels against Python's headers, and {include} is "
+                            "missing; install them (apt-get install python3-dev) or set train.compile=false")
+    from finetune.backends.cuda.loss import token_loss_sum
+
+    return torch.compile(token_loss_sum)
+
+
+def _is_compile_failure(err: Exception) -> bool:
+    """Whether ``err`` is torch.compile failing to build (not the step failing to run)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return isinstance(err, BackendCompilerFailed) or type(err).__module__.startswith("torch._inductor")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -185,6 +230,7 @@ class CudaBackend:
         self.strategy: str | None = None  # "ddp" | "fsdp" under several ranks, else None
         self.sharded = False  # fsdp: every rank saves its shards into one checkpoint directory
         self._loss_chunk = 0  # train.loss_chunk: target tokens per chunk of head + loss (0: whole)
+        self._compiled_loss: Callable | None = None  # train.compile: token_loss_sum through torch.compile
 
     # ---- several processes -------------------------------------------------------------
     def connect(self, cfg: Any) -> Comm:
@@ -278,10 +324,12 @@ class CudaBackend:
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
         if self.comm.world_size > 1:
             self._distribute(cfg)
-        self._loss_chunk = int(cfg.train.get("loss_chunk", 0) or 0)
+        self._loss_chunk = int(getattr(cfg.train, "loss_chunk", 0) or 0)
         if self._loss_chunk and self.sharded:
             raise UserError("train.loss_chunk calls the output head outside FSDP's forward, where its weights are "
                             "still sharded; use train.loss_chunk=0 with backend.strategy=fsdp (or strategy=ddp)")
+        if getattr(cfg.train, "compile", False):
+            self._compiled_loss = _compile_loss(self.device, self._loss_chunk, self.strategy)
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = _build_optimizer(o, trainable)
@@ -394,19 +442,36 @@ class CudaBackend:
         on = self.autocast_dtype is not None
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=on)
 
-    def _loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Sum of fp32 token cross-entropy over target positions (mask[:, 1:])."""
-        ids = torch.from_numpy(np.asarray(batch.input_ids, dtype=np.int64)).to(self.device)
-        lengths = torch.from_numpy(np.asarray(batch.lengths, dtype=np.int64)).to(self.device)
-        attn = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
-        from finetune.backends.cuda.loss import token_loss_sum
+    def _to_device(self, array: np.ndarray, dtype: type) -> torch.Tensor:
+        """``array`` as a tensor on the input device. A copy from pageable host memory
+        (``.to(device)``) synchronizes the stream first (torch's memcpy_and_sync): the CPU would
+        wait for every kernel queued so far, three times per micro-batch. From pinned memory
+        with non_blocking it queues behind them instead; the caching host allocator keeps the
+        pinned buffer until the copy has run."""
+        t = torch.from_numpy(np.asarray(array, dtype=dtype))
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
-        mask = torch.from_numpy(np.asarray(batch.loss_mask, dtype=np.float32))
+    def _loss_sum(self, batch: Batch, compiled: bool = True) -> torch.Tensor:
+        """Sum of fp32 token cross-entropy over target positions (mask[:, 1:]), through the
+        torch.compile'd loss under train.compile unless ``compiled`` is False (evaluation: its
+        no-grad, eval-mode graph would be one more compilation for a few batches)."""
+        ids = self._to_device(batch.input_ids, np.int64)
+        lengths = self._to_device(batch.lengths, np.int64)
+        attn = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
+        from finetune.backends.cuda.loss import UnsupportedModel, token_loss_sum
+
+        # the chunked loss picks its target rows from the mask on the host (no device read);
+        # the whole-logits loss multiplies on the device: sent now, its copy is no sync later
+        mask = (torch.from_numpy(np.asarray(batch.loss_mask, dtype=np.float32)) if self._loss_chunk
+                else self._to_device(batch.loss_mask, np.float32))
+        loss_fn = self._compiled_loss if compiled and self._compiled_loss is not None else token_loss_sum
         try:
             # train.loss_chunk > 0: the head and cross-entropy a chunk of tokens at a time, so
             # the [B, T, V] logits never exist (backends/cuda/loss.py); 0: the full logits
-            return token_loss_sum(self.model, ids, attn, mask, self._loss_chunk, self._autocast)
-        except ValueError as e:  # a model the chunked loss cannot reproduce: say so once
+            return loss_fn(self.model, ids, attn, mask, self._loss_chunk, self._autocast)
+        except UnsupportedModel as e:  # a model the chunked loss cannot reproduce: say so once
             raise UserError(str(e)) from None
 
     def forward_backward(self, batch: Batch, loss_scale: float,
@@ -427,6 +492,12 @@ class CudaBackend:
         except torch.cuda.OutOfMemoryError as e:  # alias of torch.OutOfMemoryError (any device)
             # Leave the except block before freeing: the traceback pins the activations.
             message = str(e).splitlines()[0] if str(e) else "out of memory"
+        except Exception as e:  # inductor builds the forward here and may build the backward lazily
+            if self._compiled_loss is None or not _is_compile_failure(e):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"train.compile: torch.compile could not build the step here ({type(e).__name__}: "
+                            f"{first[:200]}); set train.compile=false") from None
         else:
             if on_phase:
                 on_phase("backward")
@@ -474,7 +545,7 @@ class CudaBackend:
         self.model.eval()  # no dropout
         try:
             with torch.no_grad():
-                return float(self._loss_sum(batch))
+                return float(self._loss_sum(batch, compiled=False))
         finally:
             self.model.train()
 
