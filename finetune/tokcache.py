@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from finetune.io import fsync_tree
+from finetune.io import _fsync_dir, fsync_tree
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 HEADER_BYTES = 128  # an .npy v1.0 header for a 1-D array of any length up to 10**20 (numpy pads to 64)
@@ -235,7 +235,7 @@ class TokenWriter:
                 raise
             shutil.rmtree(self.tmp, ignore_errors=True)  # another job published the same entry first
         else:
-            _fsync_parent(self.final)
+            _fsync_dir(self.final.parent)
         self.tmp = None
         return self.final
 
@@ -246,19 +246,6 @@ class TokenWriter:
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
-
-
-def _fsync_parent(p: Path) -> None:
-    try:
-        fd = os.open(p.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _data_sha256(path: Path) -> str:
