@@ -338,7 +338,6 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "data.val_fraction": (0, 1, True, False, False),
     "data.max_val_samples": (0, INF, True, False, False),
     "train.steps": (1, INF, True, False, False),
-    "memory.phase_every": (1, INF, True, False, False),
     "train.loss_chunk": (0, INF, True, False, False),
     "train.batch_size": (1, INF, True, False, False),
     "train.grad_accum": (1, INF, True, False, False),
@@ -351,6 +350,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "train.pad_multiple": (0, INF, True, False, False),
     "train.keep_checkpoints": (1, INF, True, False, False),
     "memory.sample_every": (0, INF, True, False, False),
+    "memory.phase_every": (1, INF, True, False, False),
     "generate.max_new_tokens": (1, INF, True, False, False),
     "generate.temperature": (0, INF, True, False, False),
 }
