@@ -28,6 +28,7 @@ from finetune import checkpoints
 from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
 from finetune.backends.base import Comm
 from finetune.config import UserError, validate
+from finetune.data import rank_slice
 from finetune.io import atomic_dir, atomic_write_json, finalize_dir
 from finetune.redact import redact_tree
 from finetune.runlog import RankRunLog, RunLog
@@ -310,8 +311,6 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
-        from finetune.data import rank_slice
-
         _fault_injection(step, self.governor.micro)
         batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
         mine = rank_slice(batch, self.comm.rank, self.comm.world_size)
@@ -396,7 +395,7 @@ class Trainer:
             sample = self.acct.sample(step, "optimizer")
             if step == 1 and sample is not None:
                 self._calibrate(sample)
-            self.governor.after_step(step, self._agreed_sample(sample))
+            self.governor.after_step(step, self._agreed_sample(step, sample))
             rec = {"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
                    "tokens_per_sec": ntok / dt if dt > 0 else None}
@@ -429,6 +428,7 @@ class Trainer:
         if self.comm.world_size > 1:
             self._gather_ranks(summary)
             if rank != 0:  # rank 0 writes and prints for every rank
+                self.comm.barrier()  # leave the group together: no rank tears it down mid-traffic
                 self.comm.close()
                 return summary
         atomic_write_json(self.run_dir / "summary.json", summary)
@@ -445,15 +445,17 @@ class Trainer:
         for ex in summary["memory"].get("explanations", []):
             print(f"[memory] {ex['text']}", file=sys.stderr)
         self.runlog.close()
+        self.comm.barrier()
         self.comm.close()
         print(f"run dir: {self.run_dir}", file=sys.stderr)
         return summary
 
-    def _agreed_sample(self, sample: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _agreed_sample(self, step: int, sample: dict[str, Any] | None) -> dict[str, Any] | None:
         """What the governor decides on: this rank's sample in one process; under several, every
         rank's merged (the largest of each figure, fresh only when every rank's reading is), so
-        every rank takes the same decision at the same step."""
-        if self.comm.world_size == 1:
+        every rank takes the same decision at the same step. A step the schedule does not sample
+        (the same steps on every rank) needs no gather."""
+        if self.comm.world_size == 1 or not self.acct.will_sample(step):
             return sample
         keys = ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "peak_allocated", "allocated",
                 "reserved", "swap_used", "psi_some_avg10", "inactive_split")
