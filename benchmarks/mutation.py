@@ -37,7 +37,7 @@ GOV_UNIT = ["tests/test_governor_reactions.py", "tests/test_governor.py", "-k",
             "threshold or adapt or cooldown or in_order or both or divisor or says_so"]
 # (file, function or Class.method, at most this many mutants, the tests that should notice)
 TARGETS: list[tuple[str, str, int, list[str]]] = [
-    ("finetune/loop.py", "lr_at", 5, ["tests/test_schedule.py"]),
+    ("finetune/loop.py", "_lr", 5, ["tests/test_schedule.py"]),
     ("finetune/loop.py", "Trainer._train_step", 3, ["tests/test_values.py", "-k", "cuda"]),
     ("finetune/loop.py", "Trainer.evaluate", 3, ["tests/test_values.py", "-k", "cuda or eval_every"]),
     ("finetune/loop.py", "Trainer.maybe_resume", 2, ["tests/test_train_e2e.py", "-k", "resume and (cuda or effective)"]),

@@ -17,7 +17,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,23 @@ log = logging.getLogger("finetune")
 
 def lr_at(step: int, cfg: Any) -> float:
     """Learning rate for 1-based optimizer ``step``: linear warmup, then the schedule."""
-    base, total, warm = cfg.optim.lr, cfg.train.steps, cfg.train.warmup_steps
+    return schedule(cfg)(step)
+
+
+def schedule(cfg: Any) -> Callable[[int], float]:
+    """``lr_at`` with the config read once: the loop asks every step, and an OmegaConf read
+    costs tens of microseconds where a plain float costs nothing."""
+    return functools.partial(_lr, base=float(cfg.optim.lr), total=int(cfg.train.steps),
+                             warm=int(cfg.train.warmup_steps or 0), kind=str(cfg.train.schedule))
+
+
+def _lr(step: int, base: float, total: int, warm: int, kind: str) -> float:
     if warm and step <= warm:
         return base * step / warm
-    if cfg.train.schedule == "constant" or total <= warm:
+    if kind == "constant" or total <= warm:
         return base
     frac = (step - warm) / max(1, total - warm)
-    if cfg.train.schedule == "linear":
+    if kind == "linear":
         return base * (1.0 - frac)
     return base * 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine to 0 at the last step
 
@@ -77,6 +88,7 @@ class Trainer:
         self.comm = Comm()  # one process until connect() joins a launcher's ranks
         self._stop: _StopOnSignal | None = None
         self._stop_agreed = False
+        self._lr = schedule(cfg)  # optimizer step -> learning rate
 
     # -- ranks -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -345,7 +357,7 @@ class Trainer:
             # lowers the micro-batch (the same on every rank) or raises UserError
             self.governor.on_oom(step, oom or OutOfMemory(f"out of memory on rank(s) {oom_ranks}"),
                                  ranks=oom_ranks if world > 1 else None)
-        grad_norm = self.backend.optimizer_step(lr_at(step, self.cfg))
+        grad_norm = self.backend.optimizer_step(self._lr(step))
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
 
     def evaluate(self) -> float | None:
@@ -371,7 +383,9 @@ class Trainer:
         step_seconds = 0.0
         t_run = time.perf_counter()
         stop = self._stop = _StopOnSignal()
-        for step in range(start + 1, cfg.train.steps + 1):
+        # read once: the config is an OmegaConf tree, whose every read resolves a node
+        steps, eval_every, save_every = int(cfg.train.steps), int(cfg.train.eval_every), int(cfg.train.save_every or 0)
+        for step in range(start + 1, steps + 1):
             # several ranks stop together, at the step they agreed on (_train_step's all-reduce)
             if (stop.requested if self.comm.world_size == 1 else self._stop_agreed):
                 if not self.save_checkpoint(step - 1, stop):
@@ -396,16 +410,16 @@ class Trainer:
             if step == 1 and sample is not None:
                 self._calibrate(sample)
             self.governor.after_step(step, self._agreed_sample(step, sample))
-            rec = {"step": step, "loss": loss, "lr": lr_at(step, cfg), "grad_norm": gnorm, "tokens": ntok,
+            rec = {"step": step, "loss": loss, "lr": self._lr(step), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
                    "tokens_per_sec": ntok / dt if dt > 0 else None}
-            if cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+            if eval_every > 0 and (step % eval_every == 0 or step == steps):
                 val_loss = self.evaluate()
                 rec["val_loss"] = val_loss
                 self.acct.between_steps()  # its memory belongs in the next peak read
             rec.update(self.acct.metrics_fields() if sample is not None else {})
             self.runlog.step(rec, self.acct.progress_text)
-            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+            if save_every and step % save_every == 0 and step < steps:
                 self.save_checkpoint(step, stop)
                 self.acct.between_steps()
             _leak_fault()

@@ -230,6 +230,7 @@ class CudaBackend:
         self.strategy: str | None = None  # "ddp" | "fsdp" under several ranks, else None
         self.sharded = False  # fsdp: every rank saves its shards into one checkpoint directory
         self._loss_chunk = 0  # train.loss_chunk: target tokens per chunk of head + loss (0: whole)
+        self._max_norm: float | None = None  # optim.max_grad_norm (None: no clipping)
         self._compiled_loss: Callable | None = None  # train.compile: token_loss_sum through torch.compile
 
     # ---- several processes -------------------------------------------------------------
@@ -271,6 +272,8 @@ class CudaBackend:
 
         _choose("precision", prec, tuple(CAPABILITIES.precisions))
         self.cfg, self.model_dir = cfg, Path(model_dir)
+        mn = cfg.optim.max_grad_norm
+        self._max_norm = None if mn is None else float(mn)  # read once, not every step
         if stored_quantization(cfg.model, model_dir):
             raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
                             "cannot load; use backend=mlx, or the unquantized checkpoint with method=qlora")
@@ -523,7 +526,7 @@ class CudaBackend:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # clip and report the true (unscaled) norm
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        max_norm = self.cfg.optim.max_grad_norm
+        max_norm = self._max_norm
         if not params:
             norm = None
         elif max_norm is None:

@@ -206,6 +206,7 @@ class MlxBackend:
         self._grads: dict | None = None
         self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
         self._loss_chunk = 0  # train.loss_chunk: tokens per chunk of head + loss (0: whole logits)
+        self._max_norm: float | None = None  # optim.max_grad_norm (None: no clipping)
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
         self._compile = False  # train.compile: the step's two halves through mx.compile
         self._compiled: dict[str, Callable] = {}  # built on first use, dropped when what they traced changes
@@ -242,6 +243,8 @@ class MlxBackend:
         method, prec, oname = cfg.method.name, cfg.precision.name, cfg.optim.name
         check_backend_support("mlx", cfg)
         self.cfg, self.model_dir, self.method = cfg, Path(model_dir), method
+        mn = cfg.optim.max_grad_norm
+        self._max_norm = None if mn is None else float(mn)  # read once, not every step
         self.seed = int(cfg.train.seed)
         mx.random.seed(self.seed)  # LoRA init draws from the global key
         from finetune.model_source import stored_quantization
@@ -415,7 +418,7 @@ class MlxBackend:
 
     def _clip_and_update(self, grads: dict) -> mx.array:
         """Clip to optim.max_grad_norm (unless null), apply the update; the pre-clip norm."""
-        max_norm = self.cfg.optim.max_grad_norm
+        max_norm = self._max_norm
         if max_norm:
             grads, norm = optim.clip_grad_norm(grads, float(max_norm))
         else:
