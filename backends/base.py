@@ -243,3 +243,10 @@ class Backend(Protocol):
     def set_grad_checkpointing(self, enabled: bool) -> None:
         """Turn activation recomputation on or off for the following steps."""
         ...
+
+    def set_loss_chunk(self, tokens: int) -> str | None:
+        """Compute the following steps' loss ``tokens`` target tokens at a time (the governor's
+        lever; ``train.loss_chunk``). Returns None when applied, else why this run's loss
+        cannot be chunked (a compiled loss, FSDP shards, a model whose logits are not its head
+        applied to its hidden states), leaving the loss as it was."""
+        ...

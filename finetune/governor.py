@@ -1,8 +1,10 @@
 """The governor: given the plan, the samples and the budget, what do we change?
 
 Every change keeps the math: the micro-batch only ever moves to a smaller divisor of the
-effective batch (gradient accumulation rises to match), gradient checkpointing recomputes
-rather than approximates, and releasing cached blocks changes no number. Each action is an
+effective batch (gradient accumulation rises to match), the chunked loss computes the same
+cross-entropy a chunk of tokens at a time (equal within float rounding), gradient
+checkpointing recomputes rather than approximates, and releasing cached blocks changes no
+number. Each action is an
 event ``{step, trigger, action, before, after}`` handed to ``emit``.
 """
 
@@ -34,7 +36,10 @@ def smaller_divisor(n: int, below: int) -> int | None:
 
 
 def _measured_peak(sample: dict[str, Any]) -> int | None:
-    """The step's peak as the allocator saw it; RSS where no allocator is measured."""
+    """The step's peak as the allocator saw it; None where no allocator is measured (the cuda
+    backend on the CPU). Not RSS: it counts the interpreter and the frameworks' own libraries
+    (about 0.5 GB before any tensor), which neither the plan nor memory.budget prices, so a
+    budget met by the tensors would read as exceeded on every step."""
     for key in ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "peak_allocated"):
         v = sample.get(key)
         if v is not None:
@@ -62,6 +67,7 @@ class Governor:
         self._swap_base: int | None = None
         self._swap_acted_at: int | None = None
         self._cache_limit_pending = False  # memory.cache_limit=auto: set after the first measured step
+        self._chunk_refused = False  # the backend said it cannot chunk this run's loss
 
     @property
     def effective(self) -> int:
@@ -75,6 +81,27 @@ class Governor:
     @micro.setter
     def micro(self, value: int) -> None:
         self.state.micro_batch = int(value)
+
+    @property
+    def loss_chunk(self) -> int:
+        """train.loss_chunk as the run has it now (0: the whole logits)."""
+        return self.state.loss_chunk
+
+    def _enable_loss_chunk(self, step: int, trigger: str, **detail: Any) -> bool:
+        """Turn the chunked loss on in the backend (``LOSS_CHUNK_LEVER`` tokens); False where
+        it is on already or the backend cannot chunk this run's loss (it says why once)."""
+        from finetune.planner.fit import LOSS_CHUNK_LEVER
+
+        if self.state.loss_chunk or self.backend is None or self._chunk_refused:
+            return False
+        why = self.backend.set_loss_chunk(LOSS_CHUNK_LEVER)
+        if why:
+            self._chunk_refused = True
+            log.info("the loss stays whole: %s", why)
+            return False
+        self.state.loss_chunk = LOSS_CHUNK_LEVER
+        self._act(step, trigger, "enable_loss_chunk", {"loss_chunk": 0}, {"loss_chunk": LOSS_CHUNK_LEVER}, **detail)
+        return True
 
     @property
     def grad_checkpointing(self) -> bool:
@@ -100,7 +127,9 @@ class Governor:
 
     # -- before any weight is loaded ---------------------------------------------------------
     def before_load(self, seq_len: int | None = None, only_check: bool = False) -> None:
-        """Fit the plan to the budget: smaller micro-batch, then checkpointing; else stop.
+        """Fit the plan to the budget: the loss in chunks, a smaller micro-batch, then
+        checkpointing; else stop (``planner.fit_to_budget``). A chunked loss decided here is
+        handed to the backend by ``apply_loss_chunk`` once the model is loaded.
 
         Args:
             seq_len: the longest sample the run will see (the plan's activations scale with it).
@@ -144,6 +173,22 @@ class Governor:
             self.emit({"step": 0, **ev})
         self.micro = res.batch_size
         self.grad_checkpointing = res.grad_checkpointing
+        self.state.loss_chunk = res.loss_chunk
+
+    def apply_loss_chunk(self) -> None:
+        """After setup: a chunked loss the plan chose before loading goes to the backend. Where
+        the backend cannot chunk this model's loss, the run goes on with the whole logits, the
+        event says so, and the measured peak and OOM reactions take over."""
+        want = self.state.loss_chunk
+        if not want or want == int(getattr(self.cfg.train, "loss_chunk", 0) or 0):
+            return  # nothing chosen, or the user's own setting (the backend applied it at setup)
+        why = self.backend.set_loss_chunk(want)
+        if why:
+            self._chunk_refused = True
+            self.state.loss_chunk = 0
+            self._act(0, "backend", "disable_loss_chunk", {"loss_chunk": want}, {"loss_chunk": 0}, reason=why)
+            log.warning("the plan chose train.loss_chunk=%d to fit memory.budget, but %s; the loss stays whole",
+                        want, why)
 
     def attach(self, backend: Any) -> None:
         """Apply framework limits from the budget (MLX: memory and wired limits) and the cache
@@ -190,20 +235,33 @@ class Governor:
     def restore(self, state: dict[str, Any]) -> None:
         # a supervisor restart may have lowered train.batch_size below the checkpoint's micro
         self.micro = min(int(state.get("micro_batch", self.micro)), self.micro)
+        if state.get("loss_chunk") and not self.state.loss_chunk and self.backend is not None:
+            why = self.backend.set_loss_chunk(int(state["loss_chunk"]))  # None: applied
+            if why is None:
+                self.state.loss_chunk = int(state["loss_chunk"])
         if state.get("grad_checkpointing") and not self.grad_checkpointing and self.backend is not None:
             self.backend.set_grad_checkpointing(True)
         self.grad_checkpointing = bool(state.get("grad_checkpointing", self.grad_checkpointing))
 
     # -- while training ----------------------------------------------------------------------
-    def on_oom(self, step: int, exc: Exception, ranks: list[int] | None = None) -> None:
-        """An allocation failed mid-step: lower the micro-batch so the loop redoes the step.
+    def on_oom(self, step: int, exc: Exception, ranks: list[int] | None = None, row_tokens: int | None = None) -> None:
+        """An allocation failed mid-step: change one thing so the loop redoes the step. First
+        a smaller micro-batch (the exact lever: which allocation failed is not known); at
+        micro-batch 1 the chunked loss (no [T, V] logits); then gradient checkpointing.
         Under several ranks every rank calls this at the same step (``ranks``: those that ran
-        out, recorded in the event), so all lower to the same micro-batch."""
+        out, recorded in the event), so all change the same thing. ``row_tokens``: the step's
+        widest row (padded); the chunked loss is tried only where a micro-batch holds more
+        targets than one chunk, so that it changes something."""
         detail = {"ranks": ranks} if ranks else {}
         if not self.adapt:
             raise UserError(f"out of memory at step {step} with micro-batch {self.micro} and memory.adapt=false; "
                             "set memory.adapt=true or lower train.batch_size (raise train.grad_accum to keep the batch)")
         if not self._lower_micro(step, "oom", **detail):
+            from finetune.planner.fit import LOSS_CHUNK_LEVER
+
+            wide = row_tokens is None or self.micro * (row_tokens - 1) > LOSS_CHUNK_LEVER
+            if wide and self._enable_loss_chunk(step, "oom", **detail):
+                return
             if not self.grad_checkpointing:
                 self.grad_checkpointing = True
                 self.backend.set_grad_checkpointing(True)

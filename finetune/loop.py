@@ -155,6 +155,7 @@ class Trainer:
         if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
+        self.governor.apply_loss_chunk()  # a chunked loss the plan chose to fit the budget
         self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every, rank=self.comm.rank,
                                phase_every=int(getattr(cfg.memory, "phase_every", 10)))
         self.acct.run_facts = {"adaptations": self.events, "adapt": bool(cfg.memory.adapt),
@@ -197,6 +198,7 @@ class Trainer:
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {"step": step, "micro_batch": self.governor.micro,
                 "grad_checkpointing": self.governor.grad_checkpointing,
+                "loss_chunk": self.governor.loss_chunk,
                 "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
                 "world_size": self.comm.world_size,
                 "tokens": self.tokens, "samples": self.samples, **self._identity()}
@@ -356,7 +358,8 @@ class Trainer:
             self.backend.release_cache()
             # lowers the micro-batch (the same on every rank) or raises UserError
             self.governor.on_oom(step, oom or OutOfMemory(f"out of memory on rank(s) {oom_ranks}"),
-                                 ranks=oom_ranks if world > 1 else None)
+                                 ranks=oom_ranks if world > 1 else None,
+                                 row_tokens=int(batch.input_ids.shape[1]))  # every rank's batch: one decision
         grad_norm = self.backend.optimizer_step(self._lr(step))
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
 

@@ -17,6 +17,7 @@ class RunState:
     micro_batch: int  # samples per forward/backward
     effective_batch: int  # samples per optimizer step: micro_batch * grad_accum, fixed for the run
     grad_checkpointing: bool
+    loss_chunk: int = 0  # train.loss_chunk: target tokens per chunk of head + loss (0: the whole logits)
 
     @property
     def grad_accum(self) -> int:
@@ -26,7 +27,7 @@ class RunState:
     def from_config(cls, cfg: Any, backend: str) -> RunState:
         t = cfg.train
         return cls(backend=backend, micro_batch=int(t.batch_size), effective_batch=int(t.batch_size) * int(t.grad_accum),
-                   grad_checkpointing=bool(t.grad_checkpointing))
+                   grad_checkpointing=bool(t.grad_checkpointing), loss_chunk=int(getattr(t, "loss_chunk", 0) or 0))
 
     def with_(self, **changes: Any) -> RunState:
         """A copy with ``changes`` (micro_batch, grad_checkpointing, ...)."""

@@ -139,15 +139,21 @@ def test_oom_with_checkpointing_at_micro_batch_one_gives_up_clearly(cfg_factory,
 class _Backend:
     """What the governor asks of a backend while training, counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_refusal: str | None = None) -> None:
         self.released = 0
         self.checkpointing: list[bool] = []
+        self.chunks: list[int] = []
+        self.chunk_refusal = chunk_refusal  # what set_loss_chunk answers (None: applied)
 
     def release_cache(self) -> None:
         self.released += 1
 
     def set_grad_checkpointing(self, on: bool) -> None:
         self.checkpointing.append(on)
+
+    def set_loss_chunk(self, tokens: int) -> str | None:
+        self.chunks.append(tokens)
+        return self.chunk_refusal
 
 
 def _governor(cfg_factory, *over: str, micro: int = 8) -> tuple[Governor, list[dict[str, Any]], _Backend]:
@@ -242,18 +248,38 @@ def test_fragmentation_reaction_needs_both_thresholds(cfg_factory):
 
 
 def test_oom_reactions_in_order(cfg_factory):
-    """Halve to the next divisor of the effective batch, then checkpoint at 1, then stop."""
+    """Halve to the next divisor of the effective batch, then at 1 the chunked loss, then
+    checkpoint, then stop."""
+    from finetune.planner.fit import LOSS_CHUNK_LEVER
+
     gov, events, be = _governor(cfg_factory, micro=6)
-    for step in (4, 4, 4):
-        gov.on_oom(step, RuntimeError("oom"))
+    for step in (4, 4, 4, 4):
+        gov.on_oom(step, RuntimeError("oom"), row_tokens=LOSS_CHUNK_LEVER + 2)  # 1 row: one chunk and a bit
     assert _moves(events) == [
         (4, "oom", "lower_micro_batch", _micro(6, 1), _micro(3, 2)),
         (4, "oom", "lower_micro_batch", _micro(3, 2), _micro(1, 6)),
+        (4, "oom", "enable_loss_chunk", {"loss_chunk": 0}, {"loss_chunk": LOSS_CHUNK_LEVER}),
         (4, "oom", "enable_grad_checkpointing", {"grad_checkpointing": False}, {"grad_checkpointing": True})]
+    assert be.chunks == [LOSS_CHUNK_LEVER] and gov.loss_chunk == LOSS_CHUNK_LEVER
     assert be.checkpointing == [True] and gov.grad_checkpointing
     with pytest.raises(UserError, match="out of memory at step 5 even at micro-batch 1 with gradient checkpointing"):
         gov.on_oom(5, RuntimeError("oom"))
-    assert len(events) == 3
+    assert len(events) == 4 and be.chunks == [LOSS_CHUNK_LEVER]  # on once, never again
+
+
+@pytest.mark.parametrize("case", ["one_chunk", "refused"])
+def test_oom_skips_the_chunked_loss_where_it_would_change_nothing(cfg_factory, case):
+    """Rows of at most one chunk of targets (the chunked loss would compute the same logits),
+    or a backend that cannot chunk this model's loss: straight to checkpointing, and a refusal
+    is asked once."""
+    from finetune.planner.fit import LOSS_CHUNK_LEVER
+
+    gov, events, be = _governor(cfg_factory, micro=1)
+    if case == "refused":
+        be.chunk_refusal = "its logits are soft-capped"
+    gov.on_oom(3, RuntimeError("oom"), row_tokens=LOSS_CHUNK_LEVER + 1 if case == "one_chunk" else 4096)
+    assert [e["action"] for e in events] == ["enable_grad_checkpointing"] and gov.loss_chunk == 0
+    assert be.chunks == ([] if case == "one_chunk" else [LOSS_CHUNK_LEVER])
     off, off_events, _ = _governor(cfg_factory, "memory.adapt=false")
     with pytest.raises(UserError, match="memory.adapt=false"):
         off.on_oom(1, RuntimeError("oom"))

@@ -409,29 +409,40 @@ def test_parse_budget_rejects_bad_text_naming_valid_forms(text, total):
 
 # ---- fitting to a budget ------------------------------------------------------------------------
 
-def test_fit_to_budget_lowers_micro_batch_keeping_effective_batch(tmp_path):
+@pytest.mark.parametrize("chunk_lever", [True, False])
+def test_fit_to_budget_lowers_micro_batch_keeping_effective_batch(tmp_path, chunk_lever):
+    """The chunked loss first (12 x 1,024 tokens is twelve chunks), then the micro-batch;
+    where the lever is not available (train.compile on cuda) the micro-batch alone."""
+    from finetune.planner.fit import LOSS_CHUNK_LEVER
+
+    extra = () if chunk_lever else ("train.compile=true",)
+    priced = (f"train.loss_chunk={LOSS_CHUNK_LEVER}",) if chunk_lever else ()
     cfg = _cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", "train.batch_size=12", "train.grad_accum=2",
-               "train.seq_len=1024")
+               "train.seq_len=1024", *extra)
     peaks = {b: planner.plan(_cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", f"train.batch_size={b}",
-                                  "train.seq_len=1024"), recommend=False)["max_device_peak_bytes"] for b in (12, 8, 6, 4)}
+                                  "train.seq_len=1024", *priced), recommend=False)["max_device_peak_bytes"]
+             for b in (12, 8, 6, 4)}
     budget = (peaks[6] + peaks[8]) // 2  # 8 does not divide 24? it does; 8 > budget, 6 fits
     res = planner.fit_to_budget(cfg, budget)
     assert res.fits and res.batch_size == 6 and res.grad_accum == 4 and not res.grad_checkpointing
     assert res.batch_size * res.grad_accum == 24
-    (ev,) = res.events
-    assert ev["action"] == "lower_micro_batch" and ev["before"]["batch_size"] == 12 and ev["after"]["batch_size"] == 6
+    assert res.loss_chunk == (LOSS_CHUNK_LEVER if chunk_lever else 0)
+    assert [e["action"] for e in res.events] == ["enable_loss_chunk"] * chunk_lever + ["lower_micro_batch"]
+    ev = res.events[-1]
+    assert ev["before"]["batch_size"] == 12 and ev["after"]["batch_size"] == 6
     assert set(ev) == {"trigger", "action", "before", "after"}
     assert res.plan["fits"] and res.plan["batch_size"] == 6 and res.plan["max_device_peak_bytes"] <= budget
     # a budget that already fits changes nothing
-    same = planner.fit_to_budget(cfg, peaks[12] * 2)
-    assert same.fits and not same.events and same.batch_size == 12
+    same = planner.fit_to_budget(cfg, peaks[12] * 3)
+    assert same.fits and not same.events and same.batch_size == 12 and same.loss_chunk == 0
 
 
 def test_fit_to_budget_turns_on_checkpointing_then_gives_up_with_suggestions(tmp_path):
     over = ("model=qwen2-0.5b", "backend=cuda", "train.batch_size=4", "train.grad_accum=3", "train.seq_len=2048")
-    one = planner.plan(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048"), recommend=False)
+    chunked = "train.loss_chunk=1024"  # what the fit turns on first: 2,047 targets a row
+    one = planner.plan(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048", chunked), recommend=False)
     ck = planner.plan(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048",
-                           "train.grad_checkpointing=true"), recommend=False)
+                           "train.grad_checkpointing=true", chunked), recommend=False)
     assert ck["max_device_peak_bytes"] < one["max_device_peak_bytes"]
     res = planner.fit_to_budget(_cfg(tmp_path, *over), (one["max_device_peak_bytes"] + ck["max_device_peak_bytes"]) // 2)
     assert res.fits and res.grad_checkpointing and res.batch_size * res.grad_accum == 12

@@ -95,6 +95,16 @@ def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return _ChunkedHeadLoss.apply(head, autocast_ctx, chunk, targets, weights, flat, *params)
 
 
+def check_chunkable(model: torch.nn.Module, device: torch.device, autocast_ctx: AutocastFactory) -> None:
+    """Raise UnsupportedModel unless the chunked loss reproduces ``model``'s loss: it names an
+    output head, and its logits are that head applied to the hidden states (checked once per
+    model, on 8 tokens in eval mode). For a caller turning the chunked loss on mid-run."""
+    head = output_head(model)
+    if model not in _HEAD_CHECKED:
+        ids = torch.arange(8, device=device)[None, :]
+        _check_head(model, head, ids, torch.ones_like(ids), autocast_ctx)
+
+
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
     """The module that maps the last hidden states to logits (``lm_head``, or the embedding
     when tied, as transformers resolves it), through DDP and PEFT wrappers. A LoRA adapter on

@@ -440,6 +440,28 @@ class CudaBackend:
                 hf.gradient_checkpointing_disable()
         self.grad_checkpointing = enabled
 
+    def set_loss_chunk(self, tokens: int) -> str | None:
+        """The governor's lever: the following steps compute head + loss ``tokens`` target
+        tokens at a time. None when applied, else why not (the loss is left as it was)."""
+        from finetune.backends.cuda.loss import UnsupportedModel, check_chunkable
+
+        if tokens <= 0:
+            self._loss_chunk = 0
+            return None
+        if self.sharded:
+            return "under backend.strategy=fsdp the output head's weights are shards outside FSDP's forward"
+        if self._compiled_loss is not None:
+            return "train.compile traced the whole-logits loss"
+        try:
+            check_chunkable(self.model, self.device, self._autocast)
+        except UnsupportedModel as e:
+            return str(e)
+        except torch.OutOfMemoryError:
+            self.release_cache()
+            return "no memory was left to check the model's head on 8 tokens"
+        self._loss_chunk = int(tokens)
+        return None
+
     # ---- steps -------------------------------------------------------------------------
     def _autocast(self) -> Any:
         on = self.autocast_dtype is not None

@@ -499,6 +499,21 @@ class MlxBackend:
         self.grad_checkpointing = enabled
         self._compiled = {}  # a traced forward would keep the blocks' previous __call__
 
+    def set_loss_chunk(self, tokens: int) -> str | None:
+        """The governor's lever: the following steps compute head + loss ``tokens`` target
+        tokens at a time. None when applied, else why not (the loss is left as it was)."""
+        from finetune.backends.mlx.loss import UnsupportedModel, _check_head, output_head
+
+        if tokens > 0:
+            try:
+                _, call = output_head(self.model)
+                _check_head(self.model, call, mx.arange(8)[None, :])
+            except UnsupportedModel as e:
+                return str(e)
+        self._loss_chunk = max(0, int(tokens))  # _loss reads it at every call
+        self._compiled = {}  # a traced step would keep the loss it was traced with
+        return None
+
     # ---- save / resume -----------------------------------------------------------------
     def save_adapter(self, path: Path | None) -> None:
         """Write the adapter (or, for method=full, an mlx-lm model directory) into ``path``;

@@ -1,5 +1,6 @@
-"""Fitting a run to a budget while keeping its math: smaller micro-batches (accumulation
-rises to match), then gradient checkpointing; else the levers that would make it fit."""
+"""Fitting a run to a budget while keeping its math: the loss a chunk of tokens at a time,
+smaller micro-batches (accumulation rises to match), then gradient checkpointing; else the
+levers that would make it fit."""
 
 from __future__ import annotations
 
@@ -24,6 +25,16 @@ def _setup_with(s: Setup, **changes: Any) -> Setup:
 
 def _fits(p: dict[str, Any], budget: int | None) -> bool | None:
     return None if budget is None else p["max_device_peak_bytes"] <= budget
+
+def chunk_lever_ok(cfg: Any, s: Setup) -> bool:
+    """Whether the governor may turn on ``train.loss_chunk`` for this run: it is off, the
+    ranks are not FSDP shards (the head's weights are sharded outside FSDP's forward) and,
+    on cuda, the loss is not compiled (the chunked loss picks rows on the host). The same
+    refusals the runtimes give a user who sets it."""
+    train = cfg.get("train") if hasattr(cfg, "get") else getattr(cfg, "train", None)
+    compiled = bool(getattr(train, "compile", False)) if train is not None else False
+    return (not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1)
+            and not (s.backend == "cuda" and compiled))
 
 def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
@@ -118,11 +129,16 @@ class FitResult:
     grad_checkpointing: bool
     events: list[dict[str, Any]] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
 
 def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state: Any = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
-    First lower the micro-batch to the largest divisor of the effective batch that fits
+    First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
+    tokens at a time (``train.loss_chunk``): the [B, T, V] logits never exist, the loss and
+    gradients are the same within float rounding and the step is no slower (the largest
+    tensor of a large-vocabulary step goes first, and the micro-batch stays as large as it
+    can). Then lower the micro-batch to the largest divisor of the effective batch that fits
     (grad_accum rises so batch_size * grad_accum stays exactly the same); if even micro-batch 1
     does not fit, turn on gradient checkpointing and take the largest micro-batch that fits with
     it. If nothing fits, return fits=False with the plan at micro-batch 1 with checkpointing and
@@ -138,14 +154,25 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
 
     def full_plan(batch: int, ckpt: bool) -> dict[str, Any]:
         return plan(cfg, seq_len=seq_len, budget_bytes=budget, recommend=False,
-                    state=base.with_(micro_batch=batch, grad_checkpointing=ckpt))
+                    state=base.with_(micro_batch=batch, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
 
     p0 = _core(arch, s)
     before = {"batch_size": s.batch, "grad_accum": s.grad_accum, "grad_checkpointing": s.ckpt,
               "peak_bytes": p0["max_device_peak_bytes"], "budget_bytes": budget}
     if _fits(p0, budget):
-        return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt)
+        return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, loss_chunk=s.loss_chunk)
     events: list[dict[str, Any]] = []
+    chunked = _setup_with(s, loss_chunk=LOSS_CHUNK_LEVER)
+    pc = _core(arch, chunked) if chunk_lever_ok(cfg, s) else p0
+    if pc["max_device_peak_bytes"] < p0["max_device_peak_bytes"]:  # a step of over LOSS_CHUNK_LEVER targets
+        s = chunked
+        events.append({"trigger": "plan_over_budget", "action": "enable_loss_chunk",
+                       "before": {"loss_chunk": 0, "peak_bytes": p0["max_device_peak_bytes"], "budget_bytes": budget},
+                       "after": {"loss_chunk": LOSS_CHUNK_LEVER, "peak_bytes": pc["max_device_peak_bytes"]}})
+        if _fits(pc, budget):
+            return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, events,
+                             loss_chunk=s.loss_chunk)
+        before = {**before, "peak_bytes": pc["max_device_peak_bytes"]}
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -162,7 +189,7 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
                 events.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing",
                                "before": {**prev}, "after": {**prev, "grad_checkpointing": True,
                                                              "peak_bytes": p["max_device_peak_bytes"]}})
-            return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events)
+            return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events, loss_chunk=s.loss_chunk)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
-    return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions)
+    return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)

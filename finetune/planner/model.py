@@ -242,7 +242,7 @@ def _block_keys(keys: list[str]) -> tuple[str, ...]:
 def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Arch, Setup]:
     """Resolve the config (and the machine, for backend=auto and the GPU count) into an
     architecture and a setup. ``state`` (a finetune.state.RunState) overrides the backend,
-    micro-batch, accumulation and checkpointing with the run's live values. Raises UserError
+    micro-batch, accumulation, checkpointing and loss chunk with the run's live values. Raises UserError
     for a combination the backend would refuse."""
     arch = arch_from_cfg(_get(cfg, "model"))
     b = _get(cfg, "backend")
@@ -305,7 +305,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
         momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
         budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
         pre_quant=pre_quant if backend == "mlx" else None, world_size=world_size, strategy=strategy,
-        loss_chunk=int(_get(t, "loss_chunk", 0) or 0),
+        loss_chunk=state.loss_chunk if state is not None else int(_get(t, "loss_chunk", 0) or 0),
     )
     if setup.pre_quant:
         # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /

@@ -1,0 +1,177 @@
+"""The chunked loss as a governor lever (train.loss_chunk), in real runs of the cuda backend on
+the CPU: chosen before loading when the plan says it alone brings the step under
+memory.budget, and turned on after an out-of-memory at micro-batch 1 when the failing tensor is
+the logits. Either way the losses equal the unadapted run's within float rounding.
+
+The chunk is LOSS_CHUNK_LEVER tokens (1,024 for users); here it is patched to 32 so the tiny
+model's short samples hold several chunks, the same code path at a size a CPU test can run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import finetune.loop as loop_mod
+import finetune.planner.fit as fit_mod
+from finetune import planner
+from finetune.loop import Trainer, train
+
+from conftest import needs_mlx, needs_torch
+
+CHUNK = 32
+COMMON = ("backend=cuda", "train.progress=false", "data.num_samples=64", "train.eval_every=0", "train.steps=3",
+          "train.warmup_steps=1", "train.seq_len=64")
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.startswith('{"step"')]
+
+
+def _logits_oom_backend(from_step: int) -> Any:
+    """The real cuda backend whose output head raises torch's OutOfMemoryError from optimizer
+    step ``from_step`` on whenever it produces logits for more than one position of a row, the
+    [B, T, V] tensor the chunked loss never builds (its chunks are [N, V] with N <= CHUNK)."""
+    import torch
+
+    from finetune.backends.cuda.loss import output_head
+    from finetune.backends.cuda.runtime import CudaBackend
+
+    class LogitsOom(CudaBackend):
+        steps_done = 0
+
+        def setup(self, cfg, model_dir):
+            info = super().setup(cfg, model_dir)
+
+            def hook(module, args, out):
+                if self.steps_done >= from_step - 1 and out.dim() == 3 and out.shape[1] > 1:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test: logits)")
+
+            output_head(self.model).register_forward_hook(hook)
+            return info
+
+        def optimizer_step(self, lr):
+            self.steps_done += 1
+            return super().optimizer_step(lr)
+
+    return LogitsOom()
+
+
+@needs_torch
+def test_oom_on_the_logits_turns_on_the_chunked_loss_at_micro_batch_one(cfg_factory, tmp_path, monkeypatch):
+    monkeypatch.setattr(fit_mod, "LOSS_CHUNK_LEVER", CHUNK)
+    monkeypatch.setattr(loop_mod, "get_backend", lambda name: _logits_oom_backend(2))
+    adapted = train(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "oom"))
+    monkeypatch.undo()
+    moves = [(e["step"], e["trigger"], e["action"], e["after"]) for e in adapted["adaptations"]]
+    assert moves == [(2, "oom", "lower_micro_batch", {"batch_size": 1, "grad_accum": 4}),
+                     (2, "oom", "enable_loss_chunk", {"loss_chunk": CHUNK})]
+    plain = train(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "plain"))
+    assert adapted["tokens"] == plain["tokens"] and adapted["samples"] == plain["samples"]
+    assert _losses(tmp_path / "oom") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
+
+
+@needs_torch
+def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory, tmp_path, monkeypatch):
+    """memory.budget between the plan with the whole logits and the plan with them chunked, at
+    the run's own micro-batch: the governor turns on the chunked loss before loading (event at
+    step 0), the backend computes the loss in chunks, the micro-batch stays 4, and a checkpoint
+    records it."""
+    monkeypatch.setattr(fit_mod, "LOSS_CHUNK_LEVER", CHUNK)
+    over = (*COMMON, "train.batch_size=4", "train.save_every=3")
+    probe = Trainer(cfg_factory(*over, run_dir=tmp_path / "probe"))
+    probe.connect()
+    from finetune.data import build
+    from finetune.model_source import resolve_model_dir
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(probe.cfg.model, seed=0)))
+    L = build(probe.cfg, tok)[1]["max_padded_tokens"]  # the length the governor plans for
+    whole = planner.plan(cfg_factory(*over), seq_len=L, recommend=False)["max_device_peak_bytes"]
+    chunked = planner.plan(cfg_factory(*over, f"train.loss_chunk={CHUNK}"), seq_len=L,
+                           recommend=False)["max_device_peak_bytes"]
+    assert chunked < whole  # 4 rows of L tokens are several chunks
+    budget = (whole + chunked) // 2
+    trainer = Trainer(cfg_factory(*over, f"memory.budget={budget}", run_dir=tmp_path / "fit"))
+    trainer.connect()
+    with trainer.runlog:
+        trainer.setup()
+        summary = trainer.train()
+    (ev,) = summary["adaptations"]
+    assert (ev["step"], ev["trigger"], ev["action"]) == (0, "plan_over_budget", "enable_loss_chunk")
+    assert ev["before"]["peak_bytes"] == whole and ev["after"] == {"loss_chunk": CHUNK, "peak_bytes": chunked}
+    assert trainer.backend._loss_chunk == CHUNK and summary["micro_batch"] == 4
+    state = json.loads((tmp_path / "fit" / "checkpoints" / "step_0000003" / "trainer_state.json").read_text())
+    assert state["loss_chunk"] == CHUNK
+    plain = train(cfg_factory(*over, run_dir=tmp_path / "plain"))
+    assert plain["adaptations"] == []
+    assert _losses(tmp_path / "fit") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
+
+
+@needs_torch
+def test_a_compiled_loss_is_never_chunked_by_the_governor(cfg_factory, tmp_path):
+    """train.compile on cuda traced the whole-logits loss: the backend refuses the lever (and
+    the planner never chooses it), in words."""
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.model_source import resolve_model_dir
+
+    cfg = cfg_factory(*COMMON, "train.compile=true")
+    be = CudaBackend()
+    be.setup(cfg, resolve_model_dir(cfg.model, seed=0))
+    why = be.set_loss_chunk(CHUNK)
+    assert why and "train.compile" in why and be._loss_chunk == 0
+    arch, s = planner.resolve(cfg)
+    assert not fit_mod.chunk_lever_ok(cfg, s)
+
+
+@needs_mlx
+def test_mlx_lever_chunks_the_next_steps_loss_and_refuses_a_soft_capped_model(cfg_factory, tmp_path):
+    """MlxBackend.set_loss_chunk: the next forward_backward's loss is the same number, now in
+    chunks; a model whose logits are soft-capped after the head is refused in words."""
+    import numpy as np
+    from mlx_lm.models import gemma2
+
+    from finetune.backends.mlx.runtime import MlxBackend
+    from finetune.data import build
+    from finetune.model_source import resolve_model_dir
+    from transformers import AutoTokenizer
+
+    cfg = cfg_factory("backend=mlx", *COMMON[1:])
+    model_dir = resolve_model_dir(cfg.model, seed=0)
+    be = MlxBackend()
+    be.setup(cfg, model_dir)
+    batch = build(cfg, AutoTokenizer.from_pretrained(str(model_dir)))[0].train_batch(0)
+    targets = int(batch.loss_mask[:, 1:].sum())
+    assert targets > 2 * CHUNK  # several chunks
+    whole = be.forward_backward(batch, 1.0)
+    be.zero_grad()
+    assert be.set_loss_chunk(CHUNK) is None and be._loss_chunk == CHUNK
+    chunked = be.forward_backward(batch, 1.0)
+    assert chunked == pytest.approx(whole, rel=1e-5) and whole > 0
+
+    capped = MlxBackend()
+    capped.model = gemma2.Model(gemma2.ModelArgs(model_type="gemma2", hidden_size=16, num_hidden_layers=1,
+                                                 intermediate_size=32, num_attention_heads=2, head_dim=8,
+                                                 rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=1))
+    why = capped.set_loss_chunk(CHUNK)
+    assert why and "final_logit_softcapping" in why and capped._loss_chunk == 0
+    assert np.isfinite(whole)
+
+
+@needs_torch
+def test_torch_lever_refuses_a_soft_capped_model() -> None:
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from finetune.backends.cuda.runtime import CudaBackend
+
+    torch.manual_seed(0)
+    be = CudaBackend()
+    be.model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                              final_logit_softcapping=30.0))
+    why = be.set_loss_chunk(CHUNK)
+    assert why and "soft-capping" in why and be._loss_chunk == 0
