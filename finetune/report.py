@@ -132,7 +132,8 @@ def rows(root: Path) -> list[dict[str, Any]]:
             rel = peak_err.get("relative_error")
             row["plan_error_pct"] = None if rel is None else 100.0 * rel
             row["adaptations"] = len([e for e in s.get("adaptations") or []
-                                      if e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing")])
+                                      if e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing",
+                                                             "enable_loss_chunk")])
             row["loss_noise"] = _loss_noise(run)
         else:
             p = json.loads((run / "pruned.json").read_text())

@@ -106,6 +106,15 @@ def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory,
     assert trainer.backend._loss_chunk == CHUNK and summary["micro_batch"] == 4
     state = json.loads((tmp_path / "fit" / "checkpoints" / "step_0000003" / "trainer_state.json").read_text())
     assert state["loss_chunk"] == CHUNK
+    # the event in words: memory.png's marker, the swap sentence's account, the sweep report's count
+    from finetune.accounting.report import _event_label
+    from finetune.accounting.rules import _governor_said
+    from finetune.report import rows
+
+    assert _event_label(ev) == f"loss in chunks of {CHUNK}"
+    assert _governor_said({"adaptations": [ev]}, 0) == \
+        f"the governor computed the loss in chunks of {CHUNK} tokens at step 0 (plan_over_budget)"
+    assert [r["adaptations"] for r in rows(tmp_path / "fit")] == [1]
     plain = train(cfg_factory(*over, run_dir=tmp_path / "plain"))
     assert plain["adaptations"] == []
     assert _losses(tmp_path / "fit") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)

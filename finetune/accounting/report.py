@@ -131,6 +131,7 @@ HOST_LINES = (("rss", "process RSS", "#17becf", "-"), ("peak_rss", "process peak
               ("compressed", "system compressed", "#bcbd22", "--"))
 _ACTION_LABEL = {"lower_micro_batch": "micro-batch {b[batch_size]}->{a[batch_size]}",
                  "enable_grad_checkpointing": "grad checkpointing on", "release_cache": "cache released",
+                 "enable_loss_chunk": "loss in chunks of {a[loss_chunk]}",
                  "set_mlx_cache_limit": "cache limit {a_cache_limit}", "set_mlx_limits": "mlx limits"}
 
 

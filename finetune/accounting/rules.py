@@ -351,7 +351,8 @@ def _swapping_steps(samples: list[dict[str, Any]]) -> tuple[set[int], int | None
 
 def _governor_said(ctx: dict[str, Any], from_step: int) -> str:
     acts = [e for e in ctx.get("adaptations") or [] if e.get("step", 0) >= from_step
-            and e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing", "release_cache")]
+            and e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing", "enable_loss_chunk",
+                                    "release_cache")]
     if not acts:
         return ("the governor changed nothing" + ("" if ctx.get("adapt", True) else " (memory.adapt=false)")
                 + ("" if ctx.get("budget_set") else "; set memory.budget so it keeps the run under RAM"))
@@ -360,6 +361,7 @@ def _governor_said(ctx: dict[str, Any], from_step: int) -> str:
         b, a = e.get("before") or {}, e.get("after") or {}
         what = {"lower_micro_batch": f"lowered the micro-batch {b.get('batch_size')} -> {a.get('batch_size')}",
                 "enable_grad_checkpointing": "turned on gradient checkpointing",
+                "enable_loss_chunk": f"computed the loss in chunks of {a.get('loss_chunk')} tokens",
                 "release_cache": "released MLX's cache"}[e["action"]]
         said.append(f"{what} at step {e['step']} ({e.get('trigger')})")
     return "the governor " + ", then ".join(said)
