@@ -2,6 +2,11 @@
 
     python benchmarks/vs_peers.py                      # both backends, 3 alternating runs each
     python benchmarks/vs_peers.py --backends cuda --runs 5 --steps 60
+    python benchmarks/vs_peers.py --backends mlx --runs 2 --steps 20   # ~30 min on a 2-core CPU
+
+Time it on a CPU: the cuda half takes about a minute a run; the MLX half, on mlx[cpu]'s
+reference BLAS, 10-20 s a step (~10 min for one 40-step run of ours, about twice that for
+mlx-lm's), so the default 3 x 40 steps is an hour there. Both sides skip their first 10 steps.
 
 The same local model on both sides: a random Qwen2-architecture model of ~3.7 M parameters
 (hidden 256, 4 layers, intermediate 704, vocab 2048, built by finetune's own builder with a
