@@ -46,7 +46,7 @@ class UnsupportedModel(ValueError):
     """``chunk > 0`` on a model the chunked loss cannot reproduce exactly (its logits are not its
     head applied to the hidden states it feeds the head). The message names the fix."""
 
-def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    loss_mask: torch.Tensor, chunk: int, autocast_ctx: AutocastFactory,
                    liger: bool = True) -> torch.Tensor:
     """Sum of fp32 token cross-entropy over target positions, as a 0-dim fp32 tensor.
@@ -55,7 +55,8 @@ def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         model: a transformers causal LM, or a PEFT model wrapping one (what ``CudaBackend.model``
             holds); called with ``input_ids``, ``attention_mask`` and ``use_cache=False``.
         input_ids: [B, T] int64 on the model's input device; targets are ``input_ids[:, 1:]``.
-        attention_mask: [B, T], 1 for real tokens.
+        attention_mask: [B, T], 1 for real tokens; None for right-padded rows of a causal model
+            (a pad comes after every real token of its row, so no real token sees it).
         loss_mask: [B, T] (the batch's own ``loss_mask``, any device; float or int): the weight
             of each position as a target; column 0 is never a target and is ignored.
         chunk: target tokens per chunk of the head + cross-entropy; 0 computes the full
@@ -119,7 +120,7 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-def _full_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def _full_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    loss_mask: torch.Tensor, autocast_ctx: AutocastFactory) -> torch.Tensor:
     # The unchunked loss, op for op as CudaBackend._loss_sum computed it before chunking existed.
     with autocast_ctx():
@@ -132,7 +133,7 @@ def _full_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
 
 def _body(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
-          attention_mask: torch.Tensor, autocast_ctx: AutocastFactory) -> torch.Tensor:
+          attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory) -> torch.Tensor:
     """[B, T, H]: what the model feeds its head, from the model's own forward.
 
     A pre-hook on the head keeps its input and hands the head the last position only, so the
@@ -140,13 +141,14 @@ def _body(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor
     norm, any scaling, PEFT, DDP) stays the model's own. The model's [B, 1, V] output is dropped.
     """
     if model not in _HEAD_CHECKED:
-        _check_head(model, head, input_ids[:1, :8], attention_mask[:1, :8], autocast_ctx)
+        _check_head(model, head, input_ids[:1, :8], None if attention_mask is None else attention_mask[:1, :8],
+                    autocast_ctx)
     hidden, _ = _forward_keeping_head_input(model, head, input_ids, attention_mask, autocast_ctx)
     return hidden
 
 
 def _forward_keeping_head_input(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
-                                attention_mask: torch.Tensor, autocast_ctx: AutocastFactory) -> tuple:
+                                attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory) -> tuple:
     kept: dict[str, torch.Tensor] = {}
 
     def keep_last(module: torch.nn.Module, args: tuple) -> tuple:
@@ -167,7 +169,7 @@ def _forward_keeping_head_input(model: torch.nn.Module, head: torch.nn.Module, i
 
 
 def _check_head(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor, autocast_ctx: AutocastFactory) -> None:
+                attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory) -> None:
     """Once per model, on a few tokens in eval mode (no dropout, no RNG drawn): the model's
     logits must be its head applied to what it feeds the head. A model that transforms logits
     after the head (soft-capping, a logit scale) is refused rather than trained on a different
