@@ -73,3 +73,38 @@ def finetune_cmd() -> list[str]:
     if script.is_file() and Path(sys.executable).parent == script.parent:
         return [str(script)]
     return [sys.executable, "-m", "finetune.cli"]
+
+
+def cuda_backend_with_oom(raise_when: Any, on: str = "model") -> Any:
+    """The real cuda backend with a planted allocation failure: torch's own OutOfMemoryError,
+    raised where a real one would come from, whenever ``raise_when(backend, tensor)`` is true.
+    ``on="model"``: a forward pre-hook on the model, handed its ``input_ids`` (rows = the
+    micro-batch); ``on="head"``: a forward hook on the output head, handed the logits it made.
+    ``backend.steps_done`` counts finished optimizer steps, so a failure can start at a step."""
+    import torch
+
+    from finetune.backends.cuda.loss import output_head
+    from finetune.backends.cuda.runtime import CudaBackend
+
+    class PlantedOom(CudaBackend):
+        steps_done = 0
+
+        def setup(self, cfg, model_dir):
+            info = super().setup(cfg, model_dir)
+
+            def fire(t: Any) -> None:
+                if raise_when(self, t):
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
+
+            if on == "model":
+                self.model.register_forward_pre_hook(
+                    lambda m, args, kw: fire(kw.get("input_ids", args[0] if args else None)), with_kwargs=True)
+            else:
+                output_head(self.model).register_forward_hook(lambda m, args, out: fire(out))
+            return info
+
+        def optimizer_step(self, lr):
+            self.steps_done += 1
+            return super().optimizer_step(lr)
+
+    return PlantedOom()

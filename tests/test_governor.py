@@ -13,7 +13,7 @@ from finetune.config import UserError
 from finetune.governor import smaller_divisor
 from finetune.loop import train
 
-from conftest import needs_mlx, needs_torch
+from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
 COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=6", "train.warmup_steps=1")
 
@@ -32,29 +32,8 @@ def test_cuda_oom_lowers_micro_batch_and_redoes_the_step(cfg_factory, tmp_path, 
     """A backend whose model raises torch's real OutOfMemoryError for micro-batches above 2
     rows from step 3 on: the loop redoes step 3 at micro-batch 2 and the run equals one that
     used micro-batch 2 from the start."""
-    import torch
-
-    from finetune.backends.cuda.runtime import CudaBackend
-
-    class OomAboveTwoRows(CudaBackend):
-        steps_done = 0
-
-        def setup(self, cfg, model_dir):
-            info = super().setup(cfg, model_dir)
-
-            def pre_hook(module, args, kwargs):
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                if self.steps_done >= 2 and ids.shape[0] > 2:
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
-
-            self.model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-            return info
-
-        def optimizer_step(self, lr):
-            self.steps_done += 1
-            return super().optimizer_step(lr)
-
-    monkeypatch.setattr(loop_mod, "get_backend", lambda name: OomAboveTwoRows())
+    monkeypatch.setattr(loop_mod, "get_backend",
+                        lambda name: cuda_backend_with_oom(lambda be, ids: be.steps_done >= 2 and ids.shape[0] > 2))
     adapted = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=8", run_dir=tmp_path / "oom"))
     monkeypatch.undo()
     plain = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=4", run_dir=tmp_path / "plain"))

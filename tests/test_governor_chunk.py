@@ -20,7 +20,7 @@ import finetune.planner.fit as fit_mod
 from finetune import planner
 from finetune.loop import Trainer, train
 
-from conftest import needs_mlx, needs_torch
+from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
 CHUNK = 32
 COMMON = ("backend=cuda", "train.progress=false", "data.num_samples=64", "train.eval_every=0", "train.steps=3",
@@ -31,39 +31,18 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.startswith('{"step"')]
 
 
-def _logits_oom_backend(from_step: int) -> Any:
-    """The real cuda backend whose output head raises torch's OutOfMemoryError from optimizer
-    step ``from_step`` on whenever it produces logits for more than one position of a row, the
-    [B, T, V] tensor the chunked loss never builds (its chunks are [N, V] with N <= CHUNK)."""
-    import torch
-
-    from finetune.backends.cuda.loss import output_head
-    from finetune.backends.cuda.runtime import CudaBackend
-
-    class LogitsOom(CudaBackend):
-        steps_done = 0
-
-        def setup(self, cfg, model_dir):
-            info = super().setup(cfg, model_dir)
-
-            def hook(module, args, out):
-                if self.steps_done >= from_step - 1 and out.dim() == 3 and out.shape[1] > 1:
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test: logits)")
-
-            output_head(self.model).register_forward_hook(hook)
-            return info
-
-        def optimizer_step(self, lr):
-            self.steps_done += 1
-            return super().optimizer_step(lr)
-
-    return LogitsOom()
+def _logits_oom(from_step: int) -> Any:
+    """Out of memory from optimizer step ``from_step`` on whenever the output head produces
+    logits for more than one position of a row: the [B, T, V] tensor the chunked loss never
+    builds (its chunks are [N, V] with N <= CHUNK)."""
+    return cuda_backend_with_oom(lambda be, out: be.steps_done >= from_step - 1 and out.dim() == 3
+                                 and out.shape[1] > 1, on="head")
 
 
 @needs_torch
 def test_oom_on_the_logits_turns_on_the_chunked_loss_at_micro_batch_one(cfg_factory, tmp_path, monkeypatch):
     monkeypatch.setattr(fit_mod, "LOSS_CHUNK_LEVER", CHUNK)
-    monkeypatch.setattr(loop_mod, "get_backend", lambda name: _logits_oom_backend(2))
+    monkeypatch.setattr(loop_mod, "get_backend", lambda name: _logits_oom(2))
     adapted = train(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "oom"))
     monkeypatch.undo()
     moves = [(e["step"], e["trigger"], e["action"], e["after"]) for e in adapted["adaptations"]]

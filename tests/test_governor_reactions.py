@@ -20,7 +20,7 @@ from finetune.governor import (FRAGMENTED_FRACTION, FRAGMENTED_MIN_BYTES, PSI_SO
                                Governor, smaller_divisor)
 from finetune.loop import Trainer, train
 
-from conftest import needs_mlx, needs_torch
+from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
 COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=5", "train.warmup_steps=1")
 BUDGET = 1 << 30  # memory.budget=1GiB: far above the tiny model's plan, so nothing is decided before loading
@@ -80,30 +80,11 @@ def _oom_backend(from_step: int, while_checkpointing: bool) -> Any:
     """The real cuda backend whose forward raises torch's OutOfMemoryError from optimizer step
     ``from_step`` on for micro-batches above 1 row, and at 1 row unless gradient checkpointing
     is on (or always, with ``while_checkpointing``)."""
-    import torch
+    def fails(be: Any, ids: Any) -> bool:
+        relief = be.grad_checkpointing and not while_checkpointing
+        return be.steps_done >= from_step - 1 and (ids.shape[0] > 1 or not relief)
 
-    from finetune.backends.cuda.runtime import CudaBackend
-
-    class Oom(CudaBackend):
-        steps_done = 0
-
-        def setup(self, cfg, model_dir):
-            info = super().setup(cfg, model_dir)
-
-            def pre_hook(module, args, kwargs):
-                rows = kwargs["input_ids"].shape[0]
-                relief = self.grad_checkpointing and not while_checkpointing
-                if self.steps_done >= from_step - 1 and (rows > 1 or not relief):
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
-
-            self.model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-            return info
-
-        def optimizer_step(self, lr):
-            self.steps_done += 1
-            return super().optimizer_step(lr)
-
-    return Oom()
+    return cuda_backend_with_oom(fails)
 
 
 @needs_torch
