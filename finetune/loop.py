@@ -9,6 +9,7 @@ trains the same samples in the same order to the same losses.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -17,7 +18,6 @@ import os
 import shutil
 import sys
 import time
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
