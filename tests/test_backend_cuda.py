@@ -317,3 +317,49 @@ def test_cuda_memory_figures(tiny_dir, batch):
     limits = be.set_memory_limits(mem["device_total"] // 2)
     assert limits["per_process_memory_fraction"]["cuda:0"] == pytest.approx(0.5)
     be.set_memory_limits(mem["device_total"])  # undo: other tests share the process
+
+
+def test_right_padded_rows_need_no_padding_mask(tiny_dir, batch, monkeypatch):
+    """The batch is right-padded (rows of different lengths). The backend passes no padding
+    mask, so sdpa gets no [B, 1, T, T] mask and runs causal; the loss and every gradient equal
+    those computed with the mask passed explicitly, because no real token attends to a later
+    pad and the pads carry loss weight 0. The planner prices the mask only where the runtime
+    passes one (remote-code models)."""
+    import torch.nn.functional as F
+
+    from finetune import planner
+    from tests.conftest import make_cfg
+
+    assert len(set(batch.lengths.tolist())) > 1  # padded rows, else this proves nothing
+    be, _ = make(tiny_dir)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append((k.get("attn_mask"), k.get("is_causal")))
+        return sdpa(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    got = be.forward_backward(batch, 1.0)
+    monkeypatch.undo()
+    assert seen and all(m is None and causal for m, causal in seen)
+    grads = {n: p.grad.clone() for n, p in be.model.named_parameters() if p.grad is not None}
+    be.zero_grad()
+    ids = torch.as_tensor(batch.input_ids, dtype=torch.long)
+    attn = (torch.arange(ids.shape[1])[None, :] < torch.as_tensor(batch.lengths)[:, None]).long()
+    logits = be.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    want = (ce * torch.as_tensor(batch.loss_mask[:, 1:], dtype=torch.float32)).sum()
+    want.backward()
+    assert got == pytest.approx(float(want), rel=1e-6)
+    for n, p in be.model.named_parameters():
+        if p.grad is not None:
+            scale = float(p.grad.abs().max()) or 1.0
+            assert float((grads[n] - p.grad).abs().max()) <= 1e-5 * scale, n
+
+    def plan(*extra: str) -> dict:
+        return planner.plan(make_cfg("/tmp/unused", "mode=plan", "backend=cuda", "model=qwen2-0.5b",
+                                     "train.batch_size=2", "train.seq_len=512", *extra), recommend=False)
+
+    masked, causal = plan("model.trust_remote_code=true"), plan()
+    assert masked["peak_bytes"] - causal["peak_bytes"] == 2 * 512 * 512  # bool [B, 1, T, T]

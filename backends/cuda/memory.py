@@ -230,8 +230,10 @@ def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, A
         head += n * 8  # nn.Embedding backward keeps the int64 indices
     elif s.autocast:
         head += V * h * 2  # cast lm_head weight kept for the hidden state's grad
-    if s.attn == "sdpa":
-        head += s.batch * s.seq_len * s.seq_len  # bool [B, 1, T, T] padding mask, shared by layers
+    if s.attn == "sdpa" and s.padding_mask:
+        # bool [B, 1, T, T] padding mask, shared by layers; without a padding mask (what the
+        # runtime passes for right-padded causal rows) transformers hands sdpa is_causal=True
+        head += s.batch * s.seq_len * s.seq_len
     # Layer backward workspace: grads of the MLP intermediates and of the fp32 residual
     # stream; eager attention also materialises the [B, H, T, T] grads.
     transient = 3 * n * f * a + 2 * n * h * 4

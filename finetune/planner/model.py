@@ -197,6 +197,9 @@ class Setup:
     strategy: str = "ddp"
     # train.loss_chunk: target tokens per chunk of head + cross-entropy (0: the whole logits)
     loss_chunk: int = 0
+    # cuda: the runtime passes a [B, T] padding mask only for remote-code models (right-padded
+    # causal rows need none, backends/cuda/runtime.py), so only then is a [B, 1, T, T] one built
+    padding_mask: bool = False
 
     @property
     def wd(self) -> int:
@@ -306,6 +309,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
         budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
         pre_quant=pre_quant if backend == "mlx" else None, world_size=world_size, strategy=strategy,
         loss_chunk=state.loss_chunk if state is not None else int(_get(t, "loss_chunk", 0) or 0),
+        padding_mask=bool(_get(model_cfg, "trust_remote_code", False)),
     )
     if setup.pre_quant:
         # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
