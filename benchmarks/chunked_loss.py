@@ -104,45 +104,27 @@ def _timed_steps(be, batch, steps: int, warmup: int = 1) -> tuple[list[float], l
 
 
 def child_torch(args: argparse.Namespace) -> dict:
-    import weakref
-
-    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from finetune.backends.cuda.measure import SavedBytes, profiled_peak
 
     be = _backend(args)
     batch = _batch(args.rows, args.cols, args.vocab, args.mask)
     wall, cpu, loss = _timed_steps(be, batch, args.steps)
 
     # one more step, untimed, under the profiler's allocation records and saved-tensor hooks
-    params = {p.untyped_storage().data_ptr() for p in be.model.parameters()}
-    kept: dict[int, int] = {}
+    kept = SavedBytes(be.model)
     saved: list[int] = []
-
-    class Saved:
-        def __init__(self, t: torch.Tensor) -> None:
-            self.t = t
-
-    def pack(t: torch.Tensor) -> Saved:
-        box, key = Saved(t), t.untyped_storage().data_ptr()
-        if key not in params:
-            kept[key] = t.untyped_storage().nbytes()
-            weakref.finalize(box, kept.pop, key, None)
-        return box
 
     def on_phase(phase: str) -> None:
         if phase == "forward":  # after forward, before backward: what autograd keeps
-            saved.append(sum(kept.values()))
+            saved.append(kept.bytes)
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        with kept.hooks():
             be.forward_backward(batch, 1.0 / batch.label_tokens, on_phase)
         be.optimizer_step(1e-4)
-    live = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "peak_bytes": peak,
+    return {"step_s": statistics.median(wall), "cpu_s": statistics.median(cpu), "peak_bytes": profiled_peak(prof),
             "saved_bytes": saved[0], "loss": loss, "targets": batch.label_tokens}
 
 

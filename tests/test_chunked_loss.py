@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import gc
 import warnings
-import weakref
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -199,41 +198,22 @@ def test_torch_eval_and_no_targets(model_dir: Path) -> None:
 def torch_peak_and_saved(be: Any, batch: Batch, chunk: int) -> tuple[int, int]:
     """(peak bytes torch allocated on the CPU during forward + backward above what was live
     before, bytes of non-parameter storages autograd kept for backward at the end of forward)."""
-    import torch
     from finetune.backends.cuda.loss import token_loss_sum
+    from finetune.backends.cuda.measure import SavedBytes, profiled_peak
     from torch.profiler import ProfilerActivity, profile
 
-    params = {p.untyped_storage().data_ptr() for p in be.model.parameters()}
-    kept: dict[int, int] = {}  # storage address: bytes, while a saved tensor refers to it
-
-    class Saved:
-        def __init__(self, t: torch.Tensor) -> None:
-            self.t = t
-
-    def pack(t: torch.Tensor) -> Saved:
-        box, key = Saved(t), t.untyped_storage().data_ptr()
-        if key not in params:
-            kept[key] = t.untyped_storage().nbytes()
-            weakref.finalize(box, kept.pop, key, None)
-        return box
-
+    kept = SavedBytes(be.model)
     ids, attn, mask = torch_inputs(batch)
     be.zero_grad()
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        with kept.hooks():
             loss = token_loss_sum(be.model, ids, attn, mask, chunk, be._autocast)
         gc.collect()
-        saved = sum(kept.values())
+        saved = kept.bytes
         loss.backward()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:  # nbytes: + for an allocation, - for a free
-        live += e.nbytes()
-        peak = max(peak, live)
     be.zero_grad()
-    return peak, saved
+    return profiled_peak(prof), saved
 
 
 @needs_torch
