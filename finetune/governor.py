@@ -176,9 +176,10 @@ class Governor:
         self.state.loss_chunk = res.loss_chunk
 
     def apply_loss_chunk(self) -> None:
-        """After setup: a chunked loss the plan chose before loading goes to the backend. Where
-        the backend cannot chunk this model's loss, the run goes on with the whole logits, the
-        event says so, and the measured peak and OOM reactions take over."""
+        """After setup (or on resume): a chunked loss the plan chose before loading, or the
+        checkpoint's, goes to the backend. Where the backend cannot chunk this model's loss,
+        the run goes on with the whole logits, the event says so, and the measured peak and
+        OOM reactions take over."""
         want = self.state.loss_chunk
         if not want or want == int(getattr(self.cfg.train, "loss_chunk", 0) or 0):
             return  # nothing chosen, or the user's own setting (the backend applied it at setup)
@@ -187,8 +188,8 @@ class Governor:
             self._chunk_refused = True
             self.state.loss_chunk = 0
             self._act(0, "backend", "disable_loss_chunk", {"loss_chunk": want}, {"loss_chunk": 0}, reason=why)
-            log.warning("the plan chose train.loss_chunk=%d to fit memory.budget, but %s; the loss stays whole",
-                        want, why)
+            log.warning("train.loss_chunk=%d was chosen (to fit memory.budget, or by the checkpoint resumed), but %s; "
+                        "the loss stays whole", want, why)
 
     def attach(self, backend: Any) -> None:
         """Apply framework limits from the budget (MLX: memory and wired limits) and the cache
@@ -236,9 +237,8 @@ class Governor:
         # a supervisor restart may have lowered train.batch_size below the checkpoint's micro
         self.micro = min(int(state.get("micro_batch", self.micro)), self.micro)
         if state.get("loss_chunk") and not self.state.loss_chunk and self.backend is not None:
-            why = self.backend.set_loss_chunk(int(state["loss_chunk"]))  # None: applied
-            if why is None:
-                self.state.loss_chunk = int(state["loss_chunk"])
+            self.state.loss_chunk = int(state["loss_chunk"])  # the checkpointed run chunked its loss
+            self.apply_loss_chunk()
         if state.get("grad_checkpointing") and not self.grad_checkpointing and self.backend is not None:
             self.backend.set_grad_checkpointing(True)
         self.grad_checkpointing = bool(state.get("grad_checkpointing", self.grad_checkpointing))

@@ -99,6 +99,14 @@ def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
     return loss(params if trainable else {}, flat, targets, weights)[0]
 
 
+def check_chunkable(model: nn.Module) -> None:
+    """Raise UnsupportedModel unless the chunked loss reproduces ``model``'s loss (its head
+    found, its logits that head applied to its body's output, checked once on 8 tokens). For
+    a caller turning the chunked loss on mid-run, as cuda's ``check_chunkable``."""
+    _, call = output_head(model)
+    _check_head(model, call, mx.arange(8)[None, :])
+
+
 def output_head(model: nn.Module) -> tuple[nn.Module, Any]:
     """(the module holding the head's weights, the callable mapping hidden states to logits):
     ``model.lm_head`` twice, or the embedding and its ``as_linear`` when tied."""

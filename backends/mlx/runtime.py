@@ -418,9 +418,8 @@ class MlxBackend:
 
     def _clip_and_update(self, grads: dict) -> mx.array:
         """Clip to optim.max_grad_norm (unless null), apply the update; the pre-clip norm."""
-        max_norm = self._max_norm
-        if max_norm:
-            grads, norm = optim.clip_grad_norm(grads, float(max_norm))
+        if self._max_norm:
+            grads, norm = optim.clip_grad_norm(grads, self._max_norm)
         else:
             norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
         self.optimizer.update(self.model, grads)
@@ -502,12 +501,11 @@ class MlxBackend:
     def set_loss_chunk(self, tokens: int) -> str | None:
         """The governor's lever: the following steps compute head + loss ``tokens`` target
         tokens at a time. None when applied, else why not (the loss is left as it was)."""
-        from finetune.backends.mlx.loss import UnsupportedModel, _check_head, output_head
+        from finetune.backends.mlx.loss import UnsupportedModel, check_chunkable
 
         if tokens > 0:
             try:
-                _, call = output_head(self.model)
-                _check_head(self.model, call, mx.arange(8)[None, :])
+                check_chunkable(self.model)
             except UnsupportedModel as e:
                 return str(e)
         self._loss_chunk = max(0, int(tokens))  # _loss reads it at every call

@@ -9,7 +9,7 @@ from typing import Any
 
 from finetune.backends import capabilities
 from finetune.config import UserError
-from finetune.planner.model import Arch, Setup, memory_model, resolve
+from finetune.planner.model import Arch, Setup, _get, memory_model, resolve
 from finetune.planner.price import _core, plan
 
 
@@ -31,8 +31,7 @@ def chunk_lever_ok(cfg: Any, s: Setup) -> bool:
     ranks are not FSDP shards (the head's weights are sharded outside FSDP's forward) and,
     on cuda, the loss is not compiled (the chunked loss picks rows on the host). The same
     refusals the runtimes give a user who sets it."""
-    train = cfg.get("train") if hasattr(cfg, "get") else getattr(cfg, "train", None)
-    compiled = bool(getattr(train, "compile", False)) if train is not None else False
+    compiled = bool(_get(_get(cfg, "train"), "compile", False))
     return (not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1)
             and not (s.backend == "cuda" and compiled))
 
