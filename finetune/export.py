@@ -767,9 +767,13 @@ def _merge_mlx(base: Base, adapter_dir: Path, out: Path, trust_remote_code: bool
     from mlx_lm.utils import dequantize_model, load, save
 
     # mlx-lm reads model*.safetensors only; the tokenizer's own code runs only when trusted
+    from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
+
+    hf_keys = mlx_model_config(base.path)  # transformers-5 keys in mlx-lm's words, for loading only
     model, tokenizer, config = load(str(base.path), adapter_path=str(adapter_dir), return_config=True,
-                                    tokenizer_config={"trust_remote_code": trust_remote_code},
+                                    model_config=hf_keys, tokenizer_config={"trust_remote_code": trust_remote_code},
                                     trust_remote_code=trust_remote_code)
+    config = {k: v for k, v in config.items() if k not in hf_keys}  # the merge's config.json stays the base's
     fused = [(n, m.fuse(dequantize=True)) for n, m in model.named_modules() if hasattr(m, "fuse")]
     model.update_modules(tree_unflatten(fused))
     if base.quantization:

@@ -83,7 +83,10 @@ def _generate_mlx(model_dir: Path, adapter: Path | None, prompt: str, max_new_to
         raise UserError(f"model.path={model_dir} has only pickle weights, which mlx-lm does not load (even with "
                         "model.allow_pickle=true); convert them to safetensors, or use backend=cuda")
     # mlx-lm reads model*.safetensors only; the tokenizer's own code runs only when trusted
+    from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
+
     model, tok = load(str(model_dir), adapter_path=str(adapter) if adapter is not None else None,
+                      model_config=mlx_model_config(model_dir),
                       tokenizer_config={"trust_remote_code": trust_remote_code}, trust_remote_code=trust_remote_code)
     if tok.chat_template:
         ids = tok.apply_chat_template(_messages(prompt), add_generation_prompt=True)

@@ -251,7 +251,11 @@ class MlxBackend:
 
         _check_architecture(model_dir)
         trust = bool(cfg.model.trust_remote_code)  # the tokenizer's own code runs only when set
-        model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True,
+        from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
+
+        # transformers-5 keys (rope_parameters, ...) in mlx-lm's words; refuses before any weights
+        hf_keys = mlx_model_config(model_dir, seq_len=int(cfg.train.seq_len))
+        model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
                                                         tokenizer_config={"trust_remote_code": trust},
                                                         trust_remote_code=trust)
         self.model = model
