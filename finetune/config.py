@@ -45,6 +45,10 @@ class ModelConfig:
     name: str = "tiny"
     # Hub id or local HF-format directory. null for `tiny`, which is built locally.
     path: str | None = None
+    revision: str | None = None  # hub branch, tag or commit sha of model.path; null: main
+    # The released config.json facts of a preset (HF key names, verbatim): planned from when the
+    # hub's config.json is neither cached nor reachable. null for `tiny` (built from the fields below).
+    config: Any = None
     model_type: str = "qwen2"
     hidden_size: int = 64
     num_layers: int = 2

@@ -30,7 +30,8 @@ def resolve_model_dir(model_cfg: Any, seed: int = 0) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(model_cfg.path), allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(str(model_cfg.path), allow_patterns=HUB_PATTERNS,
+                                      revision=getattr(model_cfg, "revision", None), token=_hf_token()))
     except Exception as e:  # offline, gated, misspelt: all end the same way for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
@@ -39,33 +40,214 @@ def resolve_model_dir(model_cfg: Any, seed: int = 0) -> Path:
         ) from None
 
 
+def _hf_token() -> str | None:
+    import os
+
+    return os.environ.get("HF_TOKEN") or None
+
+
+def _is_hub_id(path: Any) -> bool:
+    """A ``model.path`` that names a hub repository: not a path, and nothing local by that name."""
+    return path is not None and not str(path).startswith((".", "/", "~")) and not Path(str(path)).expanduser().exists()
+
+
+def _read_config_json(cj: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(cj.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{cj} is unreadable ({e}); fix it or point model.path at another model") from None
+
+
+def _presets(name: str = "*") -> dict[str, dict[str, Any]]:
+    """The presets under conf/model/ (``name``, or all), as their YAML says (name -> dict)."""
+    from importlib import resources
+
+    import yaml
+
+    out = {}
+    for f in (resources.files("finetune.conf") / "model").iterdir():
+        if f.name.endswith(".yaml") and name in ("*", f.name[:-5]):
+            doc = yaml.safe_load(f.read_text()) or {}
+            out[str(doc.get("name") or f.name[:-5])] = doc
+    return out
+
+
+def _preset_is_of(model_cfg: Any) -> bool:
+    """Whether the preset describes ``model.path`` (its YAML's own path is that path): only then
+    do its facts (``model.config``, ``model.dtype``) stand for the checkpoint."""
+    name = str(getattr(model_cfg, "name", ""))
+    return _presets(name).get(name, {}).get("path", False) == getattr(model_cfg, "path", None)
+
+
+def _preset_facts(model_cfg: Any) -> dict[str, Any] | None:
+    facts = getattr(model_cfg, "config", None)
+    return _plain(facts) if facts is not None and _preset_is_of(model_cfg) else None
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(node):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra, a dependency
+        pass
+    return dict(node)
+
+
+def _cached_config(repo_id: str, revision: str | None) -> Path | None:
+    """config.json of ``repo_id`` in the local hub cache (HF_HUB_CACHE / HF_HOME), no network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    return Path(hit) if isinstance(hit, str) else None
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, or None when it can (or a proxy stands between). One
+    connection attempt of at most 3 s: hf_hub_download itself retries a dead network for
+    about 25 s, logging each retry."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return "the hub is unreachable (offline: HF_HUB_OFFLINE=1)"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+    except OSError as e:
+        return f"the hub is unreachable ({url.hostname}: {e.strerror or type(e).__name__})"
+    return None
+
+
+def _hub_failure(e: BaseException, revision: str | None) -> str:
+    """Why config.json could not be downloaded, in a few words."""
+    from huggingface_hub import constants, errors
+
+    if constants.is_offline_mode():
+        return "the hub is unreachable (offline: HF_HUB_OFFLINE=1)"
+    if isinstance(e, errors.GatedRepoError):
+        return "the repository is gated (accept its licence on the hub and set HF_TOKEN)"
+    if isinstance(e, errors.RevisionNotFoundError):
+        return f"the hub has no revision {revision}"
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return "the hub has no such repository (or it is private: set HF_TOKEN)"
+    if isinstance(e, errors.EntryNotFoundError):
+        return "the repository has no config.json"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"the hub is unreachable ({first[:120]})"
+
+
+def model_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[dict[str, Any], str]:
+    """The checkpoint's ``config.json`` as a dict, and a short label of where it was read.
+
+    Looked for in order: ``model_dir`` (a loaded model's directory); a local ``model.path``;
+    a hub id's config.json in the hub cache, then downloaded alone (``model.revision``,
+    $HF_TOKEN; HF_HUB_OFFLINE=1 skips the download); failing both, the preset's released facts
+    (``model.config``) when the preset is of that same repository. With ``model.path`` null:
+    ``tiny``'s own config (what ``build_tiny`` writes), another preset's ``model.config``.
+
+    Raises:
+        UserError: one line naming the fixes; never falls back to another model's numbers.
+    """
+    if model_dir is not None:
+        cj = Path(str(model_dir)) / "config.json"
+        if not cj.is_file():
+            raise UserError(f"{model_dir} has no config.json; point model.path at an HF-format model directory")
+        return _read_config_json(cj), str(cj)
+    path = getattr(model_cfg, "path", None)
+    name = str(getattr(model_cfg, "name", "?"))
+    if path is None:
+        if name == "tiny":
+            from finetune.tiny import _arch, hf_config
+
+            return hf_config(_arch(model_cfg)), "preset tiny (the config.json build_tiny writes)"
+        facts = getattr(model_cfg, "config", None)
+        if facts is None:
+            raise UserError(f"model={name} has no model.path and no model.config; "
+                            "set model.path=<hub id or local dir>")
+        return _plain(facts), f"model.config of preset {name}"
+    if not _is_hub_id(path):
+        local = Path(str(path)).expanduser()
+        if not local.exists():
+            raise UserError(f"model.path={path} does not exist; give an existing directory or a hub id")
+        if not (local / "config.json").is_file():
+            raise UserError(f"model.path={path} has no config.json; point it at an HF-format model directory")
+        return _read_config_json(local / "config.json"), str(local / "config.json")
+    repo, revision = str(path), getattr(model_cfg, "revision", None)
+    from huggingface_hub import constants
+
+    cached = _cached_config(repo, revision)
+    if cached is not None:
+        return _read_config_json(cached), f"{repo} config.json in the hub cache ({constants.HF_HUB_CACHE})"
+    why = _hub_unreachable()
+    if why is None:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its retry warnings would break the one-line error
+        try:
+            got = Path(hf_hub_download(repo, "config.json", revision=revision, token=_hf_token()))
+            return _read_config_json(got), f"{repo} config.json from the hub ({got})"
+        except UserError:
+            raise
+        except Exception as e:  # offline, gated, misspelt, no network: named in the one line below
+            why = _hub_failure(e, revision)
+        finally:
+            hf_logging.set_verbosity(level)
+    facts = _preset_facts(model_cfg)
+    if facts is not None:
+        return facts, f"model.config of preset {name} (released config.json facts; {repo}: {why})"
+    match = [n for n, doc in sorted(_presets().items()) if doc.get("path") == repo and doc.get("config")]
+    preset = f"use its preset (model={match[0]})" if match else "use a preset (model=<name>, see conf/model/)"
+    rev = f" --revision {revision}" if revision else ""
+    raise UserError(f"model.path={repo}: no config.json in the hub cache ({constants.HF_HUB_CACHE}) and {why}; "
+                    f"download it (huggingface-cli download {repo} config.json{rev}), "
+                    f"point model.path at a local directory, or {preset}")
+
+
 # config.json dtype names -> ours (transformers 5 writes "dtype", 4.x "torch_dtype")
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                 "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
 def local_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[dict[str, Any] | None, str | None]:
-    """The model's ``config.json`` as a dict and its path, read from ``model_dir`` or from a
-    local ``model.path``; (None, None) for a hub id not downloaded (or ``tiny`` not built)."""
-    import json
-
-    for d in (model_dir, getattr(model_cfg, "path", None) if model_dir is None else None):
+    """The model's ``config.json`` as a dict and its path, read from ``model_dir``, a local
+    ``model.path`` or, for a hub id, the hub cache (never the network); (None, None) for a hub
+    id not in the cache (or ``tiny`` not built)."""
+    path = getattr(model_cfg, "path", None) if model_dir is None else None
+    for d in (model_dir, path):
         if d is None:
             continue
         cj = Path(str(d)).expanduser() / "config.json"
         if cj.is_file():
-            try:
-                return json.loads(cj.read_text()), str(cj)
-            except (OSError, ValueError) as e:
-                raise UserError(f"{cj} is unreadable ({e}); fix it or point model.path at another model") from None
+            return _read_config_json(cj), str(cj)
+    if _is_hub_id(path):  # the hub cache only: no download here
+        cached = _cached_config(str(path), getattr(model_cfg, "revision", None))
+        if cached is not None:
+            return _read_config_json(cached), str(cached)
     return None, None
 
 
 def stored_dtype(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[str, str]:
     """The dtype the checkpoint stores its floating weights in, and where that was read:
-    ``config.json`` ``dtype``/``torch_dtype`` (also inside ``text_config``), else the preset's
-    ``model.dtype``, else float32 (transformers' own default when a config names none)."""
+    ``config.json`` ``dtype``/``torch_dtype`` (also inside ``text_config``; a hub id's from the
+    hub cache), else the preset's ``model.dtype``, else float32 (transformers' own default when a
+    config names none). A hub id neither cached nor of this preset is read with ``model_config``."""
     hf, where = local_config(model_cfg, model_dir)
+    if hf is None and model_dir is None and _is_hub_id(getattr(model_cfg, "path", None)) \
+            and not (getattr(model_cfg, "dtype", None) and _preset_is_of(model_cfg)):
+        # a hub id not in the cache, and a preset of another model (tiny's float32 says nothing
+        # of it): read its config.json (downloaded alone, or the one line naming the fix)
+        hf, where = model_config(model_cfg)
     if hf is not None:
         for node in (hf, hf.get("text_config") or {}):
             for key in ("dtype", "torch_dtype"):
