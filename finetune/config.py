@@ -28,9 +28,10 @@ class BackendConfig:
     # layer split over N GPUs; without, N data-parallel ranks of backend.strategy (set to the
     # world size under torchrun / mlx.launch); null: the GPUs visible here, else 1.
     num_devices: int | None = None
-    # cuda backend: "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them), or
-    # "flash_attention_2" (needs the flash-attn package and a CUDA GPU)
-    attn_implementation: str = "sdpa"
+    # cuda backend: "auto" (transformers' own choice for the model: sdpa, or eager where the
+    # model's code needs it), "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them),
+    # or "flash_attention_2" (needs the flash-attn package and a CUDA GPU)
+    attn_implementation: str = "auto"
     # several processes (torchrun / accelerate launch / SLURM on cuda, mlx.launch on mlx):
     # "ddp" replicates the model and sums gradients over ranks; "fsdp" (cuda) shards weights,
     # gradients and optimizer state over ranks (FSDP2 fully_shard). The planner plans per rank
@@ -79,7 +80,9 @@ class LoraConfig:
     rank: int = 8  # higher: more capacity, more trainable params and optimizer state
     alpha: float = 16.0  # scale = alpha / rank (PEFT's convention; mlx-lm takes the scale)
     dropout: float = 0.0
-    keys: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # null: the model's query and value projections (q_proj, v_proj; Phi-3's fused qkv_proj);
+    # a list of the model's own module names; or all-linear (every attention and MLP linear)
+    keys: Any = None
     num_layers: int = -1  # adapters on the top N layers; -1 = all
 
 

@@ -175,7 +175,14 @@ class Trainer:
         """What a checkpoint must share with the run that resumes it."""
         m = self.cfg.method
         return {"backend": self.backend_name, "model": str(self.cfg.model.name), "model_path": str(self.model_dir),
-                "method": str(m.name), "lora_rank": int(m.lora.rank), "lora_keys": list(m.lora["keys"])}
+                "method": str(m.name), "lora_rank": int(m.lora.rank), "lora_keys": list(self._lora_keys())}
+
+    def _lora_keys(self) -> tuple[str, ...]:
+        """``method.lora.keys`` as the model resolves them (null: its default keys)."""
+        from finetune.planner.describe import lora_keys
+        from finetune.planner.model import model_desc
+
+        return lora_keys(model_desc(self.cfg.model, self.model_dir), self.cfg.method.lora["keys"])
 
     def save_checkpoint(self, step: int, stop: _StopOnSignal | None = None) -> bool:
         """Write the checkpoint after ``step`` (temporary name, fsync, rename), then prune to

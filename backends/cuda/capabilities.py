@@ -14,7 +14,7 @@ CAPABILITIES = Capabilities(
     # precision: (weight dtype or None = as stored, autocast dtype or None)
     precisions={"auto": (None, None), "32-true": ("float32", None), "bf16-mixed": ("float32", "bfloat16"),
                 "bf16-true": ("bfloat16", None), "16-mixed": ("float32", "float16")},
-    attn_implementations=("sdpa", "eager", "flash_attention_2"),
+    attn_implementations=("auto", "sdpa", "eager", "flash_attention_2"),
     why_not={},
     nvml=True,  # CUDA devices have a driver-level view (NVML) beside the allocator
     cache_limit=False,  # torch's caching allocator has no cap on cached blocks to set

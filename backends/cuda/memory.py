@@ -14,7 +14,17 @@ import math
 from typing import Any
 
 from finetune.config import UserError
-from finetune.planner.model import _STAGE, MIB, Arch, Setup, Tensor, _first_stage, _get
+from finetune.planner.describe import (
+    STAGE_ATTN_IN,
+    STAGE_ATTN_OUT,
+    STAGE_MLP_IN,
+    STAGE_MLP_OUT,
+    STAGE_NORM2,
+    Block,
+    Linear,
+    ModelDesc,
+)
+from finetune.planner.model import MIB, Setup, Tensor, _first_stage, _get
 
 # ---- constants ------------------------------------------------------------------------------------
 
@@ -119,6 +129,13 @@ def quant_of(s: Setup, role: str, in_f: int) -> str | None:
     return "bnb4" if s.method == "qlora" and role == "linear" else None
 
 
+def expert_adapters(lin: Linear, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The adapter tensors PEFT 0.21 builds on a stacked expert parameter [E, out, in]
+    (``target_parameters``; tuners/lora/layer.py ParamWrapper): lora_A [E x r, in] and
+    lora_B [out, E x r] (checked on transformers 5.24's Mixtral, Qwen3-MoE and gpt-oss)."""
+    return [(".lora_A", (lin.experts * rank, lin.in_f)), (".lora_B", (lin.out_f, lin.experts * rank))]
+
+
 def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
     """(bytes of the tensor itself on one rank, bytes of its quantization constants)."""
     if t.quant == "bnb4":  # never sharded: fsdp refuses method=qlora
@@ -213,17 +230,20 @@ def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
 WORKSPACE_WITH_LOGITS = False
 
 
-def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, Any]:
+def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[str, Any]:
     """The terms the planner assembles into a step's activations (see
     finetune.planner.price.activations): per layer, lowest layer, head, the layers' backward
     workspace, logits+loss, and what gradient checkpointing keeps and recomputes."""
-    layer, lparts = layer_bytes(arch, s, lowest=False)
-    low, _ = layer_bytes(arch, s, lowest=s.method != "full")
+    first = 0 if s.method == "full" else min(s.lora_layers)
+    per = {b: layer_bytes(arch, s, False, b) for b in dict.fromkeys(arch.blocks)}
+    layer, lparts = max(per.values(), key=lambda x: x[0])
+    low, _ = layer_bytes(arch, s, s.method != "full", arch.blocks[first])
+    saved = low + sum(per[arch.blocks[i]][0] for i in range(first + 1, arch.layers))
     h, f, V = arch.hidden, arch.intermediate, arch.vocab
     n = s.batch * s.seq_len
     a, st = s.a, (4 if s.autocast else s.wd)
     full = s.method == "full"
-    lin = arch.linears()
+    lin = [x for b in per for x in b.linears if x.experts == 1]
     head = n * h * 4 + n * 4 + (n * h * st if full else 0)  # final RMSNorm
     if full:  # lm_head (or the tied embedding) trains: its input, cast under autocast
         head += n * h * 2 + V * h * 2 if s.autocast else n * h * st
@@ -242,23 +262,28 @@ def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, A
     if s.method == "qlora":
         # bitsandbytes MatMul4Bit: F.dequantize_4bit(B) -> the full weight in compute dtype,
         # per matmul (forward and backward), one at a time.
-        transient += max(i * o for i, o, _ in lin.values()) * a
+        transient += max(x.in_f * x.out_f for x in lin) * a
     if s.method == "dora":
         # PEFT DoraLinearLayer: get_lora_weight runs lora_A on an [in, in] identity and
         # get_weight_norm builds weight + scaling * lora_weight [out, in], per module.
-        transient += max(ln[0] * ln[0] * s.ad + ln[0] * ln[1] * 4 for k, ln in lin.items() if k in s.keys)
+        transient += max(x.in_f * x.in_f * s.ad + x.in_f * x.out_f * 4 for x in lin if x.key in s.keys)
     # Logits and loss (backends/cuda/runtime.py _loss_sum: logits[:, :-1].float(), F.cross_entropy):
     # log_softmax keeps its fp32 output; backward adds nll_loss's dense grad and
     # log_softmax's grad: 3 x 4 B per (token, vocab) at the start of backward (the forward
     # end is no higher: model logits + fp32 copy + log_softmax output).
     logits = 12 * n * V
+    if arch.final_softcap:
+        # Gemma-2's final soft-capping (logits / cap, tanh, * cap) in the model's dtype: the
+        # tanh output is kept for backward, beside the capped logits the loss reads
+        logits += 2 * n * V * a
     if s.loss_chunk and s.loss_chunk < n:
         # train.loss_chunk (backends/cuda/loss.py): one chunk's fp32 logits, softmax and their
         # gradient at a time (3 x 4 B per chunk token and vocab entry), the hidden states'
         # gradient taken in forward and kept for backward (fp32 [n, h]), and the head weight's
         # fp32 gradient accumulator where the head trains
         logits = 12 * s.loss_chunk * V + 4 * n * h + (4 * V * h if full else 0)
-    return {"layer": layer, "layer_parts": lparts, "lowest": low, "head": head, "transient": transient,
+    return {"layer": layer, "layer_parts": lparts, "lowest": low, "saved": saved, "head": head,
+            "transient": transient,
             "logits": logits,
             "ckpt_input": n * h * st,  # non-reentrant checkpoint keeps each layer's input
             "ckpt_recompute": layer}  # the loss's backward is freed first: one whole layer recomputed
@@ -449,7 +474,7 @@ def quant_label(s: Setup) -> str | None:
     return f"{s.quant_type}/bitsandbytes" if s.method == "qlora" else None
 
 
-def qlora_lever(arch: Arch, s: Setup) -> dict[str, Any] | None:
+def qlora_lever(arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
     """The Setup changes of trying ``method=qlora`` instead (None: not a lever here): LoRA on a
     4-bit base; from full fine-tuning, adapters on every layer in the precision's adapter dtype."""
     if s.method in ("lora", "dora"):
@@ -463,13 +488,15 @@ def qlora_lever(arch: Arch, s: Setup) -> dict[str, Any] | None:
 ATTENTION_LABEL = None  # the plan shows backend.attn_implementation
 
 
-def layer_bytes(arch: Arch, s: Setup, lowest: bool) -> tuple[int, dict[str, int]]:
-    """Bytes autograd keeps for backward in one decoder layer (HF Qwen2/Llama, PEFT, torch).
+def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> tuple[int, dict[str, int]]:
+    """Bytes autograd keeps for backward in one decoder layer (transformers 5, PEFT, torch),
+    for the block the model description gives (``block``; the first layer's by default).
 
     Derived from the saved tensors of each op (torch autograd saves only what the backward of
     inputs that require grad needs; checked against torch.autograd.graph.saved_tensors_hooks):
     - RMSNorm (modeling_qwen2.py Qwen2RMSNorm.forward): hidden.to(float32) and rsqrt(variance);
-      with a trainable weight also hidden.to(input_dtype).
+      with a trainable weight also hidden.to(input_dtype). Every norm of the block is counted
+      where it runs (Gemma's and OLMo2's post-norms, q/k norms over their projections).
     - Linear: its input if the weight trains; under autocast the bf16/fp16 cast of the input
       (autocast casts activations per call, no cache) and the cast weight (kept for the input's
       grad even when frozen). bitsandbytes MatMul4Bit keeps only the packed weight.
@@ -478,85 +505,116 @@ def layer_bytes(arch: Arch, s: Setup, lowest: bool) -> tuple[int, dict[str, int]
       keeps base_result and lora_B's output (both [n, out]) for the magnitude's grad.
     - attention: sdpa (flash/efficient) keeps q, k, v, out and the fp32 logsumexp [B, H, T];
       eager (eager_attention_forward) keeps q, repeat_kv'd k and v, the fp32 softmax, its
-      cast, and the contiguous output.
-    - MLP: silu keeps gate, the product keeps silu(gate) and up; down_proj's input if it trains.
+      cast, and the contiguous output; Gemma-2's soft-capping (scores / cap, tanh, * cap) keeps
+      the tanh output too.
+    - MLP: silu keeps gate, the product keeps silu(gate) and up; a plain MLP's gelu keeps its
+      input; down_proj's input if it trains.
+    - MoE (integrations/moe.py, any experts implementation): each token runs top-k experts, so
+      the MLP terms count n x k tokens at an expert's width; the fp32 router softmax [n, E],
+      the routing weights and indices, and each expert output kept for its routing weight's
+      grad. Approximated: the dispatch's own index copies are not counted.
     """
+    block = block or arch.blocks[0]
     n = s.batch * s.seq_len
-    h, qd, kv, f = arch.hidden, arch.q_out, arch.kv_out, arch.intermediate
+    h, qd, kv = arch.hidden, arch.q_out, arch.kv_out
     st, a, ad, ac = (4 if s.autocast else s.wd), s.a, s.ad, s.autocast
     full = s.method == "full"
     quant = s.method == "qlora"
-    start = _first_stage(s) if lowest else 0
-    lin = arch.linears()
+    start = _first_stage(arch, s) if lowest else 0
+    k = max(arch.top_k, 1) if block.moe else 1
     parts: dict[str, int] = {"norms": 0, "linear_inputs": 0, "weight_casts": 0, "adapters": 0,
                              "attention": 0, "mlp": 0}
 
-    def keep(stage: int) -> bool:
+    def keep(stage: float) -> bool:
         return stage >= start
 
-    def norm(stage: int) -> None:
+    def norm(stage: float, width: int) -> None:
         if keep(stage) and (stage > start or full or not lowest):
-            parts["norms"] += n * h * 4 + n * 4
+            parts["norms"] += n * width * 4 + n * 4
             if full:
-                parts["norms"] += n * h * st
+                parts["norms"] += n * width * st
 
-    def inputs(names: tuple[str, ...], width: int, src_bytes: int, src_already_kept: bool) -> None:
+    def inputs(lins: tuple[Linear, ...], width: int, src_bytes: int, src_already_kept: bool) -> None:
         """Saved inputs of Linears reading one source tensor of dtype ``src_bytes``."""
-        stage = _STAGE[names[0]]
-        if not keep(stage):
+        lins = tuple(lin for lin in lins if lin.kind != "router")
+        if not lins or not keep(lins[0].stage):
             return
+        stage = lins[0].stage
         grad_in = stage > start or not lowest or full  # does the source itself need a grad?
         shared = False
-        for name in names:
-            in_f, out_f, _ = lin[name]
+        for lin in lins:
+            in_f, out_f, tokens = lin.in_f, lin.out_f, n * (k if lin.experts > 1 else 1)
             if full:
                 if ac and src_bytes != 2:
-                    parts["linear_inputs"] += n * in_f * 2  # autocast's cast of the input, per call
+                    parts["linear_inputs"] += tokens * in_f * 2  # autocast's cast of the input, per call
+                elif lin.experts > 1:
+                    parts["linear_inputs"] += tokens * in_f * src_bytes  # each expert's gathered tokens
                 else:
                     shared = True
                 if ac:
-                    parts["weight_casts"] += out_f * in_f * 2
+                    parts["weight_casts"] += lin.numel * 2
                 continue
-            if name in s.keys:
+            if lin.key in s.keys:
                 if s.dropout > 0:
-                    parts["adapters"] += n * in_f * (1 + ad)  # dropout mask + its output (lora_A's input)
+                    parts["adapters"] += tokens * in_f * (1 + ad)  # dropout mask + its output (lora_A's input)
                 elif ac and ad != 2:
-                    parts["adapters"] += n * in_f * 2  # autocast cast of x (fp32) for lora_A
-                elif src_bytes != ad:
-                    parts["adapters"] += n * in_f * ad  # _cast_input_dtype copy kept by lora_A
+                    parts["adapters"] += tokens * in_f * 2  # autocast cast of x (fp32) for lora_A
+                elif src_bytes != ad or lin.experts > 1:
+                    parts["adapters"] += tokens * in_f * ad  # _cast_input_dtype copy kept by lora_A
                 else:
                     shared = True
-                parts["adapters"] += n * s.rank * (2 if ac else ad)  # lora_A output kept by lora_B
+                parts["adapters"] += tokens * s.rank * (2 if ac else ad)  # lora_A output kept by lora_B
                 if ac:
-                    parts["weight_casts"] += s.rank * (in_f + out_f) * 2
+                    parts["weight_casts"] += s.rank * (in_f + out_f) * 2 * lin.experts
                 if s.method == "dora":
-                    parts["adapters"] += n * out_f * (a + (2 if ac else ad))
+                    parts["adapters"] += tokens * out_f * (a + (2 if ac else ad))
             if ac and not quant and grad_in:
-                parts["weight_casts"] += out_f * in_f * 2  # cast weight kept for the input's grad
+                parts["weight_casts"] += lin.numel * 2  # cast weight kept for the input's grad
         if shared and not src_already_kept:
             parts["linear_inputs"] += n * width * src_bytes
 
-    norm(_STAGE["norm1"])
-    inputs(("q_proj", "k_proj", "v_proj"), h, st, False)
-    if keep(1):
+    norms = block.norms()
+    for stage, width in norms:
+        if stage < STAGE_ATTN_IN:
+            norm(stage, width)
+    inputs(block.group(STAGE_ATTN_IN), h, st, False)
+    for stage, width in norms:
+        if STAGE_ATTN_IN < stage < STAGE_ATTN_OUT:  # q/k norms
+            norm(stage, width)
+    if keep(STAGE_ATTN_IN):
         if s.attn == "eager":
             groups = arch.heads // arch.kv_heads
             kv_kept = n * (qd if groups > 1 else kv) * a
-            probs = s.batch * arch.heads * s.seq_len ** 2 * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
+            scores = s.batch * arch.heads * s.seq_len ** 2
+            probs = scores * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
+            if arch.attn_softcap:
+                probs += scores * a  # tanh's output, kept for its backward
             parts["attention"] += n * qd * a + 2 * kv_kept + probs
         else:
             parts["attention"] += n * (2 * qd + 2 * kv) * a + s.batch * arch.heads * s.seq_len * 4
-    if keep(2):
+    out_proj = block.group(STAGE_ATTN_OUT)
+    if keep(STAGE_ATTN_OUT):
         if s.attn == "eager":
-            if full or "o_proj" in s.keys:
+            if full or any(lin.key in s.keys for lin in out_proj):
                 parts["linear_inputs"] += n * qd * a  # attn_output.transpose(1, 2).contiguous()
-            inputs(("o_proj",), qd, a, True)
+            inputs(out_proj, qd, a, True)
         else:
-            inputs(("o_proj",), qd, a, keep(1))  # sdpa keeps its output when attention needs grads
-    norm(_STAGE["norm2"])
-    inputs(("gate_proj", "up_proj"), h, st, False)
-    if keep(4):
-        parts["mlp"] += 3 * n * f * a
-    inputs(("down_proj",), f, a, False)
+            inputs(out_proj, qd, a, keep(STAGE_ATTN_IN))  # sdpa keeps its output when attention needs grads
+    for stage, width in norms:
+        if STAGE_ATTN_OUT < stage <= STAGE_NORM2:
+            norm(stage, width)
+    inputs(block.group(STAGE_MLP_IN), h, st, False)
+    w = block.mlp_width
+    if keep(STAGE_MLP_IN):
+        if block.moe:
+            E = arch.experts
+            parts["mlp"] += 3 * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
+        elif arch.gated_mlp:
+            parts["mlp"] += 3 * n * w * a
+        else:
+            parts["mlp"] += n * w * a  # the activation keeps its input
+    inputs(block.group(STAGE_MLP_OUT), w, a, False)
+    for stage, width in norms:
+        if stage > STAGE_MLP_OUT:
+            norm(stage, width)
     return sum(parts.values()), parts
-

@@ -312,7 +312,14 @@ class CudaBackend:
         torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
 
         _check_architecture(model_dir, bool(cfg.model.trust_remote_code))
-        kwargs: dict[str, Any] = {"dtype": weight_dtype, "attn_implementation": cfg.backend.attn_implementation,
+        from finetune.planner.model import attention, model_desc
+
+        self.desc = model_desc(cfg.model, model_dir)
+        wanted = str(cfg.backend.attn_implementation)
+        attention(self.desc, wanted)  # refuses, in one line, an attention this model does not run
+        kwargs: dict[str, Any] = {"dtype": weight_dtype,
+                                  # auto: transformers' own choice for the model
+                                  "attn_implementation": None if wanted == "auto" else wanted,
                                   # the repository's own Python runs only when the user said so
                                   "trust_remote_code": bool(cfg.model.trust_remote_code),
                                   # pickle weights run code when loaded (model.allow_pickle)
@@ -343,7 +350,7 @@ class CudaBackend:
             hf.requires_grad_(True)
             self.model = hf
         else:
-            self.model = self._add_adapters(hf, m, prec)
+            self.model = self._add_adapters(hf, m, prec, self.desc)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
         if self.comm.world_size > 1:
@@ -423,27 +430,32 @@ class CudaBackend:
                                   bnb_4bit_compute_dtype=compute_dtype)
 
     @staticmethod
-    def _add_adapters(hf: torch.nn.Module, m: Any, prec: str) -> torch.nn.Module:
+    def _add_adapters(hf: torch.nn.Module, m: Any, prec: str, desc: Any) -> torch.nn.Module:
+        """PEFT adapters on exactly the block weights the model description resolves from
+        ``method.lora.keys`` (what the planner counted): modules by name, and the stacked expert
+        parameters of an MoE model through ``target_parameters`` when ``experts`` is asked for."""
         from peft import LoraConfig, get_peft_model
+
+        from finetune.planner.describe import EXPERTS, lora_keys
 
         lc = m.lora
         n_layers = hf.config.num_hidden_layers
         # num_layers N > 0: adapters only on the top N decoder layers (as mlx-lm's --num-layers).
         # DictConfig.keys is the mapping method, so index; a plain dataclass has no [].
-        keys = list(lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
+        keys = lora_keys(desc, lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
         n = lc.num_layers
         top = list(range(n_layers - n, n_layers)) if 0 < n < n_layers else None
+        experts = sorted({lin.path.split("mlp.", 1)[-1] for b in desc.blocks for lin in b.linears
+                          if lin.key == EXPERTS}) if EXPERTS in keys else []
+        if experts and m.name == "dora":
+            raise UserError("method=dora: PEFT 0.21 has no DoRA for stacked expert parameters; "
+                            "drop experts from method.lora.keys or use method=lora")
+        modules = [k for k in keys if k != EXPERTS]
         config = LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                            target_modules=keys, layers_to_transform=top, bias="none",
-                            use_dora=m.name == "dora", task_type="CAUSAL_LM")
-        try:
-            # bf16-true keeps the adapters in bf16 too; otherwise PEFT holds them in fp32.
-            return get_peft_model(hf, config, autocast_adapter_dtype=prec != "bf16-true")
-        except ValueError as e:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, mod in hf.named_modules()
-                             if isinstance(mod, torch.nn.Linear)} - {"lm_head"})
-            raise UserError(f"method.lora.keys={keys} match no layer of this model ({e}); "
-                            f"choose among: {', '.join(linear)}") from e
+                            target_modules=modules or None, target_parameters=experts or None,
+                            layers_to_transform=top, bias="none", use_dora=m.name == "dora", task_type="CAUSAL_LM")
+        # bf16-true keeps the adapters in bf16 too; otherwise PEFT holds them in fp32.
+        return get_peft_model(hf, config, autocast_adapter_dtype=prec != "bf16-true")
 
     def set_grad_checkpointing(self, enabled: bool) -> None:
         """Turn activation recomputation (non-reentrant) on or off for the following steps."""

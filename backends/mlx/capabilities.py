@@ -13,7 +13,7 @@ CAPABILITIES = Capabilities(
     optimizers=("adamw", "adam", "sgd", "adafactor"),
     # precision: weight dtype (None = as stored); no autocast in MLX
     precisions={"auto": (None, None), "32-true": ("float32", None), "bf16-true": ("bfloat16", None)},
-    attn_implementations=("sdpa",),  # mx.fast.scaled_dot_product_attention; the key is cuda's
+    attn_implementations=("auto", "sdpa"),  # mx.fast.scaled_dot_product_attention; the key is cuda's
     why_not={"optim.name": "needs backend=cuda (bitsandbytes)", "precision.name": "needs autocast, which MLX lacks",
              "backend.strategy": "(sharding) needs backend=cuda (FSDP2)"},
     nvml=False,

@@ -13,7 +13,8 @@ import math
 from typing import Any
 
 from finetune.config import UserError
-from finetune.planner.model import BLOCK_KEYS, Arch, Setup, Tensor, _first_stage, _get
+from finetune.planner.describe import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
+from finetune.planner.model import Setup, Tensor, _first_stage, _get
 
 # ---- constants ------------------------------------------------------------------------------------
 
@@ -96,15 +97,29 @@ def quant_of(s: Setup, role: str, in_f: int) -> str | None:
     (backends/mlx/runtime.py, as mlx_lm.utils.quantize_model): Linear *and* Embedding, lm_head too."""
     if not (s.method == "qlora" or s.pre_quant is not None):
         return None
-    if role in ("linear", "embed", "lm_head") and in_f % s.quant_group == 0:
+    if role in ("linear", "expert", "embed", "lm_head") and in_f % s.quant_group == 0:
         return "mlx"
     return None
 
 
+def expert_adapters(lin: Linear, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The adapter tensors mlx-lm 0.32 builds on a model's experts: tuner/lora.py
+    LoRASwitchLinear, lora_a [E, r, in] and lora_b [E, out, r] per SwitchLinear; mlx-lm holds the
+    experts' gate and up projections as two SwitchLinears (switch_mlp.gate_proj, up_proj) where
+    transformers stacks them in one gate_up_proj."""
+    E = lin.experts
+    if lin.path.endswith("gate_up_proj"):
+        half = lin.out_f // 2
+        return [(f".{p}.lora_a", (E, rank, lin.in_f)) for p in ("gate_proj", "up_proj")] + [
+            (f".{p}.lora_b", (E, half, rank)) for p in ("gate_proj", "up_proj")]
+    return [(".lora_a", (E, rank, lin.in_f)), (".lora_b", (E, lin.out_f, rank))]
+
+
 def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
     """(bytes of the tensor itself, bytes of its quantization constants)."""
-    if t.quant == "mlx":
-        return mlx_quant_bytes(t.shape[0], t.shape[1], s.quant_bits, s.quant_group, s.wd)
+    if t.quant == "mlx":  # a stacked expert weight [E, out, in]: E matrices (QuantizedSwitchLinear)
+        rows = math.prod(t.shape[:-1])
+        return mlx_quant_bytes(rows, t.shape[-1], s.quant_bits, s.quant_group, s.wd)
     return t.numel * t.dtype_bytes, 0
 
 
@@ -159,11 +174,14 @@ def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
 WORKSPACE_WITH_LOGITS = True
 
 
-def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, Any]:
+def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[str, Any]:
     """The terms the planner assembles into a step's activations (see
     finetune.planner.price.activations)."""
-    layer, lparts = layer_bytes(arch, s, lowest=False)
-    low, _ = layer_bytes(arch, s, lowest=s.method != "full")
+    first = 0 if s.method == "full" else min(s.lora_layers)
+    per = {b: layer_bytes(arch, s, False, b) for b in dict.fromkeys(arch.blocks)}
+    layer, lparts = max(per.values(), key=lambda x: x[0])
+    low, _ = layer_bytes(arch, s, s.method != "full", arch.blocks[first])
+    saved = low + sum(per[arch.blocks[i]][0] for i in range(first + 1, arch.layers))
     h, f, V = arch.hidden, arch.intermediate, arch.vocab
     T = s.seq_len - 1
     n = s.batch * T
@@ -182,10 +200,15 @@ def activation_pieces(arch: Arch, s: Setup, backward_layers: int) -> dict[str, A
         # trains, its fp32 gradient
         logits = (s.loss_chunk * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
                   + 4 * n * h + (4 * V * h if s.method == "full" else 0))
+    if arch.final_softcap:
+        # Gemma-2's final soft-capping (models/gemma2.py: tanh(out / cap) * cap): the divided
+        # logits and the tanh output stay in the graph, in the weights' dtype
+        logits += 2 * n * V * a
     # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
     ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
                           + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * T * T) * a)
-    return {"layer": layer, "layer_parts": lparts, "lowest": low, "head": head, "transient": transient,
+    return {"layer": layer, "layer_parts": lparts, "lowest": low, "saved": saved, "head": head,
+            "transient": transient,
             "logits": logits, "ckpt_input": n * h * a,  # mlx.core.checkpoint keeps the layer's input
             "ckpt_recompute": ckpt_recompute}
 
@@ -259,7 +282,7 @@ def quant_label(s: Setup) -> str | None:
     return None
 
 
-def qlora_lever(arch: Arch, s: Setup) -> dict[str, Any] | None:
+def qlora_lever(arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
     """The Setup changes of trying ``method=qlora`` instead (None: not a lever here)."""
     if s.method in ("lora", "dora"):
         return {"lora_layers": s.lora_layers}
@@ -271,50 +294,69 @@ def qlora_lever(arch: Arch, s: Setup) -> dict[str, Any] | None:
 ATTENTION_LABEL = "mx.fast.scaled_dot_product_attention"
 
 
-def layer_bytes(arch: Arch, s: Setup, lowest: bool) -> tuple[int, dict[str, int]]:
-    """Bytes mlx keeps for backward in one mlx-lm decoder layer (models/qwen2.py, llama.py).
+def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> tuple[int, dict[str, int]]:
+    """Bytes mlx keeps for backward in one mlx-lm decoder layer (the block the model
+    description gives; the first layer's by default).
 
     Measured on mlx 0.32 (CPU) by evaluating the loss of nn.value_and_grad first and reading
     mx.get_active_memory before evaluating the gradients; each term is an array the vjp graph
     references:
-    - mx.fast.rms_norm (CPU fallback): the input upcast to fp32 and the rsqrt, per norm;
+    - mx.fast.rms_norm (CPU fallback): the input upcast to fp32 and the rsqrt, per norm
+      (every norm of the block where it runs, q/k norms over their projections);
     - attention: mx.fast.scaled_dot_product_attention's fallback (mlx/fast.cpp: used on CPU and
       whenever the fused VJP is unavailable) keeps scale*q, k, v, the softmax [B, H, T, T] and
       the [T, T] bool causal mask; mx.fast.rope's fallback keeps cos/sin tables [T, d] per call;
+      Gemma-2's soft-capped scores (models/gemma2.py: tanh(scores / cap) * cap, then softmax)
+      keep two more [B, H, T, T] arrays;
     - MLP: nn.silu = x * sigmoid(x) keeps gate and sigmoid(gate); the product keeps silu and up;
+      a plain MLP's gelu keeps its input and an intermediate; MoE (models/switch_layers.py
+      SwitchGLU): the same per token and expert, n x k rows, plus the router's scores;
     - inputs of trained or adapted Linears; LoRALinear keeps x @ lora_a [n, r]; DoRALinear keeps
       the un-normalised output [n, out] for m's grad; full fine-tuning keeps the norm outputs.
     """
+    block = block or arch.blocks[0]
     T = s.seq_len - 1  # backends/mlx.py _loss: model(ids[:, :-1])
     n = s.batch * T
-    h, qd, kv, f = arch.hidden, arch.q_out, arch.kv_out, arch.intermediate
+    h, qd, kv = arch.hidden, arch.q_out, arch.kv_out
     a = s.wd
     full = s.method == "full"
-    start = _first_stage(s) if lowest else 0
-    lin = arch.linears()
+    start = _first_stage(arch, s) if lowest else 0
+    k = max(arch.top_k, 1) if block.moe else 1
     parts = {"norms": 0, "linear_inputs": 0, "adapters": 0, "attention": 0, "mlp": 0}
-    for stage in (0, 3):
+    for stage, width in block.norms():
         if stage > start or (stage == start and (full or not lowest)):
-            parts["norms"] += n * h * 4 + n * 4
-    if start <= 1:
+            parts["norms"] += n * width * 4 + n * 4
+    if start <= STAGE_ATTN_IN:
         parts["attention"] += (n * (qd + 2 * kv) * a + s.batch * arch.heads * T * T * a + T * T
                                + 2 * T * arch.head_dim * a)
-    if start <= 4:
-        parts["mlp"] += 4 * n * f * a
-    sources = {"q_proj": ("y1", h), "k_proj": ("y1", h), "v_proj": ("y1", h), "o_proj": ("o", qd),
-               "gate_proj": ("y2", h), "up_proj": ("y2", h), "down_proj": ("p", f)}
-    trained = BLOCK_KEYS if full else s.keys
-    for src, width in {sources[k] for k in trained}:
-        parts["linear_inputs"] += n * width * a
+        if arch.attn_softcap:
+            parts["attention"] += 2 * s.batch * arch.heads * T * T * a
+    w = block.mlp_width
+    if start <= STAGE_MLP_IN:
+        if block.moe:
+            parts["mlp"] += 4 * n * k * w * a + 2 * n * k * h * a + n * arch.experts * 4
+        elif arch.gated_mlp:
+            parts["mlp"] += 4 * n * w * a
+        else:
+            parts["mlp"] += 2 * n * w * a
+    widths = {STAGE_ATTN_IN: h, STAGE_ATTN_OUT: qd, STAGE_MLP_IN: h, STAGE_MLP_OUT: w}
+    sources: dict[tuple[int, bool], int] = {}
+    for lin in block.linears:
+        if lin.kind != "router" and (full or lin.key in s.keys):
+            expert = lin.experts > 1
+            sources[(lin.stage, expert)] = n * (k if expert else 1) * widths[lin.stage] * a
+    parts["linear_inputs"] += sum(sources.values())
     if full:
         parts["norms"] += 2 * n * h * a
     else:
-        for k in s.keys:
-            in_f, out_f, _ = lin[k]
-            parts["adapters"] += n * s.rank * a
+        for lin in block.linears:
+            if lin.key not in s.keys:
+                continue
+            tokens = n * (k if lin.experts > 1 else 1)
+            split = 2 if lin.experts > 1 and lin.path.endswith("gate_up_proj") else 1
+            parts["adapters"] += split * tokens * s.rank * a
             if s.dropout > 0:
-                parts["adapters"] += n * in_f * (1 + a)
+                parts["adapters"] += tokens * lin.in_f * (1 + a)
             if s.method == "dora":
-                parts["adapters"] += n * out_f * a
+                parts["adapters"] += tokens * lin.out_f * a
     return sum(parts.values()), parts
-

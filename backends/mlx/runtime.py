@@ -38,6 +38,12 @@ from finetune.config import UserError, check_backend_support
 _SCALARS = ("step", "learning_rate")  # optimizer bookkeeping, not per-parameter state
 
 
+def _mlx_lm_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlx-lm")
+
+
 def _nbytes(tree: Any) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree)) if tree is not None else 0
 
@@ -293,8 +299,12 @@ class MlxBackend:
         else:
             lc = cfg.method.lora
             n = int(lc.num_layers)
-            # DictConfig.keys is the mapping method, so index; a plain dataclass has no [].
-            keys = list(lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
+            from finetune.planner.describe import lora_keys
+            from finetune.planner.model import model_desc
+
+            # the keys the model description resolves (null: the model's default ones), as the
+            # planner counted them; DictConfig.keys is the mapping method, so index
+            keys = lora_keys(model_desc(cfg.model, model_dir), lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
             if n > len(model.layers):
                 raise UserError(f"method.lora.num_layers={n} but the model has {len(model.layers)} layers")
             self.lora_layers = n
@@ -339,16 +349,29 @@ class MlxBackend:
         self.model.update(sum_over_ranks(mine, self.comm.group))
         mx.eval(self.model.parameters())
 
-    def _block_keys(self, short: list[str]) -> list[str]:
-        """Map PEFT-style names (``q_proj``) to mlx-lm's paths inside a block (``self_attn.q_proj``)."""
-        linears = [k for k, m in self.model.layers[0].named_modules()
-                   if k and (isinstance(m, (nn.Linear, nn.QuantizedLinear)) or hasattr(m, "to_lora"))]
-        out = []
-        for key in short:
-            hits = [k for k in linears if k == key or k.rsplit(".", 1)[-1] == key]
+    def _block_keys(self, keys: tuple[str, ...]) -> list[str]:
+        """Map the description's keys (transformers' module names: ``q_proj``, ``qkv_proj``,
+        ``c_fc``; ``experts``) to mlx-lm's paths inside a block (``self_attn.q_proj``; an MoE's
+        ``switch_mlp.gate_proj``, ``up_proj`` and ``down_proj``)."""
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+        from finetune.planner.describe import EXPERTS
+
+        switch = (SwitchLinear, QuantizedSwitchLinear)
+        linears: dict[str, bool] = {}  # path -> a stacked experts' matrix
+        for layer in self.model.layers:
+            for k, m in layer.named_modules():
+                if k and (isinstance(m, (nn.Linear, nn.QuantizedLinear, *switch)) or hasattr(m, "to_lora")):
+                    linears.setdefault(k, isinstance(m, switch))
+        out: list[str] = []
+        for key in keys:
+            hits = [k for k, sw in linears.items() if sw] if key == EXPERTS else [
+                k for k, sw in linears.items() if not sw and (k == key or k.rsplit(".", 1)[-1] == key)]
             if not hits:
-                raise UserError(f"method.lora.keys: {key} is not a linear layer of a block; "
-                                f"choose from: {', '.join(sorted({k.rsplit('.', 1)[-1] for k in linears}))}")
+                raise UserError(f"method.lora.keys: {key} is a weight of this model, but mlx-lm "
+                                f"{_mlx_lm_version()}'s {type(self.model).__module__.rsplit('.', 1)[-1]} module has no "
+                                f"such layer to adapt; use backend=cuda, or keys among: "
+                                f"{', '.join(sorted({k.rsplit('.', 1)[-1] for k, sw in linears.items() if not sw}))}")
             out += [h for h in hits if h not in out]
         return out
 

@@ -34,17 +34,17 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.budget import parse_budget
+from finetune.planner.describe import ModelDesc, describe
 from finetune.planner.fit import FitResult, fit_to_budget
 from finetune.planner.model import (
     GIB,
     MIB,
     SCHEMA_VERSION,
-    Arch,
     Setup,
     Tensor,
-    arch_from_cfg,
     inventory,
     memory_model,
+    model_desc,
     resolve,
 )
 from finetune.planner.price import (
@@ -59,8 +59,8 @@ from finetune.planner.report import format_table, plan_error, run_plan
 __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error",
            "run_plan", "trainable_params",
            # the pieces, for tests and scripts that price parts of a plan
-           "BNB_QMAPS_BYTES", "CUDA_CONTEXT_BYTES", "DDP_BUCKET_BYTES", "GIB", "MIB", "SCHEMA_VERSION", "Arch", "Setup", "Tensor",
-           "activations", "arch_from_cfg", "bnb4_bytes", "inventory", "memory_model", "mlx_quant_bytes",
+           "BNB_QMAPS_BYTES", "CUDA_CONTEXT_BYTES", "DDP_BUCKET_BYTES", "GIB", "MIB", "SCHEMA_VERSION", "ModelDesc", "Setup", "Tensor",
+           "activations", "bnb4_bytes", "describe", "model_desc", "inventory", "memory_model", "mlx_quant_bytes",
            "optimizer_state_bytes", "resolve"]
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from finetune.backends import capabilities
 from finetune.config import UserError
-from finetune.planner.model import Arch, Setup, _get, memory_model, resolve
+from finetune.planner.describe import ModelDesc
+from finetune.planner.model import Setup, _get, memory_model, resolve
 from finetune.planner.price import _core, plan
 
 
@@ -38,14 +39,14 @@ def chunk_lever_ok(cfg: Any, s: Setup) -> bool:
 def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
-def _largest_fitting_micro(arch: Arch, s: Setup, budget: int, ckpt: bool) -> int | None:
+def _largest_fitting_micro(arch: ModelDesc, s: Setup, budget: int, ckpt: bool) -> int | None:
     eff = s.batch * s.grad_accum
     for d in _divisors_desc(eff):
         if _fits(_core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt)), budget):
             return d
     return None
 
-def _levers(arch: Arch, s: Setup, budget: int) -> list[dict[str, Any]]:
+def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
     """Single changes that make the run fit at its current micro-batch (or at micro-batch 1
     with checkpointing when nothing else is left), each with its predicted peak."""
     out: list[dict[str, Any]] = []
@@ -98,7 +99,7 @@ def _levers(arch: Arch, s: Setup, budget: int) -> list[dict[str, Any]]:
         out.append({"change": f"train.seq_len={best}", "peak_bytes": p["max_device_peak_bytes"]})
     return out
 
-def _recommend(arch: Arch, s: Setup, budget: int | None) -> dict[str, Any] | None:
+def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] | None:
     """Largest micro-batch that fits (a divisor of the effective batch, so the math stays the
     same), with and without checkpointing, and single levers that make the run fit."""
     if budget is None:

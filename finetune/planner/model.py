@@ -15,21 +15,11 @@ from types import ModuleType
 from typing import Any
 
 from finetune.config import UserError, check_backend_support
+from finetune.planner.describe import ModelDesc, describe, first_stage, lora_keys
 
 SCHEMA_VERSION = 1
 GIB = 2**30
 MIB = 2**20
-
-# The Linear layers of a decoder block, in forward order, and the "stage" of the block they
-# belong to. A stage before the first adapted Linear of the lowest adapted layer computes
-# nothing that needs a gradient, so autograd (and mlx's vjp) keep nothing for it.
-BLOCK_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-_STAGE = {"norm1": 0, "q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "norm2": 3,
-          "gate_proj": 4, "up_proj": 4, "down_proj": 5}
-
-_BLOCK_PATHS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -60,99 +50,16 @@ def _seq(value: Any) -> list[Any]:
     return list(value)
 
 
-# ---- architecture -----------------------------------------------------------------------------
+# ---- the model ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Arch:
-    """The architecture numbers planning needs (a Llama/Qwen2-style decoder)."""
+def model_desc(model_cfg: Any, model_dir: Any = None) -> ModelDesc:
+    """The description of the model ``model`` names: from ``model_dir`` (a loaded model's
+    directory), a local ``model.path``, the hub's cached config of a hub id, or the preset's
+    released config facts (finetune.model_source.model_config)."""
+    from finetune.model_source import model_config
 
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tie: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    source: str  # "preset" or the config.json path
-
-    @property
-    def q_out(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_out(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linears(self) -> dict[str, tuple[int, int, bool]]:
-        """Block Linear name -> (in_features, out_features, has_bias), as the HF modules
-        (transformers models/qwen2|llama/modeling_*.py Attention and MLP __init__)."""
-        h, f = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_out, self.qkv_bias),
-            "k_proj": (h, self.kv_out, self.qkv_bias),
-            "v_proj": (h, self.kv_out, self.qkv_bias),
-            "o_proj": (self.q_out, h, self.o_bias),
-            "gate_proj": (h, f, self.mlp_bias),
-            "up_proj": (h, f, self.mlp_bias),
-            "down_proj": (f, h, self.mlp_bias),
-        }
-
-def arch_from_cfg(model_cfg: Any) -> Arch:
-    """Architecture from the model preset, or from ``config.json`` when ``model.path`` is a
-    local directory holding one (its numbers win)."""
-    m = model_cfg
-    num = {
-        "model_type": str(_get(m, "model_type", "qwen2")),
-        "hidden": int(_get(m, "hidden_size")),
-        "layers": int(_get(m, "num_layers")),
-        "heads": int(_get(m, "num_heads")),
-        "kv_heads": int(_get(m, "num_kv_heads") or _get(m, "num_heads")),
-        "head_dim": _get(m, "head_dim"),
-        "intermediate": int(_get(m, "intermediate_size")),
-        "vocab": int(_get(m, "vocab_size")),
-        "tie": bool(_get(m, "tie_embeddings", False)),
-        "attn_bias": bool(_get(m, "attn_bias", False)),
-        "mlp_bias": bool(_get(m, "mlp_bias", False)),
-    }
-    source = "preset"
-    path = _get(m, "path")
-    if path:
-        cj = Path(str(path)).expanduser() / "config.json"
-        if cj.is_file():
-            try:
-                hf = json.loads(cj.read_text())
-            except (OSError, ValueError) as e:
-                raise UserError(f"model.path={path}: config.json is unreadable ({e})") from None
-            hf = hf.get("text_config", hf) if "hidden_size" not in hf else hf
-            mapping = {"hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
-                       "num_key_value_heads": "kv_heads", "intermediate_size": "intermediate",
-                       "vocab_size": "vocab", "model_type": "model_type", "head_dim": "head_dim"}
-            for k, ours in mapping.items():
-                if hf.get(k) is not None:
-                    num[ours] = hf[k]
-            # Absent keys take the config classes' defaults (LlamaConfig / Qwen2Config:
-            # tie_word_embeddings=False, attention_bias=False, mlp_bias=False), not the preset's.
-            num["tie"] = bool(hf.get("tie_word_embeddings", False))
-            num["attn_bias"] = bool(hf.get("attention_bias", False))
-            num["mlp_bias"] = bool(hf.get("mlp_bias", False))
-            if num["model_type"] == "qwen2":
-                num["attn_bias"] = True  # Qwen2Attention: q/k/v always have a bias, o_proj never
-            source = str(cj)
-    heads = int(num["heads"])
-    head_dim = int(num["head_dim"] or int(num["hidden"]) // heads)
-    qwen = num["model_type"] == "qwen2"
-    return Arch(
-        model_type=str(num["model_type"]), hidden=int(num["hidden"]), layers=int(num["layers"]), heads=heads,
-        kv_heads=int(num["kv_heads"]), head_dim=head_dim, intermediate=int(num["intermediate"]),
-        vocab=int(num["vocab"]), tie=bool(num["tie"]), qkv_bias=bool(num["attn_bias"]),
-        # LlamaAttention puts config.attention_bias on o_proj too; Qwen2Attention never does.
-        o_bias=bool(num["attn_bias"]) and not qwen, mlp_bias=bool(num["mlp_bias"]), source=source,
-    )
+    hf, source = model_config(model_cfg, model_dir)
+    return describe(hf, source)
 
 
 # ---- the resolved setup -----------------------------------------------------------------------
@@ -227,27 +134,31 @@ def memory_model(backend: str) -> ModuleType:
     return importlib.import_module(f"finetune.backends.{backend}.memory")
 
 
-def _block_keys(keys: list[str]) -> tuple[str, ...]:
-    """Map PEFT-style (``q_proj``) or mlx-lm-style (``self_attn.q_proj``) keys to block Linears."""
-    out: list[str] = []
-    for k in keys:
-        short = str(k).rsplit(".", 1)[-1]
-        if short not in BLOCK_KEYS:
-            raise UserError(f"method.lora.keys: {k} is not a linear layer of a block; "
-                            f"choose from: {', '.join(BLOCK_KEYS)}")
-        if short not in out:
-            out.append(short)
-    if not out:
-        raise UserError(f"method.lora.keys is empty; choose from: {', '.join(BLOCK_KEYS)}")
-    return tuple(sorted(out, key=BLOCK_KEYS.index))
+ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
 
 
-def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Arch, Setup]:
+def attention(desc: ModelDesc, wanted: str) -> str:
+    """The attention implementation the run uses: ``auto`` is transformers' own choice for the
+    model (sdpa where its modeling code supports it, else eager; flash_attention_2 only when
+    asked for). Refuses one the model does not support, in one line."""
+    from finetune.planner.describe import _EAGER_ONLY
+
+    if wanted not in ATTENTION_CHOICES:
+        raise UserError(f"backend.attn_implementation={wanted} is not valid; choose one of: {', '.join(ATTENTION_CHOICES)}")
+    if wanted == "auto":
+        return desc.attn_default
+    if wanted != "eager" and desc.model_type in _EAGER_ONLY:
+        raise UserError(f"backend.attn_implementation={wanted}: transformers runs {desc.model_type} only with eager "
+                        f"attention ({_EAGER_ONLY[desc.model_type]}); use backend.attn_implementation=auto (or eager)")
+    return wanted
+
+
+def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
     """Resolve the config (and the machine, for backend=auto and the GPU count) into an
     architecture and a setup. ``state`` (a finetune.state.RunState) overrides the backend,
     micro-batch, accumulation, checkpointing and loss chunk with the run's live values. Raises UserError
     for a combination the backend would refuse."""
-    arch = arch_from_cfg(_get(cfg, "model"))
+    arch = model_desc(_get(cfg, "model"))
     b = _get(cfg, "backend")
     from finetune.backends import concrete_name
 
@@ -280,7 +191,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
         notes.append(f"precision=auto: the checkpoint stores {stored} ({dtype_source}); weights {weight_dtype}"
                      + (f", adapters {adapter_dtype}" if method in ("lora", "dora", "qlora") else ""))
     lc = _get(m, "lora")
-    keys = _block_keys(_seq(_get(lc, "keys", ["q_proj", "v_proj"])))
+    keys = lora_keys(arch, _get(lc, "keys"))
     n = int(_get(lc, "num_layers", -1))
     L = arch.layers
     if method == "full" or n <= 0 or n >= L:
@@ -292,10 +203,9 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
     else:
         layers = tuple(range(L - n, L))
     T = int(seq_len) if seq_len else int(_get(t, "seq_len", 256))
-    attn = str(_get(_get(cfg, "backend"), "attn_implementation", None) or "sdpa")
-    if attn not in ("sdpa", "eager", "flash_attention_2"):
-        raise UserError(f"backend.attn_implementation={attn} is not valid; "
-                        "choose one of: sdpa, eager, flash_attention_2")
+    # transformers' attention choice; a backend with its own attention (mlx) names it in its memory model
+    wanted = str(_get(_get(cfg, "backend"), "attn_implementation", None) or "auto")
+    attn = attention(arch, wanted) if mm.ATTENTION_LABEL is None else "sdpa"
     setup = Setup(
         backend=backend, device=device, n_devices=n_devices, method=method, optim=optim, precision=precision,
         weight_dtype=weight_dtype, adapter_dtype=adapter_dtype, compute_dtype=compute_dtype, autocast=autocast,
@@ -304,7 +214,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Ar
         quant_type=str(_get(m, "quant_type", "nf4")), double_quant=bool(_get(m, "double_quant", True)),
         batch=state.micro_batch if state is not None else int(_get(t, "batch_size", 1)), seq_len=T,
         grad_accum=state.grad_accum if state is not None else int(_get(t, "grad_accum", 1)),
-        ckpt=state.grad_checkpointing if state is not None else bool(_get(t, "grad_checkpointing", False)), attn="sdpa" if attn == "flash_attention_2" else attn,
+        ckpt=state.grad_checkpointing if state is not None else bool(_get(t, "grad_checkpointing", False)), attn=attn,
         momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
         budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
         pre_quant=pre_quant if backend == "mlx" else None, world_size=world_size, strategy=strategy,
@@ -353,14 +263,16 @@ class Tensor:
         return math.prod(self.local_shape)
 
 
-def inventory(arch: Arch, s: Setup) -> list[Tensor]:
+def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
     """Every parameter the backend would create, with what trains and how it is stored.
 
-    Mirrors: transformers Qwen2/Llama ForCausalLM (embed_tokens, per layer q/k/v/o, gate/up/down,
-    two RMSNorms; final norm; lm_head unless tied), PEFT LoraLayer.update_layer (lora_A
-    [r, in], lora_B [out, r], no bias; DoRA: lora_magnitude_vector [out]), mlx-lm
-    tuner/lora.py LoRALinear (lora_a [in, r], lora_b [r, out]) and tuner/dora.py DoRALinear
-    (m [out]); counts are identical, shapes transposed.
+    Follows the model description (finetune/planner/describe.py: every weight of the
+    checkpoint's blocks, experts and routers included), plus the adapters: PEFT
+    LoraLayer.update_layer (lora_A [r, in], lora_B [out, r], no bias; DoRA:
+    lora_magnitude_vector [out]) and mlx-lm tuner/lora.py LoRALinear (lora_a [in, r], lora_b
+    [r, out]) / tuner/dora.py DoRALinear (m [out]); counts are identical, shapes transposed.
+    Stacked expert parameters are adapted as each backend's library does it (the memory model's
+    ``expert_adapters``).
     """
     full = s.method == "full"
     wd, ad = s.wd, s.ad
@@ -374,31 +286,39 @@ def inventory(arch: Arch, s: Setup) -> list[Tensor]:
         return mm.quant_of(s, role, in_f)
 
     out.append(Tensor("model.embed_tokens.weight", (V, h), None, "embed", full, wd, quant_of("embed", h)))
-    for i in range(arch.layers):
+    for i, block in enumerate(arch.blocks):
         p = f"model.layers.{i}."
-        out.append(Tensor(p + "input_layernorm.weight", (h,), i, "norm", full, wd))
-        out.append(Tensor(p + "post_attention_layernorm.weight", (h,), i, "norm", full, wd))
-        for key, (in_f, out_f, bias) in arch.linears().items():
-            base = f"{p}{_BLOCK_PATHS[key]}.{key}"
-            out.append(Tensor(base + ".weight", (out_f, in_f), i, "linear", full, wd, quant_of("linear", in_f)))
-            if bias:
-                out.append(Tensor(base + ".bias", (out_f,), i, "bias", full, wd))
-            if i in adapted and key in s.keys:
-                out.append(Tensor(base + ".lora_A", (s.rank, in_f), i, "lora_A", True, ad))
-                out.append(Tensor(base + ".lora_B", (out_f, s.rank), i, "lora_B", True, ad))
-                if s.method == "dora":
-                    # mlx DoRALinear.set_linear: m = norm(weight.astype(float32)) -> fp32, then
-                    # set_dtype for bf16-true; PEFT: same dtype as the other adapter weights.
-                    out.append(Tensor(base + ".magnitude", (out_f,), i, "dora_m", True, ad))
-    out.append(Tensor("model.norm.weight", (h,), None, "norm", full, wd))
+        for path, shape, kind, _, _ in block.others:
+            out.append(Tensor(p + path, shape, i, kind, full, wd))
+        for lin in block.linears:
+            base = p + lin.path
+            expert = lin.experts > 1
+            shape = (lin.experts, lin.out_f, lin.in_f) if expert else (lin.out_f, lin.in_f)
+            role = "expert" if expert else "linear"
+            out.append(Tensor(base + ("" if expert else ".weight"), shape, i, role, full, wd,
+                              quant_of(role, lin.in_f)))
+            if lin.bias:
+                out.append(Tensor(base + ".bias", (lin.out_f,), i, "bias", full, wd))
+            if i not in adapted or lin.key not in s.keys:
+                continue
+            if expert:
+                for suffix, ashape in mm.expert_adapters(lin, s.rank):
+                    out.append(Tensor(base + suffix, ashape, i, "lora_A" if "lora_a" in suffix.lower() else "lora_B",
+                                      True, ad))
+                continue
+            out.append(Tensor(base + ".lora_A", (s.rank, lin.in_f), i, "lora_A", True, ad))
+            out.append(Tensor(base + ".lora_B", (lin.out_f, s.rank), i, "lora_B", True, ad))
+            if s.method == "dora":
+                # mlx DoRALinear.set_linear: m = norm(weight.astype(float32)) -> fp32, then
+                # set_dtype for bf16-true; PEFT: same dtype as the other adapter weights.
+                out.append(Tensor(base + ".magnitude", (lin.out_f,), i, "dora_m", True, ad))
+    for path, shape, kind, _, _ in arch.top:
+        out.append(Tensor(path, shape, None, kind, full, wd))
     if not arch.tie:
         out.append(Tensor("lm_head.weight", (V, h), None, "lm_head", full, wd, quant_of("lm_head", h)))
     return out
 
 
-
-def _first_stage(s: Setup) -> int:
+def _first_stage(arch: ModelDesc, s: Setup) -> int:
     """Stage of the block where gradients start in the lowest layer that needs them."""
-    if s.method == "full":
-        return 0
-    return min(_STAGE[k] for k in s.keys)
+    return first_stage(arch, s.keys, s.method == "full")

@@ -12,7 +12,7 @@ from finetune.budget import device_memory, parse_budget
 from finetune.planner.model import (
     GRAD_ACTIVATION_OVERLAP,
     SCHEMA_VERSION,
-    Arch,
+    ModelDesc,
     Setup,
     Tensor,
     _get,
@@ -22,7 +22,7 @@ from finetune.planner.model import (
 )
 
 
-def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
+def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
     """(activation bytes, logits+loss bytes, detail); their sum is the step's peak above
     weights, optimizer state and gradients.
 
@@ -41,13 +41,14 @@ def activations(arch: Arch, s: Setup) -> tuple[int, int, dict[str, int]]:
     p = memory_model(s.backend).activation_pieces(arch, s, backward_layers)
     layer, lparts, low, head, transient, logits = (p["layer"], p["layer_parts"], p["lowest"], p["head"],
                                                    p["transient"], p["logits"])
+    # every layer with gradients, each priced for its own block (MoE and dense layers can mix)
     ckpt_input, ckpt_recompute = p["ckpt_input"], p["ckpt_recompute"]
     if backward_layers == 0:
         saved, recompute = 0, 0
     elif s.ckpt:
         saved, recompute = backward_layers * ckpt_input, ckpt_recompute  # inputs; one layer recomputed in backward
     else:
-        saved, recompute = low + (backward_layers - 1) * layer, 0
+        saved, recompute = p["saved"], 0
     workspace = transient + recompute
     # Where the framework frees the loss's backward before the layers' (torch), only the larger
     # of the two adds to the kept activations; where it evaluates both as one graph (mlx), the
@@ -108,7 +109,7 @@ def params_total(cfg: Any) -> int:
 _MODULE_KEYS = ("weights", "quant", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged", "round")
 
 
-def _core(arch: Arch, s: Setup) -> dict[str, Any]:
+def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
     """Price one setup: categories, steady state, peak, per device."""
     tensors = inventory(arch, s)
     total, trainable = _count(tensors)
@@ -267,6 +268,20 @@ def _budget(s: Setup, override: int | None) -> tuple[int | None, str, int | None
     return dm.total_bytes, f"device: {label}", dm.total_bytes
 
 
+def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
+    """What the plan prices approximately for this model, said in the plan."""
+    out = []
+    if arch.experts:
+        out.append(f"MoE: all {arch.experts} experts' weights priced exactly; activations approximated as each "
+                   f"token's top-{arch.top_k} expert MLPs (the dispatch's own index copies are not counted)")
+    if arch.final_softcap or arch.attn_softcap:
+        out.append("soft-capping: the tanh outputs of the capped scores/logits priced from the modeling code "
+                   "(not calibrated separately)")
+    if not arch.gated_mlp:
+        out.append("plain MLP: priced from its two real matrices and one activation")
+    return out
+
+
 def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None) -> dict[str, Any]:
     """Predict a run's memory without loading weights (the content of plan.json).
@@ -295,7 +310,7 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "devices": s.n_devices,
         "world_size": s.world_size,
         "strategy": s.strategy if s.world_size > 1 else None,
-        "model": {"name": str(_get(_get(cfg, "model"), "name", "")), **{k: v for k, v in arch.__dict__.items()}},
+        "model": {"name": str(_get(_get(cfg, "model"), "name", "")), **arch.summary()},
         "method": s.method,
         "optim": s.optim,
         "precision": s.precision,
@@ -316,7 +331,7 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "budget_source": budget_source,
         "fits": fits,
         "recommendation": _recommend(arch, s, budget) if recommend else None,
-        "notes": s.notes + memory_model(s.backend).notes(s),
+        "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),
     }
     return out
 

@@ -1,0 +1,390 @@
+"""The model description: every weight of a checkpoint with its shape and kind, read from the
+checkpoint's own ``config.json`` (a local directory, the hub's cached config for a hub id, or a
+preset holding a released config's facts; ``finetune.model_source.model_config``).
+
+One frozen ``ModelDesc`` is shared by the planner (the parameter inventory, activations), both
+runtimes and the config checks (which LoRA targets exist, what ``all-linear`` means). Nothing
+here assumes a Llama: each family's block is built from what its transformers modeling file
+creates (transformers 5.24: ``models/<family>/modeling_<family>.py`` ``__init__``s), and mlx-lm
+0.32 builds the same matrices (checked per family by tests/test_families.py against a meta-device
+count and a loaded model). A family not listed in ``FAMILIES`` is described as a Llama-style
+decoder *with a note saying so*; nothing is priced as a Llama silently.
+
+No torch, no mlx: ``mode=plan`` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.config import UserError
+
+# Forward order of the parts of a decoder block (the "stage" of a weight): a stage before the
+# first adapted weight of the lowest adapted layer computes nothing that needs a gradient, so
+# autograd (and mlx's vjp) keep nothing for it.
+STAGE_NORM1, STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_NORM2, STAGE_MLP_IN, STAGE_MLP_OUT = range(6)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One matrix of a block: an ``nn.Linear`` (experts == 1) or a stacked expert parameter
+    ``[experts, out, in]`` (transformers 5's fused MoE experts).
+
+    ``key`` is the name a user gives in ``method.lora.keys`` (the module's own name, as PEFT's
+    ``target_modules`` matches it); ``path`` is where it sits inside the block.
+    """
+
+    key: str
+    path: str
+    in_f: int
+    out_f: int
+    bias: bool
+    kind: str  # attention | mlp | router | expert
+    stage: int
+    experts: int = 1
+
+    @property
+    def numel(self) -> int:
+        return self.experts * self.in_f * self.out_f
+
+
+@dataclass(frozen=True)
+class Block:
+    """One decoder layer: its matrices in forward order, its other weights (norms, sinks,
+    expert biases: path -> shape), and what its forward does."""
+
+    linears: tuple[Linear, ...]
+    # (path, shape, kind: norm | bias | sinks, stage it runs after, width of its input per token)
+    others: tuple[tuple[str, tuple[int, ...], str, float, int], ...]
+    moe: bool = False
+    sliding: bool = False
+
+    def norms(self) -> tuple[tuple[float, int], ...]:
+        """(stage, input width per token) of each norm of the block, in forward order."""
+        return tuple(sorted((st, w) for _, _, kind, st, w in self.others if kind == "norm"))
+
+    def group(self, stage: int) -> tuple[Linear, ...]:
+        return tuple(lin for lin in self.linears if lin.stage == stage)
+
+    def get(self, key: str) -> Linear | None:
+        return next((lin for lin in self.linears if lin.key == key), None)
+
+    @property
+    def mlp_width(self) -> int:
+        """The width of the MLP's hidden activation for one token (an expert's for MoE)."""
+        return max((lin.in_f for lin in self.group(STAGE_MLP_OUT)), default=0)
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    """What a checkpoint is, for pricing and for choosing what to adapt."""
+
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie: bool
+    blocks: tuple[Block, ...]
+    # top-level weights besides embeddings and head: path -> shape (final norm and its bias)
+    top: tuple[tuple[str, tuple[int, ...], str, float, int], ...]
+    experts: int = 0  # 0: dense
+    top_k: int = 0
+    gated_mlp: bool = True
+    mlp_act: str = "silu"
+    norm: str = "rms"  # rms | layer (LayerNorm with bias)
+    qk_norm: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: int | None = None
+    attn_default: str = "sdpa"  # what transformers picks when the user leaves it to it
+    fused_qkv: bool = False
+    source: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    # ---- the figures activations are priced with ---------------------------------------------
+    @property
+    def q_out(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_out(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def intermediate(self) -> int:
+        """The widest MLP activation per token: a dense MLP's width, or top-k experts' widths."""
+        return max(b.mlp_width * (self.top_k if b.moe else 1) for b in self.blocks)
+
+    def linear_keys(self) -> tuple[str, ...]:
+        """Every adaptable key of the blocks, in forward order."""
+        seen: dict[str, None] = {}
+        for b in self.blocks:
+            for lin in b.linears:
+                seen.setdefault(lin.key, None)
+        return tuple(seen)
+
+    def summary(self) -> dict[str, Any]:
+        """The plan.json ``model`` section's architecture facts."""
+        b0 = self.blocks[0]
+        q = b0.get("q_proj") or b0.get("qkv_proj")
+        return {"model_type": self.model_type, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate": self.intermediate,
+                "vocab": self.vocab, "tie": self.tie, "qkv_bias": bool(q and q.bias),
+                "o_bias": bool(b0.get("o_proj") and b0.get("o_proj").bias),  # type: ignore[union-attr]
+                "mlp_bias": any(lin.bias for lin in b0.linears if lin.kind == "mlp"),
+                "experts": self.experts, "top_k": self.top_k, "moe_layers": sum(b.moe for b in self.blocks),
+                "gated_mlp": self.gated_mlp, "fused_qkv": self.fused_qkv, "qk_norm": self.qk_norm,
+                "attn_softcap": self.attn_softcap, "final_softcap": self.final_softcap,
+                "sliding_window": self.sliding_window, "source": self.source}
+
+
+# ---- building it from config.json --------------------------------------------------------------
+
+# Families described exactly, with what each one's transformers config class defaults to where
+# a config.json leaves a key out (configuration_<family>.py __init__ defaults, transformers 5.24).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"tie_word_embeddings": False},
+    "mistral": {"tie_word_embeddings": False},
+    "qwen2": {"tie_word_embeddings": False},
+    "qwen3": {"tie_word_embeddings": False},
+    "olmo2": {"tie_word_embeddings": False},
+    "gemma": {"tie_word_embeddings": True},
+    "gemma2": {"tie_word_embeddings": True, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"tie_word_embeddings": True},
+    "phi3": {"tie_word_embeddings": False},
+    "mixtral": {"tie_word_embeddings": False, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+                  "decoder_sparse_step": 1, "moe_intermediate_size": 768},
+    "gpt_oss": {"tie_word_embeddings": False, "num_local_experts": 128, "num_experts_per_tok": 4,
+                "attention_bias": True},
+    "starcoder2": {"tie_word_embeddings": True, "use_bias": True},
+}
+
+# transformers picks eager attention for these (their modeling files do not support sdpa:
+# soft-capped scores in Gemma-2, attention sinks in gpt-oss); sdpa elsewhere.
+_EAGER_ONLY = {"gemma2": "soft-capped attention scores", "gpt_oss": "attention sinks"}
+
+
+def _text(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language model (``text_config``), else the config itself."""
+    if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
+        return {**hf["text_config"], "model_type": hf["text_config"].get("model_type") or hf.get("model_type")}
+    return hf
+
+
+def _need(c: dict[str, Any], key: str, source: str) -> Any:
+    v = c.get(key)
+    if v is None:
+        raise UserError(f"{source}: config.json has no {key}; point model.path at a complete model directory")
+    return v
+
+
+def describe(hf: dict[str, Any], source: str) -> ModelDesc:
+    """The description of the model ``hf`` (a config.json dict) defines.
+
+    Raises UserError for a config too incomplete to describe.
+    """
+    c = _text(hf)
+    mt = str(c.get("model_type") or "")
+    notes: list[str] = []
+    if mt not in FAMILIES:
+        notes.append(f"model_type={mt or '?'} is not a family finetune describes exactly "
+                     f"({', '.join(sorted(FAMILIES))}): priced as a Llama-style decoder from its sizes (approximate)")
+    c = {**FAMILIES.get(mt, {"tie_word_embeddings": False}), **{k: v for k, v in c.items() if v is not None}}
+    h = int(_need(c, "hidden_size", source))
+    L = int(_need(c, "num_hidden_layers", source))
+    heads = int(_need(c, "num_attention_heads", source))
+    kv = int(c.get("num_key_value_heads") or heads)
+    hd = int(c.get("head_dim") or h // heads)
+    V = int(_need(c, "vocab_size", source))
+    f = int(c.get("intermediate_size") or 0)
+    q_out, kv_out = heads * hd, kv * hd
+
+    # attention
+    bias_all = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("attention_bias", False))
+    qkv_bias = True if mt == "qwen2" else bias_all
+    o_bias = False if mt == "qwen2" else bias_all
+    fused = mt == "phi3"
+    attn: list[Linear] = []
+    if fused:  # Phi3Attention: one qkv_proj of (heads + 2 kv) * head_dim
+        attn.append(Linear("qkv_proj", "self_attn.qkv_proj", h, q_out + 2 * kv_out, qkv_bias, "attention",
+                           STAGE_ATTN_IN))
+    else:
+        attn += [Linear("q_proj", "self_attn.q_proj", h, q_out, qkv_bias, "attention", STAGE_ATTN_IN),
+                 Linear("k_proj", "self_attn.k_proj", h, kv_out, qkv_bias, "attention", STAGE_ATTN_IN),
+                 Linear("v_proj", "self_attn.v_proj", h, kv_out, qkv_bias, "attention", STAGE_ATTN_IN)]
+    attn.append(Linear("o_proj", "self_attn.o_proj", q_out, h, o_bias, "attention", STAGE_ATTN_OUT))
+    attn_others: list[tuple[str, tuple[int, ...], str, float, int]] = []
+    qk_norm = mt in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
+    if qk_norm:
+        # Qwen3/Gemma3: RMSNorm over head_dim; OLMo2: over the whole projection
+        qn, kn = ((q_out,), (kv_out,)) if mt == "olmo2" else ((hd,), (hd,))
+        attn_others += [("self_attn.q_norm.weight", qn, "norm", 1.5, q_out),
+                        ("self_attn.k_norm.weight", kn, "norm", 1.5, kv_out)]
+    if mt == "gpt_oss":
+        attn_others.append(("self_attn.sinks", (heads,), "sinks", 1.5, 0))  # GptOssAttention.sinks: one per head
+
+    # norms of a block
+    names = {"gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                        "post_feedforward_layernorm"),
+             "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
+    norm_names = names.get(mt, ("input_layernorm", "post_attention_layernorm"))
+    if mt == "gemma3_text":
+        norm_names = names["gemma2"]
+    layer_norm = mt == "starcoder2"  # nn.LayerNorm with bias
+    # where each norm runs: before attention, after its output projection (Gemma/OLMo2's
+    # post-attention norm), before the MLP, after it
+    sandwich = mt in ("gemma2", "gemma3_text", "olmo2")
+    where = {"input_layernorm": 0.0, "post_attention_layernorm": 2.5 if sandwich else 3.0,
+             "pre_feedforward_layernorm": 3.0, "post_feedforward_layernorm": 5.5}
+    norms: list[tuple[str, tuple[int, ...], str, float, int]] = []
+    for n in norm_names:
+        norms.append((f"{n}.weight", (h,), "norm", where[n], h))
+        if layer_norm:
+            norms.append((f"{n}.bias", (h,), "bias", where[n], h))
+
+    # MLP, dense or experts
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or 0) if mt in ("mixtral", "qwen3_moe",
+                                                                                     "gpt_oss") else 0
+    top_k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0) if experts else 0
+    mlp_bias = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("mlp_bias", False))
+    gated = mt != "starcoder2"
+
+    Others = list[tuple[str, tuple[int, ...], str, float, int]]
+
+    def dense(width: int) -> tuple[list[Linear], Others]:
+        if mt == "starcoder2":  # Starcoder2MLP: c_fc, gelu, c_proj (both with use_bias)
+            return [Linear("c_fc", "mlp.c_fc", h, width, mlp_bias, "mlp", STAGE_MLP_IN),
+                    Linear("c_proj", "mlp.c_proj", width, h, mlp_bias, "mlp", STAGE_MLP_OUT)], []
+        if mt == "phi3":  # Phi3MLP: one gate_up_proj of 2 x intermediate
+            return [Linear("gate_up_proj", "mlp.gate_up_proj", h, 2 * width, mlp_bias, "mlp", STAGE_MLP_IN),
+                    Linear("down_proj", "mlp.down_proj", width, h, mlp_bias, "mlp", STAGE_MLP_OUT)], []
+        return [Linear("gate_proj", "mlp.gate_proj", h, width, mlp_bias, "mlp", STAGE_MLP_IN),
+                Linear("up_proj", "mlp.up_proj", h, width, mlp_bias, "mlp", STAGE_MLP_IN),
+                Linear("down_proj", "mlp.down_proj", width, h, mlp_bias, "mlp", STAGE_MLP_OUT)], []
+
+    def moe(width: int) -> tuple[list[Linear], Others]:
+        # transformers 5: the router, then every expert's gate and up fused into one stacked
+        # [E, 2 x width, h] parameter and the down projections in [E, h, width]
+        # (gpt-oss stores them transposed, [E, h, 2 x width] and [E, width, h]: same counts)
+        router = "router" if mt == "gpt_oss" else "gate"
+        lins = [Linear(router, f"mlp.{router}", h, experts, mt == "gpt_oss", "router", STAGE_MLP_IN),
+                Linear("experts", "mlp.experts.gate_up_proj", h, 2 * width, False, "expert", STAGE_MLP_IN, experts),
+                Linear("experts", "mlp.experts.down_proj", width, h, False, "expert", STAGE_MLP_OUT, experts)]
+        others: Others = []
+        if mt == "gpt_oss":  # GptOssExperts: gate_up_proj_bias [E, 2 x width], down_proj_bias [E, h]
+            others = [("mlp.experts.gate_up_proj_bias", (experts, 2 * width), "bias", 4.0, 0),
+                      ("mlp.experts.down_proj_bias", (experts, h), "bias", 5.0, 0)]
+        return lins, others
+
+    sliding_window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+    layer_types = c.get("layer_types") if isinstance(c.get("layer_types"), list) else None
+    blocks: list[Block] = []
+    cache: dict[tuple[bool, bool], Block] = {}
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    step = int(c.get("decoder_sparse_step") or 1)
+    for i in range(L):
+        is_moe = bool(experts) and (mt != "qwen3_moe" or (i not in mlp_only and (i + 1) % step == 0))
+        if layer_types and i < len(layer_types):
+            sliding = layer_types[i] == "sliding_attention" and bool(sliding_window)
+        elif mt == "gemma2":
+            sliding = i % 2 == 0 and bool(sliding_window)  # Gemma2: every other layer, from the first
+        else:
+            sliding = bool(sliding_window)
+        key = (is_moe, sliding)
+        if key not in cache:
+            width = (int(c.get("moe_intermediate_size") or f) if mt == "qwen3_moe" else f) if is_moe else f
+            if width <= 0:
+                raise UserError(f"{source}: config.json has no intermediate_size; "
+                                "point model.path at a complete model directory")
+            mlp, mlp_others = (moe if is_moe else dense)(width)
+            cache[key] = Block(tuple(attn + mlp), tuple(attn_others + norms + mlp_others), is_moe, sliding)
+        blocks.append(cache[key])
+
+    top = [("model.norm.weight", (h,), "norm", 6.0, h)] + ([("model.norm.bias", (h,), "bias", 6.0, h)] if layer_norm else [])
+    if experts and mt == "gpt_oss":
+        notes.append("gpt-oss: the released checkpoint stores its experts in MXFP4; transformers dequantizes them "
+                     "to the load dtype where no MXFP4 kernel runs (priced so)")
+    if mt not in FAMILIES and experts == 0 and any(k in c for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise UserError(f"{source}: model_type={mt} is a mixture of experts finetune cannot describe; "
+                        f"use a described family ({', '.join(sorted(FAMILIES))}) or backend=cuda mode=train without a plan")
+    return ModelDesc(
+        model_type=mt, hidden=h, layers=L, heads=heads, kv_heads=kv, head_dim=hd, vocab=V,
+        tie=bool(c.get("tie_word_embeddings")), blocks=tuple(blocks), top=tuple(top), experts=experts, top_k=top_k,
+        gated_mlp=gated, mlp_act=str(c.get("hidden_act") or c.get("hidden_activation") or "silu"),
+        norm="layer" if layer_norm else "rms", qk_norm=qk_norm,
+        attn_softcap=c.get("attn_logit_softcapping") if mt == "gemma2" else None,
+        final_softcap=c.get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
+        sliding_window=int(sliding_window) if sliding_window else None,
+        attn_default="eager" if mt in _EAGER_ONLY else "sdpa", fused_qkv=fused, source=source,
+        notes=tuple(notes),
+    )
+
+
+# ---- what LoRA adapts --------------------------------------------------------------------------
+
+ALL_LINEAR = "all-linear"
+EXPERTS = "experts"
+
+
+def default_keys(desc: ModelDesc) -> tuple[str, ...]:
+    """The attention's query and value projections where they exist, else the fused attention
+    projection (Phi-3's qkv_proj)."""
+    keys = desc.linear_keys()
+    if "q_proj" in keys and "v_proj" in keys:
+        return ("q_proj", "v_proj")
+    return tuple(k for k in keys if k == "qkv_proj") or keys[:1]
+
+
+def lora_keys(desc: ModelDesc, keys: Any) -> tuple[str, ...]:
+    """``method.lora.keys`` checked against the model: the block keys to adapt, in forward order.
+
+    Accepts the module names of the model's blocks (``q_proj``; mlx-lm's dotted paths such as
+    ``self_attn.q_proj`` too), ``all-linear`` (every attention and MLP linear of the blocks, no
+    head, no router; on MoE models the experts are adapted only when named), ``experts`` (every
+    expert's matrices) and null (``default_keys``). Raises UserError naming the model's own keys.
+    """
+    if keys is None or (isinstance(keys, str) and keys in ("", "default")):
+        return default_keys(desc)
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    valid = tuple(lin.key for lin in dict.fromkeys(x for b in desc.blocks for x in b.linears) if lin.kind != "router")
+    valid = tuple(dict.fromkeys(valid))
+    adaptable = tuple(k for k in valid if k != EXPERTS)
+    choices = ", ".join([*adaptable, ALL_LINEAR] + ([EXPERTS] if EXPERTS in valid else []))
+    out: list[str] = []
+    for k in wanted:
+        k = str(k)
+        if k == ALL_LINEAR:
+            picks = [lin.key for b in desc.blocks for lin in b.linears if lin.kind in ("attention", "mlp")]
+        else:
+            short = k.rsplit(".", 1)[-1]
+            paths = {lin.path.rsplit(".", 1)[0] if lin.key == EXPERTS else lin.path: lin.key
+                     for b in desc.blocks for lin in b.linears}
+            hit = k if k in valid else short if short in valid and short != EXPERTS else paths.get(k)
+            if hit is None:
+                raise UserError(f"method.lora.keys: {k} is not a linear layer of this {desc.model_type} model's "
+                                f"blocks; choose from: {choices}")
+            picks = [hit]
+        for p in picks:
+            if p not in out:
+                out.append(p)
+    if not out:
+        raise UserError(f"method.lora.keys is empty; choose from: {choices}")
+    order = {k: i for i, k in enumerate(valid)}
+    return tuple(sorted(out, key=order.__getitem__))
+
+
+def first_stage(desc: ModelDesc, keys: tuple[str, ...], full: bool) -> int:
+    """Stage of the block where gradients start in the lowest layer that needs them."""
+    if full:
+        return STAGE_NORM1
+    return min(lin.stage for b in desc.blocks for lin in b.linears if lin.key in keys)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)

@@ -1,0 +1,92 @@
+"""Tiny random-init checkpoints of the model families people fine-tune, built by transformers
+from each family's own config class (2 layers, hidden 64), with the tiny model's BPE tokenizer.
+
+``build_family(name)`` writes an HF-format directory (config.json as transformers saves it,
+model.safetensors, tokenizer files) once per process into a cache folder and returns it; both
+backends load it through their ordinary loading code. ``FAMILIES`` says what each family is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+VOCAB = 512
+COMMON: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 512,
+    "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "tie_word_embeddings": False,
+}
+
+# family -> (model_type, config overrides, what it stands for)
+FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "llama": ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64}}, "dense, Llama-3 RoPE"),
+    "mistral": ("mistral", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}, "dense"),
+    "gemma2": ("gemma2", {"head_dim": 16, "tie_word_embeddings": True, "sliding_window": 8,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+               "soft-capped attention and logits, sliding window"),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "tie_word_embeddings": True, "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "full_attention"]},
+               "q/k norms, sandwich norms, local/global layers"),
+    "qwen3": ("qwen3", {"head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+              "dense, q/k norms"),
+    "phi3": ("phi3", {}, "fused qkv_proj and gate_up_proj"),
+    "olmo2": ("olmo2", {}, "q/k norms on the whole projection, post-norms"),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, "MoE, 4 experts, top-2"),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "head_dim": 16, "norm_topk_prob": True}, "MoE, 4 experts, top-2, q/k norms"),
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                            "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+                "MoE with biases and attention sinks"),
+    "starcoder2": ("starcoder2", {"use_bias": True}, "plain two-matrix MLP, biases, LayerNorm"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "families"
+
+
+def family_config(name: str) -> Any:
+    """The transformers config object of family ``name``'s tiny checkpoint."""
+    from transformers import AutoConfig
+
+    model_type, extra, _ = FAMILIES[name]
+    return AutoConfig.for_model(model_type, **{**COMMON, **extra})
+
+
+def build_family(name: str, seed: int = 0) -> Path:
+    """Directory of family ``name``'s tiny checkpoint (fp32), built once and reused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.tiny import _write_tokenizer
+
+    cfg = family_config(name)
+    final = cache_root() / f"{name}-v1-s{seed}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(str(tmp))
+        _write_tokenizer(tmp, VOCAB)
+        hf = json.loads((tmp / "config.json").read_text())
+        hf["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process built it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
