@@ -45,6 +45,15 @@ MLX_CKPT_RECOMPUTE_TT = 0.8
 # checkpointing from benchmarks/plan_vs_measured.py (tiny, T=256, batch 4 and 16: measured
 # peaks were 0.57 * B * H * T^2 * dtype below the full-workspace prediction).
 MLX_LOWEST_ONLY_TT_SAVING = 0.57
+# Families beyond the Qwen2/Llama block the constants above were fitted on, each term fitted the
+# same way on tests/families.py's tiny checkpoints (mlx 0.32 CPU fp32, batch 4-8, 64-128 tokens,
+# LoRA default keys and all-linear) against mx.get_peak_memory, in the same units:
+MLX_SOFTCAP_TT = 1.0  # Gemma-2: tanh(scores / cap) * cap keeps one more [B, H, T, T] array per layer
+MLX_SOFTCAP_LOGITS_NV = 4  # Gemma-2's final tanh(logits / cap) * cap: one more fp32 [n, V] array
+MLX_FUSED_QKV_TT = 0.5  # Phi-3: the attention over slices of one fused qkv output (mx.split views)
+MLX_FUSED_QKV_NH = 3.0
+MLX_PLAIN_MLP_NF = 1.0  # a two-matrix MLP (StarCoder2): the gelu keeps its input
+MLX_PLAIN_TRANSIENT_NF = 3.0  # ... and its backward workspace has one input matrix, not two
 MLX_LOGITS_PER_NV = 16  # fp32 logits kept + logsumexp/softmax/scatter cotangents (measured slope: 4 x 4 B)
 MLX_LOGITS_PER_NV_HALF = 4  # extra with bf16 weights: the bf16 logits and their cotangent
 
@@ -97,7 +106,7 @@ def quant_of(s: Setup, role: str, in_f: int) -> str | None:
     (backends/mlx/runtime.py, as mlx_lm.utils.quantize_model): Linear *and* Embedding, lm_head too."""
     if not (s.method == "qlora" or s.pre_quant is not None):
         return None
-    if role in ("linear", "expert", "embed", "lm_head") and in_f % s.quant_group == 0:
+    if role in ("linear", "router", "expert", "embed", "lm_head") and in_f % s.quant_group == 0:
         return "mlx"
     return None
 
@@ -182,15 +191,17 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
     layer, lparts = max(per.values(), key=lambda x: x[0])
     low, _ = layer_bytes(arch, s, s.method != "full", arch.blocks[first])
     saved = low + sum(per[arch.blocks[i]][0] for i in range(first + 1, arch.layers))
-    h, f, V = arch.hidden, arch.intermediate, arch.vocab
+    # the layers' backward workspace runs one MLP (one expert's width under MoE) at a time
+    h, f, V = arch.hidden, max(b.mlp_width for b in arch.blocks), arch.vocab
     T = s.seq_len - 1
     n = s.batch * T
     a = s.wd
     head = n * h * 4 + n * 4  # final rms_norm: fp32 input and rsqrt
+    nf = MLX_TRANSIENT_NF if arch.gated_mlp else MLX_PLAIN_TRANSIENT_NF
     tt = MLX_TRANSIENT_TT
     if backward_layers == 1 and s.method != "full" and not s.ckpt:
         tt -= MLX_LOWEST_ONLY_TT_SAVING
-    transient = int((MLX_TRANSIENT_NH * n * h + MLX_TRANSIENT_NF * n * f
+    transient = int((MLX_TRANSIENT_NH * n * h + nf * n * f
                      + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
                      + tt * s.batch * arch.heads * T * T) * a)
     logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
@@ -201,9 +212,8 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         logits = (s.loss_chunk * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
                   + 4 * n * h + (4 * V * h if s.method == "full" else 0))
     if arch.final_softcap:
-        # Gemma-2's final soft-capping (models/gemma2.py: tanh(out / cap) * cap): the divided
-        # logits and the tanh output stay in the graph, in the weights' dtype
-        logits += 2 * n * V * a
+        # Gemma-2's final soft-capping (models/gemma2.py: tanh(out / cap) * cap)
+        logits += MLX_SOFTCAP_LOGITS_NV * n * V
     # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
     ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
                           + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * T * T) * a)
@@ -324,21 +334,25 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     k = max(arch.top_k, 1) if block.moe else 1
     parts = {"norms": 0, "linear_inputs": 0, "adapters": 0, "attention": 0, "mlp": 0}
     for stage, width in block.norms():
+        if STAGE_ATTN_IN < stage < STAGE_ATTN_OUT:
+            continue  # q/k norms: measured to keep nothing beyond what attention already references
         if stage > start or (stage == start and (full or not lowest)):
             parts["norms"] += n * width * 4 + n * 4
     if start <= STAGE_ATTN_IN:
         parts["attention"] += (n * (qd + 2 * kv) * a + s.batch * arch.heads * T * T * a + T * T
                                + 2 * T * arch.head_dim * a)
         if arch.attn_softcap:
-            parts["attention"] += 2 * s.batch * arch.heads * T * T * a
+            parts["attention"] += int(MLX_SOFTCAP_TT * s.batch * arch.heads * T * T * a)
+        if arch.fused_qkv:
+            parts["attention"] += int(MLX_FUSED_QKV_TT * s.batch * arch.heads * T * T * a + MLX_FUSED_QKV_NH * n * h * a)
     w = block.mlp_width
     if start <= STAGE_MLP_IN:
         if block.moe:
-            parts["mlp"] += 4 * n * k * w * a + 2 * n * k * h * a + n * arch.experts * 4
+            parts["mlp"] += 4 * n * k * w * a + n * k * h * a + n * arch.experts * 4
         elif arch.gated_mlp:
             parts["mlp"] += 4 * n * w * a
         else:
-            parts["mlp"] += 2 * n * w * a
+            parts["mlp"] += int(MLX_PLAIN_MLP_NF * n * w * a)
     widths = {STAGE_ATTN_IN: h, STAGE_ATTN_OUT: qd, STAGE_MLP_IN: h, STAGE_MLP_OUT: w}
     sources: dict[tuple[int, bool], int] = {}
     for lin in block.linears:

@@ -87,6 +87,16 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
         if best:
             p = _core(arch, _setup_with(s, lora_layers=tuple(range(arch.layers - best, arch.layers))))
             out.append({"change": f"method.lora.num_layers={best}", "peak_bytes": p["max_device_peak_bytes"]})
+    if s.device == "cuda" and s.world_size == 1:
+        # more GPUs: device_map=auto splits the layers over them (a model whose weights alone
+        # exceed one device, e.g. an MoE's experts, fits no other way)
+        for n in (2, 3, 4, 5, 6, 8, 12, 16):
+            if n > s.n_devices:
+                p = _core(arch, _setup_with(s, n_devices=n))
+                if _fits(p, budget):
+                    out.append({"change": f"backend.device_map=auto backend.num_devices={n}",
+                                "peak_bytes": p["max_device_peak_bytes"]})
+                    break
     best, lo, hi = None, 8, s.seq_len - 1
     while lo <= hi:
         mid = (lo + hi) // 2

@@ -294,7 +294,7 @@ def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
             base = p + lin.path
             expert = lin.experts > 1
             shape = (lin.experts, lin.out_f, lin.in_f) if expert else (lin.out_f, lin.in_f)
-            role = "expert" if expert else "linear"
+            role = "expert" if expert else "router" if lin.kind == "router" else "linear"
             out.append(Tensor(base + ("" if expert else ".weight"), shape, i, role, full, wd,
                               quant_of(role, lin.in_f)))
             if lin.bias:

@@ -274,6 +274,9 @@ def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     if arch.experts:
         out.append(f"MoE: all {arch.experts} experts' weights priced exactly; activations approximated as each "
                    f"token's top-{arch.top_k} expert MLPs (the dispatch's own index copies are not counted)")
+    if arch.experts and s.method == "qlora" and memory_model(s.backend).quant_of(s, "expert", arch.hidden) is None:
+        out.append(f"qlora on {s.backend}: the experts are stacked parameters, not Linear layers, and stay in "
+                   f"{s.weight_dtype} (only the attention projections are quantized)")
     if arch.final_softcap or arch.attn_softcap:
         out.append("soft-capping: the tanh outputs of the capped scores/logits priced from the modeling code "
                    "(not calibrated separately)")
