@@ -93,6 +93,11 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     return device, n_devices, notes
 
 
+def check_model(hf: dict[str, Any], seq_len: int) -> None:
+    """Nothing to refuse before loading: transformers builds any model_type it knows (the
+    runtime names one it does not, with the fix, when it loads)."""
+
+
 def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
     """An MLX pre-quantized checkpoint: transformers cannot load it."""
     if quant:

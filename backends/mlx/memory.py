@@ -77,6 +77,16 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     return run_device(), 1, []
 
 
+def check_model(hf: dict[str, Any], seq_len: int) -> None:
+    """Refuse, in one line, a checkpoint mlx-lm would load as a different model
+    (backends/mlx/hfconfig.py refusal: the same check the runtime makes before loading)."""
+    from finetune.backends.mlx.hfconfig import refusal
+
+    why = refusal(hf, seq_len)
+    if why:
+        raise UserError(why)
+
+
 def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
     """A pre-quantized checkpoint trains as mlx-lm trains it: nothing to refuse."""
 

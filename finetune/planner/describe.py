@@ -308,8 +308,9 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
 
     top = [("model.norm.weight", (h,), "norm", 6.0, h)] + ([("model.norm.bias", (h,), "bias", 6.0, h)] if layer_norm else [])
     if experts and mt == "gpt_oss":
-        notes.append("gpt-oss: the released checkpoint stores its experts in MXFP4; transformers dequantizes them "
-                     "to the load dtype where no MXFP4 kernel runs (priced so)")
+        notes.append("gpt-oss: the released checkpoint stores its experts in MXFP4; priced dequantized to the load "
+                     "dtype, as transformers loads them where no MXFP4 kernel runs (an over-estimate where one does, "
+                     "and on mlx, whose mlx-lm keeps them in MXFP4)")
     if mt not in FAMILIES and experts == 0 and any(k in c for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         raise UserError(f"{source}: model_type={mt} is a mixture of experts finetune cannot describe; "
                         f"use a described family ({', '.join(sorted(FAMILIES))}) or backend=cuda mode=train without a plan")

@@ -158,7 +158,10 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
     architecture and a setup. ``state`` (a finetune.state.RunState) overrides the backend,
     micro-batch, accumulation, checkpointing and loss chunk with the run's live values. Raises UserError
     for a combination the backend would refuse."""
-    arch = model_desc(_get(cfg, "model"))
+    from finetune.model_source import model_config
+
+    hf, hf_source = model_config(_get(cfg, "model"))
+    arch = describe(hf, hf_source)
     b = _get(cfg, "backend")
     from finetune.backends import concrete_name
 
@@ -206,6 +209,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
     # transformers' attention choice; a backend with its own attention (mlx) names it in its memory model
     wanted = str(_get(_get(cfg, "backend"), "attn_implementation", None) or "auto")
     attn = attention(arch, wanted) if mm.ATTENTION_LABEL is None else "sdpa"
+    mm.check_model(hf, T)  # a family the backend's library cannot load faithfully: one line
     setup = Setup(
         backend=backend, device=device, n_devices=n_devices, method=method, optim=optim, precision=precision,
         weight_dtype=weight_dtype, adapter_dtype=adapter_dtype, compute_dtype=compute_dtype, autocast=autocast,
