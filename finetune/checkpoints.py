@@ -63,3 +63,28 @@ def prune(run_dir: str | Path, keep: int = KEEP) -> list[Path]:
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
     return old
+
+
+RESULTS = ("summary.json", "adapter", "memory.png")  # what a run leaves besides checkpoints and metrics
+
+
+def results_in(run_dir: str | Path) -> list[str]:
+    """What in ``run_dir`` another run would take for its own result or resume from: its
+    checkpoints, summary.json, adapter/ (empty: nothing there)."""
+    d = Path(run_dir)
+    found = [name + ("/" if (d / name).is_dir() else "") for name in RESULTS[:2] if (d / name).exists()]
+    n = len(list_checkpoints(d))
+    return found + ([f"{n} checkpoint{'s' if n > 1 else ''}"] if n else [])
+
+
+def clear_results(run_dir: str | Path) -> None:
+    """Remove an earlier run's results and checkpoints (a new run with train.overwrite=true),
+    so nothing of it is found beside the new run's, nor resumed from."""
+    d = Path(run_dir)
+    shutil.rmtree(checkpoints_dir(d), ignore_errors=True)
+    for name in RESULTS:
+        p = d / name
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)

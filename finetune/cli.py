@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from finetune.config import GROUPS, UserError, register_configs
@@ -93,6 +94,99 @@ def _remove_unused_run_dir(cfg: Any) -> None:
 _TASK_STARTED = False  # an OSError before this is Hydra making the run dir
 
 
+class RunDirGuard:
+    """A single training run's directory as it was before Hydra wrote into it, and its lock.
+
+    Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` and opens its log before our code
+    runs. The guard is made just before that (``_guard_run_dir``): it takes the run dir's lock
+    first, so a second run into a busy directory is refused having written nothing, and it
+    keeps what those files held, so a command refused later (a resume of another run, a
+    missing data file) puts them back and leaves an existing run's directory as it was."""
+
+    HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+    def __init__(self, run_dir: Path, subdir: str | None):
+        from finetune.io import DirBusy, lock_dir
+
+        self.run_dir = run_dir
+        self.hydra_dir = run_dir / subdir if subdir else None
+        self.hydra_dir_existed = bool(self.hydra_dir and self.hydra_dir.is_dir())
+        self.files: dict[Path, bytes | None] = {}
+        if self.hydra_dir is not None:
+            for name in self.HYDRA_FILES:
+                f = self.hydra_dir / name
+                self.files[f] = f.read_bytes() if f.is_file() else None
+        self.logs = {f: f.stat().st_size for f in run_dir.glob("*.log") if f.is_file()}
+        try:
+            self.lock = lock_dir(run_dir)
+        except DirBusy:
+            raise UserError(f"run dir {run_dir} is in use by another run (it holds the lock on {run_dir / '.lock'}); "
+                            "wait for that run to end, or choose another hydra.run.dir") from None
+        except OSError as e:
+            raise UserError(f"run dir {run_dir}: its lock file cannot be made ({e.strerror or e}); set "
+                            "hydra.run.dir= to a writable directory") from None
+
+    def restore(self) -> None:
+        """Put back what this command wrote before the run began (nothing once it has begun)."""
+        if self.lock.begun:
+            return
+        for f, old in self.files.items():
+            try:
+                if old is None:
+                    f.unlink(missing_ok=True)
+                elif not f.is_file() or f.read_bytes() != old:
+                    f.write_bytes(old)
+            except OSError:
+                pass
+        if self.hydra_dir is not None and not self.hydra_dir_existed:
+            try:
+                self.hydra_dir.rmdir()  # only when empty: nothing of anyone else's goes
+            except OSError:
+                pass
+        for f in self.run_dir.glob("*.log"):
+            try:
+                if f not in self.logs:
+                    f.unlink()
+                elif f.stat().st_size > self.logs[f]:
+                    os.truncate(f, self.logs[f])
+            except OSError:
+                pass
+        self.lock.release(remove=True)
+
+
+_GUARD: RunDirGuard | None = None
+
+
+def _several_ranks() -> bool:
+    """A launcher started this process as one of several (torchrun, srun, mlx.launch, mpirun):
+    rank 0's Trainer takes the lock once the ranks agree on one run dir."""
+    env = os.environ
+    return any(int(env.get(k) or 1) > 1 for k in ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")) \
+        or "MLX_RANK" in env
+
+
+def _guard_run_dir() -> None:
+    """Make the RunDirGuard of a single training run just before Hydra writes into its
+    directory: Hydra's ``run_job`` configures its log (the first file it opens there) and
+    then saves ``.hydra/``; the run dir is already known to its HydraConfig."""
+    import hydra.core.utils as hydra_core_utils
+
+    original = hydra_core_utils.configure_log
+
+    def configure_log(*args: Any, **kwargs: Any) -> Any:
+        global _GUARD
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        mode = next((o.split("=", 1)[1] for o in hc.overrides.task if o.startswith("mode=")), "train")
+        if hc.mode == RunMode.RUN and mode == "train" and not _several_ranks():
+            _GUARD = RunDirGuard(Path(hc.runtime.output_dir), hc.output_subdir)
+        return original(*args, **kwargs)
+
+    hydra_core_utils.configure_log = configure_log
+
+
 def _task(cfg: Any) -> Any:
     global _TASK_STARTED
     _TASK_STARTED = True
@@ -105,6 +199,8 @@ def _task(cfg: Any) -> Any:
             return sweep.run_job(cfg, run)
         return run(cfg)
     except UserError as e:
+        if _GUARD is not None:
+            _GUARD.restore()
         _remove_unused_run_dir(cfg)
         _fail(e)
     except KeyboardInterrupt:
@@ -125,6 +221,10 @@ def _one_line_config_errors() -> None:
         def guarded() -> Any:
             try:
                 return func()
+            except UserError as e:  # the run dir's guard refused it before Hydra wrote anything
+                if debug():
+                    raise
+                _fail(e)
             except OSError as e:  # the run dir: Hydra makes it (and .hydra/) before the task
                 if debug() or _TASK_STARTED:
                     raise
@@ -159,6 +259,7 @@ def main() -> None:
 
     register_configs()
     _one_line_config_errors()
+    _guard_run_dir()
     hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(_task)()
 
 

@@ -154,6 +154,9 @@ class TrainConfig:
     # once memory.cache_limit=auto bounds the cache).
     pad_multiple: int = 0
     resume: bool = False  # continue from the latest checkpoint in the run dir
+    # a new run into a directory holding another run's checkpoints or result: false refuses
+    # it (resume it, or choose a new hydra.run.dir); true deletes them when the run begins
+    overwrite: bool = False
     # a checkpoint that cannot be written (disk full, permission): stop (exit 2, the previous
     # checkpoint kept) or continue training without it
     on_save_error: str = "stop"

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from finetune.config import UserError
-from finetune.io import atomic_dir
+from finetune.io import atomic_dir, disk_errors
 from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
@@ -654,7 +654,7 @@ def convert(src: str | Path, dst: str | Path, to: str, base: str | None = None, 
                         "transformers cannot load; pass --base with the unquantized checkpoint it came from (the "
                         "adapter then meets weights without the quantization error it trained on)")
     check_against_base(ad, b)
-    with atomic_dir(dst) as tmp:
+    with atomic_dir(dst) as tmp, disk_errors(tmp):
         WRITERS[to](ad, b, tmp)
         _scrub(tmp, ad, b)
     return dst
@@ -732,7 +732,7 @@ def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize:
         else:
             native.mkdir()
             WRITERS[want](ad, b, native)
-        with atomic_dir(dst) as tmp:
+        with atomic_dir(dst) as tmp, disk_errors(tmp):
             if engine == "peft":
                 _merge_peft(b, native, tmp, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
             else:
@@ -816,6 +816,11 @@ def main(argv: list[str] | None = None) -> int:
             out = convert(a.src, a.dst, a.to, base=a.base, overwrite=a.overwrite, allow_pickle=a.allow_pickle)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a read-only or missing parent: DST is left as it was
+        where = e.filename or a.dst
+        print(f"error: cannot write {where} ({e.strerror or e}); nothing was written to {a.dst}: free space or "
+              "choose another output directory", file=sys.stderr)
         return 2
     print(f"wrote {out}", file=sys.stderr)
     return 0

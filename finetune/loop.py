@@ -18,21 +18,20 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from finetune import checkpoints
+from finetune import checkpoints, faults
 from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
 from finetune.backends.base import Comm
 from finetune.config import UserError, validate
 from finetune.data import rank_slice
-from finetune.io import atomic_dir, atomic_write_json, finalize_dir
+from finetune.io import DirBusy, atomic_dir, atomic_write_json, disk_errors, finalize_dir, lock_dir
 from finetune.redact import redact_tree
-from finetune.runlog import RankRunLog, RunLog
+from finetune.runlog import RankRunLog, RunLog, RunLogWriteError
 
 log = logging.getLogger("finetune")
 
@@ -86,6 +85,7 @@ class Trainer:
         self.runlog = RunLog(self.run_dir, chosen,
                              redact_tree(OmegaConf.to_container(cfg, resolve=True)) if chosen else None)
         self.comm = Comm()  # one process until connect() joins a launcher's ranks
+        self.lock: Any = None  # the run dir's lock (finetune.io.DirLock), taken by claim()
         self._stop: _StopOnSignal | None = None
         self._stop_agreed = False
         self._lr = schedule(cfg)  # optimizer step -> learning rate
@@ -115,6 +115,39 @@ class Trainer:
             self.runlog = RankRunLog(self.run_dir)
             # the warnings every rank would repeat (truncated samples, plan notes): rank 0's
             logging.getLogger("finetune").setLevel(logging.ERROR)
+
+    def claim(self) -> None:
+        """The checks that need no model, done before anything is loaded: this process takes
+        the run dir's lock (rank 0 under several ranks; the OS drops it when the process dies,
+        so ``kill -9`` leaves none behind), a resume finds a checkpoint, and a new run does not
+        land on another run's checkpoints or result (``train.overwrite=true`` replaces them once
+        the run begins). Every rank learns whether any refused, so all stop together."""
+        d, t = self.run_dir, self.cfg.train
+        refused: UserError | None = None
+        try:
+            if self.comm.rank == 0:
+                try:
+                    self.lock = lock_dir(d)
+                except DirBusy:
+                    raise UserError(f"run dir {d} is in use by another run (it holds the lock on {d / '.lock'}); "
+                                    "wait for that run to end, or choose another hydra.run.dir") from None
+                except OSError as e:
+                    raise UserError(f"run dir {d}: its lock file cannot be made ({e.strerror or e}); set "
+                                    "hydra.run.dir= to a writable directory") from None
+            if t.resume and not checkpoints.list_checkpoints(d):
+                raise UserError(f"train.resume=true but {d}/checkpoints holds no checkpoint; point hydra.run.dir "
+                                "at the run to continue, or set train.save_every")
+            held = [] if t.resume or t.get("overwrite") else checkpoints.results_in(d)
+            if held:
+                resume = "continue it with train.resume=true, " if checkpoints.list_checkpoints(d) else ""
+                raise UserError(f"run dir {d} holds another run ({', '.join(held)}); {resume}choose a new "
+                                "hydra.run.dir, or replace it with train.overwrite=true")
+        except UserError as e:
+            refused = e
+        if self.comm.world_size > 1 and self.comm.all_reduce([1.0 if refused else 0.0])[0] > 0 and refused is None:
+            raise UserError("another rank refused the run dir (rank 0 says why)")
+        if refused is not None:
+            raise refused
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -172,10 +205,15 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
-        """What a checkpoint must share with the run that resumes it."""
+        """What a checkpoint must share with the run that resumes it: backend, model, method,
+        the seed (it draws the adapter's init, dropout and the order of samples) and the data
+        source (read once, at the first call: a file edited later is another run's data)."""
         m = self.cfg.method
+        if not hasattr(self, "_data_identity"):
+            self._data_identity = data_identity(self.cfg.data)
         return {"backend": self.backend_name, "model": str(self.cfg.model.name), "model_path": str(self.model_dir),
-                "method": str(m.name), "lora_rank": int(m.lora.rank), "lora_keys": list(self._lora_keys())}
+                "method": str(m.name), "lora_rank": int(m.lora.rank), "lora_keys": list(self._lora_keys()),
+                "seed": int(self.cfg.train.seed), "data": self._data_identity}
 
     def _lora_keys(self) -> tuple[str, ...]:
         """``method.lora.keys`` as the model resolves them (null: its default keys)."""
@@ -190,17 +228,23 @@ class Trainer:
         and, per ``train.on_save_error``, stops the run (UserError) or returns False."""
         if self.comm.world_size > 1:
             return self._save_checkpoint_ranks(step, stop)
-        path = checkpoints.checkpoint_path(self.run_dir, step)
-        try:
-            with atomic_dir(path) as tmp, _disk_errors(tmp):
-                (tmp / "backend").mkdir()
-                self.backend.save_state(tmp / "backend")
-                _save_fault(step, stop)
-                atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
-        except OSError as e:
-            return self._save_failed(step, path, e)
+        error = self._write_checkpoint(step, stop)
+        if error is not None:
+            return self._save_failed(step, checkpoints.checkpoint_path(self.run_dir, step), error)
         checkpoints.prune(self.run_dir, keep=int(self.cfg.train.keep_checkpoints))
         return True
+
+    def _write_checkpoint(self, step: int, stop: _StopOnSignal | None) -> OSError | None:
+        """One process's checkpoint after ``step``, whole or not at all; the error, if any."""
+        try:
+            with atomic_dir(checkpoints.checkpoint_path(self.run_dir, step)) as tmp, disk_errors(tmp):
+                (tmp / "backend").mkdir()
+                self.backend.save_state(tmp / "backend")
+                faults.in_save(step, bool(stop is not None and stop.requested))
+                atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
+        except OSError as e:
+            return e
+        return None
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {"step": step, "micro_batch": self.governor.micro,
@@ -230,13 +274,13 @@ class Trainer:
                     error = e
             if comm.all_reduce([1.0 if error else 0.0])[0] == 0:
                 try:
-                    with _disk_errors(tmp):
+                    with disk_errors(tmp):
                         self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
                 except OSError as e:
                     error = e
                 if comm.all_reduce([1.0 if error else 0.0])[0] == 0 and rank == 0:
                     try:
-                        _save_fault(step, stop)
+                        faults.in_save(step, bool(stop is not None and stop.requested))
                         atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
                         from finetune.io import fsync_tree
 
@@ -248,10 +292,10 @@ class Trainer:
                 shutil.rmtree(tmp, ignore_errors=True)
         elif rank == 0:
             try:
-                with atomic_dir(path) as tmp, _disk_errors(tmp):
+                with atomic_dir(path) as tmp, disk_errors(tmp):
                     (tmp / "backend").mkdir()
                     self.backend.save_state(tmp / "backend", *self._rank_states(rank_states))
-                    _save_fault(step, stop)
+                    faults.in_save(step, bool(stop is not None and stop.requested))
                     atomic_write_json(tmp / checkpoints.STATE_FILE, self._trainer_state(step))
             except OSError as e:
                 error = e
@@ -281,6 +325,39 @@ class Trainer:
         raise UserError(f"{msg}, then continue with train.resume=true hydra.run.dir={self.run_dir} "
                         "(or set train.on_save_error=continue)") from None
 
+    def _adapter_failed(self, step: int, e: OSError) -> UserError:
+        """The final adapter not written: keep the trained state as a checkpoint where one can
+        be written (a resume then writes the adapter without training again), else say plainly
+        which steps are lost."""
+        d = self.run_dir
+        why = f"adapter not saved to {d / 'adapter'} ({e.strerror or e})"
+        fix = f"free space or fix permissions on {d}"
+        if self.comm.world_size == 1:
+            failed = self._write_checkpoint(step, None)
+            if failed is None:
+                checkpoints.prune(d, keep=int(self.cfg.train.keep_checkpoints))
+                return UserError(f"{why}; the trained state after step {step} is kept as "
+                                 f"{checkpoints.checkpoint_path(d, step).relative_to(d)}: {fix}, then "
+                                 f"train.resume=true hydra.run.dir={d} writes the adapter (no step is trained again)")
+            why += f", nor a checkpoint of step {step} ({failed.strerror or failed})"
+        prev = checkpoints.latest_state(d)
+        if prev is not None and int(prev[1]["step"]) < step:
+            return UserError(f"{why}; steps {int(prev[1]['step']) + 1}-{step} are lost, the checkpoint "
+                             f"{prev[0].name} is intact: {fix}, then continue with train.resume=true hydra.run.dir={d}")
+        return UserError(f"{why}: the {step} trained steps are lost (metrics.jsonl keeps their losses); {fix} and "
+                         "run again (train.save_every=N keeps checkpoints along the way)")
+
+    def runlog_failed(self, e: RunLogWriteError) -> UserError:
+        """metrics.jsonl could not take a line: stop as a failed checkpoint does."""
+        d = self.run_dir
+        at = f" at step {e.step}" if e.step is not None else ""
+        prev = checkpoints.latest_checkpoint(d)
+        if prev is not None:
+            return UserError(f"{e.filename} not written{at} ({e.strerror}); the checkpoint {prev.name} is intact; free "
+                             f"space or fix permissions on {d}, then continue with train.resume=true hydra.run.dir={d}")
+        return UserError(f"{e.filename} not written{at} ({e.strerror}); no checkpoint exists (train.save_every=0), so "
+                         f"the steps so far are lost; free space or fix permissions on {d} and run again")
+
     def maybe_resume(self) -> int:
         if not self.cfg.train.resume:
             return 0
@@ -297,11 +374,10 @@ class Trainer:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 print(f"checkpoint {ckpt.name} is damaged (trainer state: {e}); trying the one before", file=sys.stderr)
                 continue
-            for key in ("backend", "model_path", "method", "lora_rank", "lora_keys"):
+            for key in ("backend", "model_path", "method", "lora_rank", "lora_keys", "seed", "data"):
                 if key in state and state[key] != mine[key]:
-                    raise UserError(f"checkpoint {ckpt} is from another run ({key}={state[key]}, this run has "
-                                    f"{mine[key]}); resume with the same backend, model and method, or start a "
-                                    "new run dir")
+                    raise UserError(f"checkpoint {ckpt} is from another run ({_differs(key, state[key], mine[key])}); "
+                                    "resume with the same backend, model, method, seed and data, or start a new run dir")
             world, saved_world = self.comm.world_size, int(state.get("world_size", 1))
             if state["effective_batch"] * saved_world != eff * world:
                 if world == saved_world == 1:
@@ -332,7 +408,7 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
-        _fault_injection(step, self.governor.micro)
+        faults.abort_at(step, self.governor.micro)
         batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
         mine = rank_slice(batch, self.comm.rank, self.comm.world_size)
         self._step_max_len = int(mine.input_ids.shape[1])  # the widest micro-batch, padded
@@ -384,6 +460,11 @@ class Trainer:
         cfg = self.cfg
         self.tokens = self.samples = self.tokens_this_run = 0
         start = self.maybe_resume()
+        # every check has passed: from here on the run writes its results into the run dir
+        if self.lock is not None:
+            self.lock.begun = True
+        if start == 0 and self.comm.rank == 0 and cfg.train.get("overwrite"):
+            checkpoints.clear_results(self.run_dir)  # the earlier run's results (claim refused them otherwise)
         # a fresh run starts metrics.jsonl empty; a resumed one drops the lines after its
         # checkpoint (the abandoned future). Either way the governor's decisions made before
         # loading follow, then one line per step.
@@ -432,20 +513,21 @@ class Trainer:
             if save_every and step % save_every == 0 and step < steps:
                 self.save_checkpoint(step, stop)
                 self.acct.between_steps()
-            _leak_fault()
+            faults.pause_after(step)
+            faults.leak()
         stop.close()
         self.runlog.close_progress()
         wall = time.perf_counter() - t_run
         rank = self.comm.rank
         try:
             if rank == 0:
-                with atomic_dir(self.run_dir / "adapter") as tmp, _disk_errors(tmp):
+                with atomic_dir(self.run_dir / "adapter") as tmp, disk_errors(tmp):
+                    faults.in_write("adapter")
                     self.backend.save_adapter(tmp)
             elif getattr(self.backend, "sharded", False):
                 self.backend.save_adapter(None)  # gathers the shards for rank 0 (a collective)
         except OSError as e:
-            raise UserError(f"adapter not saved to {self.run_dir / 'adapter'} ({e.strerror or e}); free space or fix "
-                            "permissions, then rerun with train.resume=true (checkpoints kept)") from None
+            raise self._adapter_failed(steps, e) from None
         if cfg.train.save_every:
             self.save_checkpoint(cfg.train.steps)
         summary = self._summary(losses, val_loss, wall, step_seconds)
@@ -455,7 +537,13 @@ class Trainer:
                 self.comm.barrier()  # leave the group together: no rank tears it down mid-traffic
                 self.comm.close()
                 return summary
-        atomic_write_json(self.run_dir / "summary.json", summary)
+        try:
+            faults.in_write("summary")
+            atomic_write_json(self.run_dir / "summary.json", summary)
+        except OSError as e:
+            raise UserError(f"summary.json not written to {self.run_dir} ({e.strerror or e}); the adapter in "
+                            f"{self.run_dir / 'adapter'} is complete and metrics.jsonl holds every step: only the "
+                            "summary and memory.png are missing") from None
         self.runlog.summary(summary)
         try:
             self.acct.write_plot(self.run_dir / "memory.png", budget=self.governor.budget_bytes)
@@ -557,78 +645,6 @@ class Trainer:
         }
 
 
-def _fault_injection(step: int, micro: int) -> None:
-    """Test-only stand-in for an allocation failure that kills the process (MLX on Metal
-    aborts; nothing can catch it): FINETUNE_FAULT_ABORT=STEP:MICRO aborts at optimizer step
-    STEP while the micro-batch is above MICRO. Used to test memory.supervise on any machine."""
-    import os
-
-    spec = os.environ.get("FINETUNE_FAULT_ABORT")
-    if spec:
-        at, above = (int(x) for x in spec.split(":"))
-        if step >= at and micro > above:
-            print(f"fault injection: abort at step {step} (micro-batch {micro} > {above})", file=sys.stderr)
-            sys.stderr.flush()
-            os.abort()
-
-
-def _save_fault(step: int, stop: _StopOnSignal | None) -> None:
-    """Test-only faults inside a checkpoint write (after the tensors, before the state file):
-    FINETUNE_FAULT_SAVE=STEP[,STEP...] raises OSError(ENOSPC) at those steps, as a full disk
-    would (root ignores a read-only directory's mode, so tests cannot rely on one);
-    FINETUNE_FAULT_SAVE_PAUSE=FILE, on a save a signal asked for, creates FILE and waits, so
-    a test can send the second signal while the checkpoint is half-written."""
-    import errno
-
-    spec = os.environ.get("FINETUNE_FAULT_SAVE")
-    if spec and str(step) in spec.split(","):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    marker = os.environ.get("FINETUNE_FAULT_SAVE_PAUSE")
-    if marker and stop is not None and stop.requested:
-        Path(marker).write_text(str(step))
-        for _ in range(6000):  # at most 60 s: the second signal ends it long before
-            time.sleep(0.01)
-
-
-@contextmanager
-def _disk_errors(where: Path) -> Iterator[None]:
-    """A full disk (or quota) while writing ``where``, as OSError whatever the writer raised:
-    torch.save and MLX raise RuntimeError, safetensors SafetensorError, each with the OS's
-    words in the message. Checked here, inside the write, while the half-written files still
-    hold the space (once the temporary directory is removed the disk has room again)."""
-    try:
-        yield
-    except OSError:
-        raise
-    except Exception as e:
-        import errno
-
-        text = str(e)
-        full = any(w in text for w in ("No space left", "ENOSPC", "Disk quota exceeded", "EDQUOT", "File too large"))
-        if not full:
-            try:
-                st = os.statvfs(where)
-                full = st.f_bavail * st.f_frsize < (1 << 20)  # under 1 MiB left: the write ran out
-            except OSError:
-                pass
-        if not full:
-            raise
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
-
-
-_LEAKED: list[Any] = []
-
-
-def _leak_fault() -> None:
-    """Test-only planted leak for benchmarks/soak.py: FINETUNE_FAULT_LEAK_BYTES=N keeps an
-    N-byte array alive per optimizer step (never freed), which the soak must flag."""
-    n = int(os.environ.get("FINETUNE_FAULT_LEAK_BYTES") or 0)
-    if n > 0:
-        import numpy as np
-
-        _LEAKED.append(np.ones(n, np.uint8))  # ones, not zeros: the pages are touched, so they count in RSS
-
-
 class _StopOnSignal:
     """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C): finish the step in flight,
     checkpoint, exit 128 + the signal's number (143, 130), as a shell reports a signal.
@@ -680,14 +696,50 @@ def train(cfg: Any) -> dict[str, Any]:
     """Run a training job for a composed config; return the summary (also in summary.json)."""
     trainer = Trainer(cfg)
     try:
-        trainer.connect()  # the backend, and the launcher's ranks if several were started
-        with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
-            trainer.setup()
-            return trainer.train()
+        try:
+            trainer.connect()  # the backend, and the launcher's ranks if several were started
+            trainer.claim()  # the lock and the checks that need no model
+            with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
+                trainer.setup()
+                return trainer.train()
+        except RunLogWriteError as e:
+            raise trainer.runlog_failed(e) from None
     except UserError:
         if trainer.comm.rank == 0:
             _remove_if_no_result(trainer)
         raise
+    finally:
+        if trainer.lock is not None:  # a refused command leaves the run dir as it was: no new lock file
+            trainer.lock.release(remove=not trainer.lock.begun)
+
+
+def data_identity(data: Any) -> dict[str, Any]:
+    """The data a run trains on, as a resume compares it: its kind, what names it, the
+    settings that pick its samples and, for a file, its size and modification time (an edited
+    file is other data; its content hash would cost a full read on every resume)."""
+    ident: dict[str, Any] = {"name": str(data.name), "max_samples": data.get("max_samples"),
+                             "val_fraction": float(data.get("val_fraction") or 0.0)}
+    if data.name == "synthetic":
+        ident["num_samples"] = int(data.num_samples)
+    elif data.name == "jsonl" and data.get("path"):
+        path = Path(str(data.path)).expanduser()
+        ident["path"] = str(path.resolve())
+        try:
+            st = path.stat()
+            ident["size"], ident["mtime_ns"] = st.st_size, st.st_mtime_ns
+        except OSError:
+            ident["size"] = ident["mtime_ns"] = None
+    elif data.name == "hf":
+        ident.update(hf_name=data.get("hf_name"), hf_config=data.get("hf_config"), hf_split=data.get("hf_split"))
+    return ident
+
+
+def _differs(key: str, saved: Any, mine: Any) -> str:
+    """``key=saved, this run has mine``, narrowed to the fields that differ for a dict."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        keys = [k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+        return "; ".join(f"{key}.{k}={saved.get(k)}, this run has {mine.get(k)}" for k in keys)
+    return f"{key}={saved}, this run has {mine}"
 
 
 def _remove_if_no_result(trainer: Trainer) -> None:
@@ -697,7 +749,7 @@ def _remove_if_no_result(trainer: Trainer) -> None:
     d = trainer.run_dir
     if not trainer.created_run_dir or not d.is_dir():
         return
-    if (d / "summary.json").exists() or (d / "adapter").exists() or checkpoints.list_checkpoints(d):
+    if checkpoints.results_in(d):
         return
     m = d / "metrics.jsonl"
     if m.is_file() and m.stat().st_size > 0:  # steps ran or the governor acted: the record of why it stopped

@@ -116,8 +116,15 @@ def rows(root: Path) -> list[dict[str, Any]]:
         differ = [o for o in overrides[run] if o not in common]
         name = " ".join(differ) or (str(run.relative_to(root)) if run != root else run.name)
         row: dict[str, Any] = {"job": name, "dir": str(run)}
+        s = None
         if (run / "summary.json").is_file():
-            s = json.loads((run / "summary.json").read_text())
+            try:
+                s = json.loads((run / "summary.json").read_text())
+            except (OSError, ValueError) as e:  # a torn or edited file: list the run, go on
+                row["status"] = f"damaged summary.json ({type(e).__name__})"
+            if s is not None and not isinstance(s, dict):
+                row["status"] = "damaged summary.json (not a JSON object)"
+        if isinstance(s, dict):
             row["status"] = "ran"
             for key, path, _ in COLUMNS:
                 if path:
@@ -135,7 +142,7 @@ def rows(root: Path) -> list[dict[str, Any]]:
                                       if e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing",
                                                              "enable_loss_chunk")])
             row["loss_noise"] = _loss_noise(run)
-        else:
+        elif "status" not in row:
             p = json.loads((run / "pruned.json").read_text())
             row.update(status="pruned (plan)", backend=p.get("backend"), method=p.get("method"), optim=p.get("optim"),
                        precision=p.get("precision"), micro_batch=p.get("batch_size"),
@@ -376,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     if not find_runs(a.dir):
         print(f"error: no summary.json under {a.dir}; point it at a finished run or sweep", file=sys.stderr)
         return 2
-    rs, notes = report(a.dir, a.out)
+    try:
+        rs, notes = report(a.dir, a.out)
+    except OSError as e:  # each file is written whole or not at all (atomic_write_text)
+        print(f"error: cannot write {e.filename or (a.out or a.dir)} ({e.strerror or e}); free space or choose "
+              "another --out", file=sys.stderr)
+        return 2
     print(table(rs))
     for n in notes:
         print(n)

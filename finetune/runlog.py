@@ -6,9 +6,11 @@ the progress bar, and the loggers the ``logger`` config group chose (finetune/lo
 
 metrics.jsonl: one JSON object per line, either a step record ``{"step": N, "loss": ...}``
 or an event ``{"event": {"step", "trigger", "action", "before", "after"}}``. An event is
-written before the record of the step it happened in. The file is opened once, line-buffered,
-so a reader (or a crash) sees whole lines; the per-step cost is one ``json.dumps`` and one
-write, plus what the chosen loggers cost.
+written before the record of the step it happened in. Each line goes down in one ``os.write``
+(no buffer for a crash to lose); a write the disk refuses (ENOSPC, EIO) is cut back off the
+file, so no torn line is left, and raises RunLogWriteError, which stops the run the way a
+failed checkpoint does. A torn last line left by a power cut is dropped when the run resumes.
+The per-step cost is one ``json.dumps`` and one write, plus what the chosen loggers cost.
 
 A logger that fails after it opened is warned about once and dropped; training goes on.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +31,40 @@ from finetune.io import atomic_write_text
 log = logging.getLogger("finetune")
 
 METRICS = "metrics.jsonl"
+
+
+class RunLogWriteError(OSError):
+    """metrics.jsonl could not be written (the disk is full, an I/O error); ``step`` is the
+    step whose record or event was lost."""
+
+    def __init__(self, e: OSError, path: Path, step: int | None):
+        super().__init__(e.errno, e.strerror or str(e), str(path))
+        self.step = step
+
+
+def read_lines(path: Path) -> list[str]:
+    """metrics.jsonl's whole lines. A last line cut short (a power cut, a full disk before
+    this version cut torn lines back) is dropped, saying so in one line on stderr; a damaged
+    line before the last is an error naming it (UserError)."""
+    raw = path.read_bytes()
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    good = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            record_step(ln)
+        except (ValueError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                print(f"{path}: dropped a torn last line ({len(ln.encode())} bytes, a write cut short); the lines "
+                      "before it are whole", file=sys.stderr)
+                break
+            from finetune.config import UserError
+
+            raise UserError(f"{path} line {i + 1} is damaged (not a metrics record); remove that line, then "
+                            "resume again") from None
+        good.append(ln)
+    return good
 
 
 def record_step(line: str) -> int:
@@ -66,7 +103,8 @@ class RunLog:
         self.config = config or {}
         self.loggers = loggers_mod.build(loggers)
         self._scalars = loggers_mod.scalars
-        self._file: Any = None
+        self._fd: int | None = None
+        self._size = 0  # bytes of whole lines in metrics.jsonl: a failed write is cut back to it
         self._pending: list[dict[str, Any]] = []
         self._bar: Any = None
         self._began = False
@@ -85,21 +123,32 @@ class RunLog:
             total: the run's last step.
         """
         unseen: list[dict[str, Any]] = []
-        if start_step == 0:
-            mode = "w"
-        else:
-            mode = "a"
-            if start_step is not None and self.path.exists():
-                keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and record_step(ln) <= start_step]
-                atomic_write_text(self.path, "".join(k + "\n" for k in keep))
-                # events written after the last step the previous process logged (the
-                # supervisor's restart) reached no logger yet
-                for ln in reversed(keep):
-                    if not ln.startswith('{"event"'):
-                        break
-                    unseen.insert(0, json.loads(ln)["event"])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open(mode, buffering=1)  # line-buffered: whole lines on disk
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if start_step == 0:
+                flags |= os.O_TRUNC
+            elif self.path.exists():
+                keep = read_lines(self.path)
+                if start_step is not None:  # resumed: the lines after the checkpoint go
+                    keep = [ln for ln in keep if record_step(ln) <= start_step]
+                    # events written after the last step the previous process logged (the
+                    # supervisor's restart) reached no logger yet
+                    for ln in reversed(keep):
+                        if not ln.startswith('{"event"'):
+                            break
+                        unseen.insert(0, json.loads(ln)["event"])
+                text = "".join(k + "\n" for k in keep).encode()
+                raw = self.path.read_bytes()
+                if raw.startswith(text):  # the usual case: cut the tail off in place (needs no free space)
+                    if len(raw) != len(text):
+                        os.truncate(self.path, len(text))
+                else:  # an event of the supervisor's after lines that go: rewrite whole
+                    atomic_write_text(self.path, text.decode())
+            self._fd = os.open(self.path, flags, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise RunLogWriteError(e, self.path, start_step) from None
         self._began = True
         if start_step is not None:
             opened = []
@@ -144,10 +193,13 @@ class RunLog:
         self._closed = True
         self.close_progress()
         if not self._began and self._pending:
-            self.begin(None)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+            try:
+                self.begin(None)
+            except OSError as e:  # the run is already ending on its own error; do not hide it
+                log.warning("%d event(s) not written to %s: %s", len(self._pending), self.path, e.strerror or e)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         for lg in self.loggers:
             _quiet_close(lg, status)
         self.loggers = []
@@ -162,7 +214,7 @@ class RunLog:
     # -- the hot path ------------------------------------------------------------------------
     def step(self, rec: dict[str, Any], progress_text: Callable[[], str] | None = None) -> None:
         """One optimizer step's record: a metrics.jsonl line, the bar, each logger."""
-        self._file.write(json.dumps(rec) + "\n")
+        self._append(json.dumps(rec) + "\n", rec.get("step"))
         if self.loggers:
             values = self._scalars(rec)
             for lg in tuple(self.loggers):  # a copy: a failing logger leaves the list
@@ -181,9 +233,26 @@ class RunLog:
         if not self._began:
             self._pending.append(ev)
             return
-        self._file.write(json.dumps({"event": ev}) + "\n")
+        self._append(json.dumps({"event": ev}) + "\n", ev.get("step"))
         if self._loggers_open:
             self._to_loggers("log_event", ev)
+
+    def _append(self, line: str, step: int | None) -> None:
+        """One whole line onto metrics.jsonl, or none of it: a write the disk refuses is cut
+        back off the file (truncating frees space, so it works on a full disk) and raises
+        RunLogWriteError."""
+        data = line.encode()
+        try:
+            done = os.write(self._fd, data)
+            while done < len(data):  # a short write: the disk filled in the middle of the line
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                pass
+            raise RunLogWriteError(e, self.path, step) from None
+        self._size += len(data)
 
     def _to_loggers(self, method: str, ev: dict[str, Any]) -> None:
         for lg in tuple(self.loggers):

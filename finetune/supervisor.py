@@ -73,7 +73,13 @@ def supervise(argv: list[str]) -> int:
                   file=sys.stderr)
             return 1
         event, resume = restart_with
-        append_event(run_dir, event)
+        try:
+            append_event(run_dir, event)
+        except OSError as e:  # metrics.jsonl (RunLogWriteError): the disk is full; a restart would hit it too
+            print(f"error: the run died (exit {rc}) and its restart cannot be recorded in {e.filename} "
+                  f"({e.strerror or e}); free space, then rerun with train.resume=true hydra.run.dir={run_dir}",
+                  file=sys.stderr)
+            return 2
         after = event["after"]
         print(f"[supervisor] child died (exit {rc}); restarting from step {event['step']} with micro-batch "
               f"{after['batch_size']}", file=sys.stderr)
