@@ -50,6 +50,7 @@ def parse_budget(text: str | int | None, device_total: int | None) -> int | None
         value = int(text)
         if value <= 0:
             raise UserError(f"memory.budget={text} must be positive; use {VALID_FORMS}")
+        _check_unitless(text, value)
         return value
     s = str(text)
     m = _PERCENT.match(s)
@@ -67,7 +68,24 @@ def parse_budget(text: str | int | None, device_total: int | None) -> int | None
     value = int(float(m.group(1)) * UNITS[m.group(2).lower()])
     if value <= 0:
         raise UserError(f"memory.budget={s} must be positive; use {VALID_FORMS}")
+    if not m.group(2):
+        _check_unitless(m.group(1), value)
     return value
+
+
+# No model trains in less than 1 MiB (the tiny test model's weights alone are ~0.4 MiB), so a
+# bare number below it is a unit left out ("40" meant as 40 GB), not a budget.
+MIN_UNITLESS_BYTES = 2**20
+
+
+def _check_unitless(shown: object, value: int) -> None:
+    """UserError for a budget given without a unit that is too small to be one in bytes,
+    naming the unit the user most likely meant (GB below 1000, MB above: "8000" is 8000MB)."""
+    if value >= MIN_UNITLESS_BYTES:
+        return
+    meant = "GB" if value < 1000 else "MB"
+    raise UserError(f"memory.budget={shown} is {value:,} bytes: did you mean {shown}{meant}? "
+                    "(a number without a unit counts bytes)")
 
 
 @dataclass

@@ -7,6 +7,13 @@ Formats a record may take (jsonl or a hub data set):
   {"messages": [{"role": ..., "content": ...}]}   rendered with the tokenizer's chat template;
                                                   only assistant turns count
 
+A file is read as other tools leave it: JSONL or one JSON array (read whole up to
+``JSON_ARRAY_MAX_BYTES``), plain or gzip / bz2 / xz / zstd (told by its first bytes, not its
+name), with a UTF-8 byte-order mark and CRLF line ends, or from a pipe (``data.path=<(zcat
+x.gz)``: read once, never cached). A record that cannot be used is named by file and line. One
+record's text is cut at ``record_char_cap`` characters before tokenizing, so a giant record
+costs what its truncation to ``train.seq_len`` keeps.
+
 The order of samples is a pure function of (seed, effective batch size, step), never of the
 micro-batch, so the governor can split an optimizer step differently without changing which
 samples it trains on or in what order.
@@ -21,15 +28,19 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import logging
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -64,9 +75,18 @@ def _jsonl_path(data_cfg: Any) -> Path:
     path = Path(data_cfg.path).expanduser()
     if path.is_dir():
         raise UserError(f"data.path={data_cfg.path} is a directory; point it at a .jsonl file inside it")
-    if not path.is_file():
+    if not path.is_file() and not is_pipe(path):
         raise UserError(f"data.path={data_cfg.path} does not exist; point it at a .jsonl file")
     return path
+
+
+def is_pipe(path: Path) -> bool:
+    """A FIFO or a process substitution (``data.path=<(zcat x.gz)`` is /dev/fd/N, a pipe):
+    its bytes can be read once, and it has no size or mtime to key a cache on."""
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _unreadable(data_cfg: Any, e: OSError) -> UserError:
@@ -74,33 +94,195 @@ def _unreadable(data_cfg: Any, e: OSError) -> UserError:
                      "or copy it somewhere readable")
 
 
+# Formats recognised by their first bytes, whatever the file is called. (the name in messages,
+# the opener; None: no stdlib reader, so the message says how to decompress it.)
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bz2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
+          (b"PK\x03\x04", "zip"))
+_DECOMPRESS_HINT = {"zstd": "zstd -d {p} -o out.jsonl (or pip install zstandard to read it directly)",
+                    "zip": "unzip {p}, then point data.path at the .jsonl inside"}
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark: Notepad, Excel and PowerShell write it
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")  # PowerShell 5's `>` and Out-File write UTF-16 LE
+# A file whose first character is "[" is one JSON array: it is decoded from one str holding the
+# whole (decompressed) file, so it must fit memory: 256 MiB of text is at most 1 GiB as a str
+# (4 bytes a character for text outside Latin-1), records then made one at a time.
+JSON_ARRAY_MAX_BYTES = 256 * 2**20
+
+
+def compression(head: bytes) -> str | None:
+    """The compression a file's first bytes announce ("gzip", "bz2", "xz", "zstd", "zip"), or None."""
+    return next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+
+
+class _Prefixed(io.RawIOBase):
+    """Bytes already read (to sniff a pipe's format) put back in front of the rest of it."""
+
+    def __init__(self, head: bytes, rest: BinaryIO):
+        self.head, self.rest = head, rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.head:
+            n = min(len(b), len(self.head))
+            b[:n], self.head = self.head[:n], self.head[n:]
+            return n
+        return self.rest.readinto(b)
+
+
+def _open_data(path: Path, stack: ExitStack) -> tuple[BinaryIO, str | None]:
+    """``path``'s bytes, decompressed when its first bytes say gzip, bz2, xz (stdlib) or zstd
+    (the ``zstandard`` module, where installed), and the compression's name. A pipe is read
+    once: the bytes sniffed are put back in front of the stream."""
+    raw = stack.enter_context(path.open("rb"))
+    head = raw.read(8)
+    if raw.seekable():
+        raw.seek(0)
+        f: BinaryIO = raw
+    else:
+        f = stack.enter_context(io.BufferedReader(_Prefixed(head, raw), tokcache.READ_BLOCK))
+    kind = compression(head)
+    if kind is None:
+        return f, None
+    if kind == "gzip":
+        import gzip
+
+        return stack.enter_context(gzip.GzipFile(fileobj=f, mode="rb")), kind
+    if kind == "bz2":
+        import bz2
+
+        return stack.enter_context(bz2.BZ2File(f)), kind
+    if kind == "xz":
+        import lzma
+
+        return stack.enter_context(lzma.LZMAFile(f)), kind
+    if kind == "zstd":
+        try:
+            import zstandard
+        except ImportError:
+            pass
+        else:
+            reader = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
+            return stack.enter_context(io.BufferedReader(reader, tokcache.READ_BLOCK)), kind
+    raise UserError(f"{path} is {kind}-compressed and cannot be read as it is; decompress it first: "
+                    + _DECOMPRESS_HINT[kind].format(p=path))
+
+
 def _jsonl_records(data_cfg: Any) -> Iterator[dict[str, Any]]:
-    """Stream a JSONL file's records, one line in memory at a time, checking each."""
+    """Stream a JSONL file's records, one line in memory at a time, checking each; compressed
+    (gzip, bz2, xz, zstd: told by their first bytes), from a pipe, with a byte-order mark and
+    CRLF line ends alike. A file that is one JSON array is read whole (``_array_records``)."""
     path = _jsonl_path(data_cfg)
     kept = n = 0
     cap = data_cfg.max_samples  # read once: a config lookup a line is measurable at a million lines
     try:
-        with path.open("rb") as f:  # decoded a line at a time: an error names its line
-            for n, raw in enumerate(f, 1):
-                line = raw.decode("utf-8")
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{n} is not valid JSON ({e.msg}); fix or remove that line") from None
+        with ExitStack() as stack:
+            f, kind = _open_data(path, stack)
+            first = f.readline(JSON_ARRAY_MAX_BYTES + 1)
+            if first.startswith(_UTF16_BOMS):
+                raise UserError(f"{path} is UTF-16 text (byte-order mark {first[:2].hex(' ')}); re-encode it as "
+                                f"UTF-8: iconv -f UTF-16 -t UTF-8 {path} > {path.stem}.utf8.jsonl")
+            first = first.removeprefix(_BOM)  # utf-8-sig: the mark is not part of line 1's record
+            if first.lstrip().startswith(b"["):
+                records: Iterator[tuple[int, Any]] = _array_records(path, first, f, kind)
+            else:
+                if len(first) > JSON_ARRAY_MAX_BYTES:  # one long first line: read the rest of it
+                    first += f.readline()
+                records = _line_records(path, chain([first], f))
+            for n, rec in records:
                 check_record(rec, f"{path}:{n}")
                 yield rec
                 kept += 1
                 if cap and kept >= cap:
                     break
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}:{n} is not UTF-8 text (byte {e.object[e.start]:#04x}); re-encode the file "
-                        "as UTF-8 (iconv -t UTF-8)") from None
     except OSError as e:
+        if e.errno is None:  # gzip's BadGzipFile, bz2's "Invalid data stream": not the disk, the bytes
+            raise _damaged(path, e) from None
         raise _unreadable(data_cfg, e) from None
+    except Exception as e:
+        if isinstance(e, EOFError) or type(e).__name__ in ("LZMAError", "ZstdError"):
+            raise _damaged(path, e) from None  # a compressed stream cut short, or damaged
+        raise
     if not kept:
         raise UserError(f"{path} holds no records; it needs one JSON object a line")
+
+
+def _damaged(path: Path, e: BaseException) -> UserError:
+    return UserError(f"{path} cannot be decompressed ({str(e) or type(e).__name__}): it is damaged or truncated; "
+                     "copy or download it again")
+
+
+def _line_records(path: Path, lines: Iterable[bytes]) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for each non-blank line; a line is decoded on its own, so an
+    error names it. CRLF ends are whitespace to the JSON parser."""
+    for n, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{n} is not UTF-8 text (byte {e.object[e.start]:#04x}); re-encode the file "
+                            "as UTF-8 (iconv -t UTF-8)") from None
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n} is not valid JSON ({e.msg}); fix or remove that line") from None
+
+
+def _array_records(path: Path, first: bytes, rest: BinaryIO, kind: str | None) -> Iterator[tuple[int, Any]]:
+    """(line, element) for each element of a file that is one JSON array (``[{...}, {...}]``,
+    pretty-printed or not), read whole when it is at most ``JSON_ARRAY_MAX_BYTES``; else a
+    UserError saying how to convert it to JSONL."""
+    blob = first + rest.read(JSON_ARRAY_MAX_BYTES + 1 - len(first))
+    if len(blob) > JSON_ARRAY_MAX_BYTES:
+        src = f"{'zcat' if kind == 'gzip' else 'cat'} {path} | jq -c '.[]'" if kind else f"jq -c '.[]' {path}"
+        limit = (f"{JSON_ARRAY_MAX_BYTES // 2**20} MiB" if JSON_ARRAY_MAX_BYTES >= 2**20
+                 else f"{JSON_ARRAY_MAX_BYTES:,} bytes")
+        raise UserError(f"{path} is one JSON array of more than {limit}, too big to "
+                        f"read whole; convert it to JSONL (one object a line): {src} > {path.stem}.jsonl")
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = blob.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line} is not UTF-8 text (byte {e.object[e.start]:#04x}); re-encode the file "
+                        "as UTF-8 (iconv -t UTF-8)") from None
+    del blob
+    decoder, line, at = json.JSONDecoder(), 1, 0
+
+    def where(pos: int) -> int:
+        nonlocal line, at
+        line += text.count("\n", at, pos)
+        at = pos
+        return line
+
+    def skip(pos: int) -> int:
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        return pos
+
+    pos = skip(text.index("[") + 1)
+    if pos < len(text) and text[pos] == "]":
+        pos += 1
+    else:
+        while True:
+            try:
+                rec, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{where(e.pos)} is not valid JSON ({e.msg}); the file is one JSON array: "
+                                "fix that element") from None
+            yield where(pos), rec
+            pos = skip(end)
+            if pos < len(text) and text[pos] == ",":
+                pos = skip(pos + 1)
+                continue
+            if pos < len(text) and text[pos] == "]":
+                pos += 1
+                break
+            raise UserError(f"{path}:{where(pos)} is not valid JSON (expected ',' or ']' in the array); "
+                            "fix that element")
+    if skip(pos) < len(text):
+        raise UserError(f"{path}:{where(skip(pos))} holds more after the JSON array ends; give one array, "
+                        "or one JSON object a line (JSONL)")
 
 
 def _hf_dataset(data_cfg: Any) -> Any:
@@ -167,6 +349,9 @@ def check_record(rec: Any, where: str) -> None:
             if key == "answer" and isinstance(rec[key], (int, float)) and not isinstance(rec[key], bool):
                 continue  # a numeric answer reads as its text
             raise UserError(f"{where}: '{key}' is a {type(rec[key]).__name__}, not a string; store it as text")
+    if not (("prompt" in rec and "completion" in rec) or ("question" in rec and "answer" in rec) or "text" in rec):
+        raise UserError(f"{where}: a record with keys {sorted(rec)[:8]} has no known format; give each record text, "
+                        "prompt+completion, question+answer or messages")
 
 
 def _render(record: dict[str, Any], tokenizer: Any, mask_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
@@ -229,11 +414,33 @@ class _Chunk:
     longest: int
 
 
-def _chunk_samples(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool) -> _Chunk:
+# How far past the characters that ``seq_len`` tokens can cover a record's text is kept (see
+# ``record_char_cap``): 2x, for normalizers that fold several characters into one (NFC joins a
+# letter and its accent) and for the word the cut falls in, whose tokens may change.
+CHAR_CAP_MARGIN = 2
+
+
+def record_char_cap(tokenizer: Any, seq_len: int) -> int:
+    """Characters of one record's text worth tokenizing: ``CHAR_CAP_MARGIN * (seq_len + 1) *``
+    the longest vocabulary entry. No token covers more characters than its vocabulary string
+    holds (a byte-level entry has one character a byte, and a byte is at most one character),
+    so the first ``seq_len + 1`` tokens of any text lie within ``(seq_len + 1) * longest``
+    characters, whatever the text (a run of spaces, minified code), and cutting the text
+    twice as far on leaves them as they were. A 45 MB record then costs what it keeps: with a
+    longest entry of 128 characters and seq_len 2048, about 0.5 M characters."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return CHAR_CAP_MARGIN * (seq_len + 1) * max(longest, 1)
+
+
+def _chunk_samples(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool,
+                   char_cap: int | None = None) -> _Chunk:
     """One tokenizer call over ``records``; then, over the chunk's tokens as flat arrays: the
     loss mask from each record's character spans, EOS appended (a target when the record has
-    any), truncation to ``seq_len``, and samples with no target after their first token dropped."""
+    any), truncation to ``seq_len``, and samples with no target after their first token dropped.
+    A text longer than ``char_cap`` characters is cut there first (``record_char_cap``)."""
     rendered = [_render(r, tokenizer, mask_prompt) for r in records]
+    if char_cap is not None:
+        rendered = [(t[:char_cap], s) if len(t) > char_cap else (t, s) for t, s in rendered]
     ids_lists, offs_lists = _encode([t for t, _ in rendered], tokenizer)
     n = np.fromiter(map(len, ids_lists), np.int64, len(ids_lists))
     total = int(n.sum())
@@ -274,9 +481,9 @@ def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: i
     offset tuples, ~100 B a token, and the heap that leaves behind stays in the process's RSS).
     Returns the counts: records, truncated, dropped_no_target, longest."""
     stats = {"records": 0, "truncated": 0, "dropped_no_target": 0, "longest": 0}
-    it = iter(records)
+    it, cap = iter(records), record_char_cap(tokenizer, seq_len)
     while chunk := list(islice(it, TOKENIZE_CHUNK)):
-        c = _chunk_samples(chunk, tokenizer, seq_len, mask_prompt)
+        c = _chunk_samples(chunk, tokenizer, seq_len, mask_prompt, cap)
         writer.add(c.ids, c.mask, c.lengths)
         stats["records"] += len(chunk)
         stats["truncated"] += c.truncated
@@ -308,7 +515,8 @@ def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, ma
 def _code_fingerprint(name: str) -> str:
     """A hash of the code that decides which records are read and what tokens they become: an
     edit to it (a new format, a changed mask rule) is a new cache entry, never a stale one."""
-    funcs: list[Any] = [check_record, _render, _encode, _chunk_samples, _tokenize_into, _jsonl_records, _hf_records]
+    funcs: list[Any] = [check_record, _render, _encode, record_char_cap, _chunk_samples, _tokenize_into,
+                        _jsonl_records, _line_records, _array_records, _open_data, _hf_records]
     if name == "synthetic":
         from finetune import synthetic
 
@@ -328,16 +536,21 @@ def _source(data_cfg: Any, seed: int, keyed: bool) -> tuple[str, dict[str, Any] 
     Keyed, a JSONL file is read once here to hash its content (and count its lines)."""
     if data_cfg.name == "jsonl":
         path = _jsonl_path(data_cfg)
-        if not keyed:
+        if not keyed or is_pipe(path):  # a pipe is read once, by the tokenizer: nothing to hash it with first
             return path.name, None, _jsonl_records(data_cfg), data_cfg.max_samples or None
         try:
             st = path.stat()
             sha, lines = tokcache.digest_file(path, count_lines=True)
+            with path.open("rb") as f:
+                head = f.read(4096)
         except OSError as e:
             raise _unreadable(data_cfg, e) from None
         key = {"kind": "jsonl", "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                "sha256": sha, "max_samples": data_cfg.max_samples}
-        return path.name, key, _jsonl_records(data_cfg), min(lines, data_cfg.max_samples or lines)
+        # newlines count records only in plain JSONL (not compressed bytes, not a pretty-printed array)
+        plain = compression(head) is None and not head.removeprefix(_BOM).lstrip().startswith(b"[")
+        total = min(lines, data_cfg.max_samples or lines) if plain else data_cfg.max_samples or None
+        return path.name, key, _jsonl_records(data_cfg), total
     if data_cfg.name == "synthetic":
         key = {"kind": "synthetic", "num_samples": int(data_cfg.num_samples), "seed": int(seed)}
         return "synthetic", key, iter_records(data_cfg, seed), int(data_cfg.num_samples)
@@ -369,8 +582,10 @@ def prepare(cfg: Any, tokenizer: Any) -> Tokenized:
     d, seq_len, mask_prompt = cfg.data, int(cfg.train.seq_len), bool(cfg.data.mask_prompt)
     seed, show, t0 = int(cfg.train.seed), bool(cfg.train.progress), time.perf_counter()
     label, source_key, records, total = _source(d, seed, keyed=bool(d.cache))
+    _remove_stale_temporaries(d.cache_dir)
     if not d.cache or source_key is None:
-        why = "data.cache=false" if not d.cache else "the data set has no fingerprint"
+        why = ("data.cache=false" if not d.cache else "data.path is a pipe, read once" if d.name == "jsonl"
+               else "the data set has no fingerprint")
         return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, f"{why}: nothing cached")
     key = {"source": source_key, "tokenizer": tokcache.tokenizer_fingerprint(tokenizer),
            "settings": {"seq_len": seq_len, "mask_prompt": mask_prompt}, "code": _code_fingerprint(d.name)}
@@ -399,7 +614,7 @@ def prepare(cfg: Any, tokenizer: Any) -> Tokenized:
             break
         bar = _progress_bar(show, total)
         try:
-            stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, bar and bar.update)
+            stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, None if bar is None else bar.update)
             path = writer.publish(stats, key)
         except OSError as e:  # disk full, the dir removed under us: the run goes on without a cache
             writer.abort()
@@ -418,11 +633,22 @@ def prepare(cfg: Any, tokenizer: Any) -> Tokenized:
     return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, "not cached")
 
 
+def _remove_stale_temporaries(cache_dir: str | None) -> None:
+    """Temporaries that killed writers left (a token cache entry being built, a tiny model
+    being assembled) go when the next run starts: those of a dead process, or untouched for
+    an hour when no process is named (tokcache.remove_stale_temporaries)."""
+    from finetune.tiny import cache_root
+
+    for root in {tokcache.cache_dir(cache_dir), cache_root()}:
+        for p in tokcache.remove_stale_temporaries(root):
+            log.info("removed %s, left by a writer that is gone", p)
+
+
 def _in_memory(records: Iterator[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool, show: bool,
                total: int | None, t0: float, why: str) -> Tokenized:
     bar = _progress_bar(show, total)
     try:
-        tok = tokenize(records, tokenizer, seq_len, mask_prompt, bar and bar.update)
+        tok = tokenize(records, tokenizer, seq_len, mask_prompt, None if bar is None else bar.update)
     finally:
         if bar is not None:
             bar.close()

@@ -14,6 +14,8 @@ name is its hash, so a changed input is a different entry, never an overwrite. E
 built under a temporary name and renamed into place whole; when two jobs build the same entry
 at once the first rename wins and the other uses it (both are the same bytes). A reader checks
 sizes, offsets and checksums before trusting an entry: a damaged one is rebuilt, never trained on.
+A temporary's name carries its writer's host and pid, so the next run removes those of writers
+that died (``remove_stale_temporaries``) and never a live one's.
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ class TokenWriter:
         self.tmp: Path | None = None
         if final is not None:
             final.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{writer_tag('tmp')}", suffix=".tmp",
+                                             dir=final.parent))
         d = self.tmp
         try:
             self.ids = _Column(dtype, d / "ids.npy" if d else None)
@@ -313,7 +316,7 @@ def _check(path: Path, manifest: dict[str, Any], key: dict[str, Any]) -> tuple[R
 def set_aside(path: Path) -> None:
     """Move a damaged entry out of the way (a unique name, then deleted): a job still reading
     its memory maps keeps them, and a new build can take the name."""
-    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}-{os.urandom(3).hex()}")
+    aside = path.with_name(f".{path.name}.{writer_tag('damaged')}{os.urandom(3).hex()}")
     try:
         os.rename(path, aside)
     except FileNotFoundError:  # another job moved it first
@@ -325,3 +328,86 @@ def entries(root: Path) -> Iterator[Path]:
     """The published entries under ``root`` (temporary and set-aside ones skipped)."""
     if root.is_dir():
         yield from sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+# -- temporaries of writers that died -------------------------------------------------------------
+
+STALE_AFTER_SECONDS = 3600  # a temporary naming no process of this host, untouched this long, is dead
+_TAGGED = re.compile(r"\.(?:tmp|damaged)-([A-Za-z0-9_]+)-(\d+)-")  # what ``writer_tag`` writes
+# Temporaries this package's writers leave: tagged ones, and those named before tags (the cache's
+# ``.<entry>.<random>.tmp``, the tiny builder's ``.tmp-tiny-<random>``), which only age can retire.
+# Matched exactly (an entry's name, then mkdtemp's 8 random characters or a tag), so a shared
+# data.cache_dir never loses another program's ``.something.tmp``.
+_TEMPORARY = re.compile(r"^\.[A-Za-z0-9._-]*-[0-9a-f]{20}\."
+                        r"(?:[a-z0-9_]{8}\.tmp|(?:tmp|damaged)-[A-Za-z0-9_]+-\d+-\w+(?:\.tmp)?)$"
+                        r"|^\.tmp-tiny-[a-z0-9_]{8}$")
+
+
+def _host() -> str:
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:32] or "host"
+
+
+def writer_tag(kind: str) -> str:
+    """``<kind>-<host>-<pid>-``: put in a temporary's name so the next run can tell whether
+    its writer still lives (``remove_stale_temporaries``)."""
+    return f"{kind}-{_host()}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _last_touched(d: Path) -> float:
+    """The newest mtime of ``d`` and what it holds (a writer appending to a file touches it)."""
+    times = [d.stat().st_mtime]
+    for root, dirs, files in os.walk(d):
+        for name in (*dirs, *files):
+            try:
+                times.append(os.lstat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                pass
+    return max(times)
+
+
+def remove_stale_temporaries(root: Path, now: float | None = None) -> list[Path]:
+    """Remove the temporary directories under ``root`` whose writers are gone, and return them.
+
+    A temporary tagged with this host and a pid (``writer_tag``) goes when that pid is not a
+    live process, however old (a tokenization may run for hours); one tagged by another host,
+    or untagged (older names, the tiny builder's), goes once nothing in it changed for
+    ``STALE_AFTER_SECONDS``. A live writer's temporary is never removed."""
+    import time
+
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        children = list(root.iterdir())
+    except OSError:  # no such dir yet, or unreadable: nothing to clean
+        return removed
+    host = _host()
+    for p in children:
+        if not _TEMPORARY.match(p.name):
+            continue
+        try:
+            if not p.is_dir() or p.is_symlink():
+                continue
+            tag = _TAGGED.search(p.name)
+            if tag and tag.group(1) == host:
+                stale = not _alive(int(tag.group(2)))
+            else:
+                stale = now - _last_touched(p) > STALE_AFTER_SECONDS
+        except OSError:  # removed by another run while we looked
+            continue
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append(p)
+    return removed
