@@ -268,6 +268,11 @@ def _read_peft(d: Path) -> Adapter:
     cfg = _read_json(d / PEFT_CONFIG)
     if cfg.get("peft_type") != "LORA":
         raise UserError(f"{d}: peft_type={cfg.get('peft_type')}; only LoRA and DoRA adapters convert")
+    experts = [t for t in cfg.get("target_parameters") or [] if "experts" in str(t)]
+    if experts:
+        raise UserError(f"{d}: target_parameters={json.dumps(experts)} adapts stacked experts, which PEFT holds as "
+                        "[experts*r, in] per stacked parameter (gate and up fused) and mlx-lm as [experts, r, in] per "
+                        "gate/up/down projection; no exact conversion: retrain without experts in method.lora.keys")
     for key, default, what in _PEFT_REFUSED:
         value = cfg.get(key, default)
         if value not in (default, None, {}, [], False):
@@ -323,7 +328,9 @@ def _read_mlx(d: Path) -> Adapter:
         if "lora_a" not in p or "lora_b" not in p or dora != ("m" in p):
             raise UserError(f"{d}: {path} lacks lora_a/lora_b" + (" or its DoRA magnitude m" if dora else ""))
         if p["lora_a"].data.ndim != 2:
-            raise UserError(f"{d}: {path} is a switch (mixture-of-experts) LoRA; PEFT has no equivalent")
+            raise UserError(f"{d}: {path} is a switch (mixture-of-experts) LoRA, [experts, r, in] per projection; "
+                            "PEFT holds expert adapters as [experts*r, in] with gate and up fused, so this does not "
+                            "convert exactly: retrain without the experts (switch_mlp) in the keys")
         modules[path] = Module(p["lora_a"].T, p["lora_b"].T, p.get("m"))
     quant = cfg.get("quantization")
     ad = Adapter("mlx", d, dora, int(lp["rank"]), float(lp["scale"]), float(lp.get("dropout", 0.0)), modules,
@@ -465,12 +472,46 @@ def check_remote_code(model_dir: Path, trust_remote_code: bool, fix: str) -> Non
                     f"({', '.join(sorted(config['auto_map']))} in its auto_map) to load; {fix} if you trust the source")
 
 
+def _block_linears(base: Base) -> tuple[str, dict[str, str]] | None:
+    """(model_type, {path inside a block: kind}) of the linear layers transformers builds in a
+    block of ``base`` (finetune/planner/describe.py, from its config.json), or None for a family
+    the description does not know exactly. The names on disk are not always the modules'
+    names: transformers 5 saves Mixtral's router as ``block_sparse_moe.gate`` (the name mlx-lm
+    loads) while its module is ``mlp.gate``, a router that is no linear layer for PEFT."""
+    from finetune.planner.describe import FAMILIES, describe
+
+    try:
+        desc = describe(base.config, str(base.path / "config.json"))
+    except UserError:
+        return None
+    if desc.model_type not in FAMILIES:
+        return None
+    return desc.model_type, {lin.path: lin.kind for b in desc.blocks for lin in b.linears}
+
+
 def check_against_base(ad: Adapter, base: Base) -> None:
-    """Every adapted module is a linear layer of the base with the adapter's in/out widths."""
+    """Every adapted module is a linear layer of the base with the adapter's in/out widths, and
+    (for the families finetune describes) a linear layer of transformers' block under the same
+    path as in mlx-lm's: the attention and dense-MLP projections, whose names the two libraries
+    share (Phi-3's qkv_proj and gate_up_proj, StarCoder2's c_fc and c_proj included). A router
+    or an expert is refused in one line: their layouts differ between the two."""
     if not base.shapes:
         raise UserError(f"base model {base.path} has no weights to check the adapter against; "
                         "pass --base with a complete model directory")
+    known = _block_linears(base)
     for path, mod in ad.modules.items():
+        hit = _LAYER.match(path)
+        if known and hit:
+            mtype, linears = known
+            leaf = hit["rel"].rsplit(".", 1)[-1]  # the router under its saved name (block_sparse_moe.gate)
+            kind = linears.get(hit["rel"]) or next((v for k, v in linears.items()
+                                                    if v == "router" and k.rsplit(".", 1)[-1] == leaf), None)
+            if kind not in ("attention", "mlp"):
+                what = {"router": "the mixture-of-experts router", "expert": "stacked experts"}.get(
+                    kind or "", f"not a linear layer of transformers' {mtype} block")
+                names = ", ".join(k for k, v in linears.items() if v in ("attention", "mlp"))
+                raise UserError(f"{ad.path}: {path} is {what}; only the attention and MLP projections "
+                                f"convert between PEFT and mlx-lm ({names})")
         shape = base.linear_shape(path)
         if shape is None:
             raise UserError(f"{ad.path}: {path} is not a linear layer of base {base.path} "
