@@ -649,20 +649,24 @@ class Accountant:
 
     def table(self) -> str:
         """End-of-run table: Device rows and an Overall row, allocator and NVML side by side."""
-        from finetune.accounting.report import render_table
+        from finetune.accounting.report import device_title, render_table
 
-        return render_table(self.samples, self._run_peak, self._dev_peak,
-                            sampling_seconds=self.sampling_seconds)
+        return render_table(self.samples, self._run_peak, self._dev_peak, sampling_seconds=self.sampling_seconds,
+                            device=device_title(self.backend_name, self.samples, self.rank, self._world()))
+
+    def _world(self) -> int:
+        """The run's ranks (the backend's process group; 1 without one)."""
+        return int(getattr(getattr(self.backend, "comm", None), "world_size", 1) or 1)
 
     def write_plot(self, path: str | Path, budget: int | None = None) -> None:
         """Write memory.png: the census as stacked areas under the measured lines, the budget
         as a line and each governor action (``run_facts["adaptations"]``) at its step."""
-        from finetune.accounting.report import write_plot
+        from finetune.accounting.report import device_title, write_plot
 
         peak = self._run_peak["allocated"]
-        write_plot(self.samples, path, title=f"{self.backend_name} memory: {len(self.samples)} samples"
-                   + (f", run peak allocated {fmt_bytes(peak)}" if peak is not None else ""),
-                   budget=budget, events=self.run_facts.get("adaptations"))
+        write_plot(self.samples, path, title=f"{device_title(self.backend_name, self.samples, self.rank, self._world())}: memory, "
+                   f"{len(self.samples)} samples" + (f", run peak allocated {fmt_bytes(peak)}" if peak is not None else ""),
+                   budget=budget, events=self.run_facts.get("adaptations"), phase_every=self.phase_every)
 
 
 def _split_non_allocator(r: dict[str, Any]) -> None:

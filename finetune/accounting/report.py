@@ -29,45 +29,65 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt(header), *(fmt(r) for r in rows)]
 
 
+def _device_grid(rows: list[list[Any]], unmeasured_why: str) -> list[str]:
+    """The device rows with only the columns something measured; a grid nobody could fill
+    collapses into one line saying why, and the dropped columns are named."""
+    measured = [j for j, _ in enumerate(TABLE_COLUMNS) if any(r[j + 1] is not None for r in rows)]
+    if not measured:
+        return [unmeasured_why]
+    header = ["", *(TABLE_COLUMNS[j][1] for j in measured)]
+    out = _grid(header, [[r[0], *(fb(r[j + 1]) for j in measured)] for r in rows])
+    dropped = [label for j, (_, label) in enumerate(TABLE_COLUMNS) if j not in measured]
+    if dropped:
+        out.append(f"not measurable here: {', '.join(dropped)}")
+    return out
+
+
 def render_table(samples: list[dict[str, Any]], run_peak: dict[str, int | None] | None = None,
                  dev_peak: dict[int, dict[str, int | None]] | None = None,
-                 sampling_seconds: float | None = None) -> str:
-    """The end-of-run table: a row per device and an Overall row; allocator columns beside
-    NVML's, then the breakdown of the non-allocator gap, the census and process/system figures.
+                 sampling_seconds: float | None = None, device: str = "this device") -> str:
+    """The end-of-run table, leading with what was measured here: a row per device and an
+    Overall row (allocator columns beside NVML's, only the columns measured), then the
+    breakdown of the non-allocator gap, the census and process/system figures. Where no
+    allocator figure exists (the cuda backend on a CPU) the census and process lines lead and
+    the device rows collapse into one line saying why.
 
     Args:
         samples: the timeline; the last sample gives the current figures.
         run_peak: run peaks {"allocated", "reserved"} (else the last sample's peak_* fields).
         dev_peak: per device index {"allocated", "reserved"} run peaks.
         sampling_seconds: total time spent sampling, reported on the last line.
+        device: what ran, in words (``device_title``), for the line that says what is unmeasured.
     """
     if not samples:
         return "memory: no samples were taken (memory.sample_every=0 turns sampling off)"
     s = samples[-1]
     run_peak = run_peak or {"allocated": s.get("peak_allocated"), "reserved": s.get("peak_reserved")}
     dev_peak = dev_peak or {}
-    header = ["", *(label for _, label in TABLE_COLUMNS)]
-    rows = []
+    rows: list[list[Any]] = []
     for d in s.get("devices") or []:
         pk = dev_peak.get(d["index"], {})
         vals = {**d, "peak_allocated": pk.get("allocated", d.get("peak_allocated")),
                 "peak_reserved": pk.get("reserved", d.get("peak_reserved"))}
-        rows.append([f"Device {d['index']}", *(fb(vals.get(k)) for k, _ in TABLE_COLUMNS)])
+        rows.append([f"Device {d['index']}", *(vals.get(k) for k, _ in TABLE_COLUMNS)])
     overall = {**s, "peak_allocated": run_peak.get("allocated"), "peak_reserved": run_peak.get("reserved")}
-    rows.append(["Overall", *(fb(overall.get(k)) for k, _ in TABLE_COLUMNS)])
+    rows.append(["Overall", *(overall.get(k) for k, _ in TABLE_COLUMNS)])
     where = "after load" if s["phase"] == "load" else f"step {s['step']}, {s['phase']} phase"
-    lines = [f"Memory at the end ({where}); peaks over the whole run. GiB = 2^30 bytes; n/a = not measurable here.",
-             *_grid(header, rows)]
+    grid = _device_grid(rows, f"no allocator figures for the {device}: the census and process figures "
+                              "above are what was measured")
+    lines = [f"Memory at the end ({where}); peaks over the whole run. GiB = 2^30 bytes."]
+    figures: list[str] = []
     if s.get("non_allocator") is not None:
-        lines.append(
+        figures.append(
             f"non-allocator (NVML used - reserved) {fb(s['non_allocator'])} = paged optimizer state "
             f"{fb(s.get('paged_optimizer_state'))} + CUDA context {fb(s.get('cuda_context'))} + other processes "
             f"{fb(s.get('other_processes_used'))} + unexplained {fb(s.get('non_allocator_unexplained'))}")
     c = s.get("census") or {}
     if c:
-        lines.append("census: " + " | ".join(f"{k.replace('_', ' ')} {fb(c.get(k))}" for k in CENSUS_ORDER if k in c)
-                     + (f" (taken at step {s['census_step']})" if s.get("census_step") not in (None, s["step"]) else ""))
-    lines.append(
+        figures.append("census: " + " | ".join(f"{k.replace('_', ' ')} {fb(c.get(k))}" for k in CENSUS_ORDER
+                                               if k in c and c.get(k) is not None)
+                       + (f" (taken at step {s['census_step']})" if s.get("census_step") not in (None, s["step"]) else ""))
+    figures.append(
         f"process: RSS {fb(s.get('rss'))}, peak RSS {fb(s.get('peak_rss'))}, in swap {fb(s.get('swap_process'))} | "
         f"system: swap used {fb(s.get('swap_used'))} of {fb(s.get('swap_total'))} ({fd(s.get('swap_growth'))} this run), "
         f"RAM available {fb(s.get('system_available'))} of {fb(s.get('system_total'))}"
@@ -78,20 +98,24 @@ def render_table(samples: list[dict[str, Any]], run_peak: dict[str, int | None] 
         first = next((x for x in samples if x.get("swapped_out") is not None), None)
         out = (s["swapped_out"] - first["swapped_out"]) if first is not None and s.get("swapped_out") is not None else None
         mf0 = next((x["major_faults"] for x in samples if x.get("major_faults") is not None), None)
-        lines.append(
-            f"OS: process footprint {fb(s.get('phys_footprint'))}, compressed {fb(s.get('compressed'))}"
-            f", swapped out this run {fb(out)}"
-            + (f", this process's major faults this run {s['major_faults'] - mf0}" if s.get("major_faults") is not None
-               and mf0 is not None else ""))
+        parts = [f"process footprint {fb(s['phys_footprint'])}" if s.get("phys_footprint") is not None else None,
+                 f"compressed {fb(s.get('compressed'))}" if s.get("compressed") is not None else None,
+                 f"swapped out this run {fb(out)}" if out is not None else None,
+                 f"this process's major faults this run {s['major_faults'] - mf0}"
+                 if s.get("major_faults") is not None and mf0 is not None else None]
+        if any(parts):
+            figures.append("OS: " + ", ".join(p for p in parts if p))
     if any(k.startswith("mlx_") for k in s):
-        lines.append(
+        figures.append(
             f"mlx: active {fb(s.get('mlx_active'))}, cache {fb(s.get('mlx_cache'))}, peak {fb(s.get('mlx_peak'))} | "
             f"limits: memory {fb(s.get('mlx_memory_limit'))}, cache {fb(s.get('mlx_cache_limit'))}, wired "
             f"{fb(s.get('mlx_wired_limit'))}, recommended working set {fb(s.get('mlx_recommended_working_set'))}")
     if any(s.get(k) is not None for k in ("inactive_split", "alloc_retries", "num_ooms")):
         r, o = s.get("alloc_retries"), s.get("num_ooms")
-        lines.append(f"allocator health: inactive split {fb(s.get('inactive_split'))}, alloc retries "
-                     f"{'n/a' if r is None else r}, OOMs {'n/a' if o is None else o}")
+        figures.append(f"allocator health: inactive split {fb(s.get('inactive_split'))}, alloc retries "
+                       f"{'n/a' if r is None else r}, OOMs {'n/a' if o is None else o}")
+    measured_grid = len(grid) > 1 or grid[0] != grid[-1] or not grid[0].startswith("no allocator")
+    lines += [*grid, *figures] if measured_grid else [*figures, *grid]
     if sampling_seconds is not None:
         lines.append(f"accounting: {len(samples)} samples, {sampling_seconds * 1e6 / len(samples):.0f} us per sample")
     return "\n".join(lines)
@@ -158,31 +182,76 @@ def _event_label(ev: dict[str, Any]) -> str:
         return str(ev.get("action"))
 
 
+def device_title(backend: str, samples: list[dict[str, Any]], rank: int = 0, world: int = 1) -> str:
+    """What ran, in words, for a chart's title: "cuda backend on GPU", "cuda backend on CPU",
+    "mlx on Apple GPU", "mlx on CPU" (from what the samples measured), with the rank where
+    several ran."""
+    last = samples[-1] if samples else {}
+    if any(k.startswith("mlx_") for k in last):  # unified memory: Metal's working set is known on a GPU
+        gpu = any(s.get("mlx_recommended_working_set") for s in samples)
+        where = f"{backend} on Apple GPU" if gpu else f"{backend} on CPU"
+    else:  # a device row with allocator figures is a GPU's
+        n = max((sum(d.get("allocated") is not None for d in s.get("devices") or []) for s in samples), default=0)
+        where = f"{backend} backend on {n} GPUs" if n > 1 else f"{backend} backend on {'GPU' if n else 'CPU'}"
+    if world > 1:
+        where += f", rank {rank} of {world}"
+    return where
+
+
+def _wrap(text: str, width: int = 44) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)) or text
+
+
+def _legend_label(label: str, values: list[float]) -> str:
+    """A line's legend entry says why where it shows nothing (all zero) or little."""
+    if values and not any(values):
+        return f"{label} (0 B throughout)"
+    return label
+
+
 def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "memory",
-               budget: int | None = None, events: list[dict[str, Any]] | None = None) -> None:
-    """Write a PNG timeline. Top: the census as stacked areas (allocator-held categories,
+               budget: int | None = None, events: list[dict[str, Any]] | None = None,
+               phase_every: int = 1) -> None:
+    """Write ``draw_plot``'s figure to ``path`` (a temporary name, then renamed into place)."""
+    save_png(draw_plot(samples, title, budget, events, phase_every), path)
+
+
+def draw_plot(samples: list[dict[str, Any]], title: str = "memory", budget: int | None = None,
+              events: list[dict[str, Any]] | None = None, phase_every: int = 1) -> Any:
+    """The memory.png figure (11 x 7 in at 110 dpi), a PNG timeline. Top: the census as stacked areas (allocator-held categories,
     then paged optimizer state, which lives outside the allocator) under lines for allocated,
     reserved, the step peak and NVML used. Middle: host memory (RSS, peak RSS, swap growth,
     process swap). Bottom strip: the phase of each sample.
 
+    No text is drawn inside a plotting area: what the chart cannot show (no allocator here, a
+    budget above the scale, sparse phase samples) is said in the legend's notes, governor
+    actions are numbered above the chart and described in the legend, and every legend entry
+    has data or says why it has none.
+
     Args:
         samples: the timeline.
-        path: where the PNG goes (written to a temporary name, then renamed into place).
-        title: figure title.
+        title: figure title (name what ran: ``device_title``).
         budget: the run's memory budget in bytes (drawn as a line), None where it has none.
         events: governor actions ({step, trigger, action, before, after}), each marked at its step.
+        phase_every: memory.phase_every: forward/backward were sampled on every N-th step after step 2.
+
+    Returns:
+        The matplotlib Figure (Agg canvas).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    path = Path(path)
     n = len(samples)
     xs = list(range(n))
     fig = Figure(figsize=(11, 7), dpi=110)
     FigureCanvasAgg(fig)
     gs = fig.add_gridspec(3, 1, height_ratios=[10, 4, 0.8], hspace=0.12)
     ax, hax, strip = fig.add_subplot(gs[0]), fig.add_subplot(gs[1]), fig.add_subplot(gs[2])
+    notes: list[str] = []
     vals: list[float] = []
     for key, *_ in LINES:
         vals += [s[key] for s in samples if s.get(key) is not None]
@@ -203,11 +272,10 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
     if budget is not None and draw_budget:
         ax.axhline(budget / scale, color="#d62728", lw=1.2, ls="-", alpha=0.7, label=f"memory budget {fb(budget)}")
     elif budget is not None:
-        ax.text(0.99, 0.97, f"memory budget {fb(budget)} (above the chart)", transform=ax.transAxes, ha="right",
-                va="top", fontsize=8, color="#d62728")
+        notes.append(f"memory budget {fb(budget)}: above the chart's scale, not drawn")
     if not any(s.get("allocated") is not None for s in samples):
-        ax.text(0.5, 0.97, "no allocator figures on this device: census only" if stacks else
-                "no allocator figures on this device", transform=ax.transAxes, ha="center", va="top", color="#777777")
+        notes.append("no allocator figures on this device: the census (what the tensors hold) only"
+                     if stacks else "no allocator figures on this device")
     _ylabel(ax, "allocator / device", unit)
     hvals = [s[k] for k, *_ in HOST_LINES for s in samples if s.get(k) is not None]
     hscale, hunit = unit_for(max(hvals) if hvals else 0)
@@ -217,7 +285,6 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
         a.set_ylim(bottom=0)
         a.set_xlim(-0.5, max(n - 0.5, 0.5))
         a.grid(alpha=0.3)
-    ax.set_title(title)
     # step boundaries and labels: first sample of each step
     firsts: list[tuple[int, int]] = []
     for i, s in enumerate(samples):
@@ -227,16 +294,27 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
         for i, _ in firsts[1:]:
             for a in (ax, hax):
                 a.axvline(i - 0.5, color="#bbbbbb", lw=0.6, zorder=0)
-    for ev in events or []:
+    # governor actions: a numbered dashed line each; numbers above the chart, words in the legend
+    marks: dict[float, list[int]] = {}
+    event_handles = []
+    for k, ev in enumerate(events or [], start=1):
         at = next((i for i, st in firsts if st >= ev.get("step", 0)), None)
         if at is None:
             continue
         x = at - 0.5 if at else 0
         for a in (ax, hax):
             a.axvline(x, color="#d62728", lw=1.0, ls="--", alpha=0.8, zorder=3)
-        ax.annotate(f"step {ev.get('step')}: {_event_label(ev)}\n({ev.get('trigger')})", (x, 1.0),
-                    xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
-                    fontsize=7, color="#d62728", va="top", rotation=0)
+        marks.setdefault(x, []).append(k)
+        event_handles.append((Line2D([], [], color="#d62728", ls="--", lw=1.0),
+                              _wrap(f"{k}: step {ev.get('step')}, {_event_label(ev)} ({ev.get('trigger')})")))
+    placed: list[float] = []
+    for x, ks in sorted(marks.items()):
+        if any(abs(x - p) < max(n, 1) / 40 for p in placed):
+            continue  # too close to the last number: its legend entry still names the step
+        placed.append(x)
+        ax.annotate(",".join(map(str, ks)), (x, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="#d62728")
+    ax.set_title(title, pad=14 if marks else 6)
     every = max(1, len(firsts) // 15)
     ticks = firsts[::every]
     for a in (ax, hax):
@@ -254,12 +332,26 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
         if ph in present:
             handles.append(Patch(color=col))
             labels.append(f"phase: {ph}")
+    last_step = max((s["step"] for s in samples), default=0)
+    if phase_every > 1 and last_step > 2 and {"forward", "backward"} & present:
+        notes.append(f"forward/backward sampled on steps 1, 2 and every {phase_every}th step after "
+                     "(memory.phase_every); the other steps show their optimizer phase only")
+    for h, label in event_handles:
+        handles.append(h)
+        labels.append(label)
+    for note in notes:
+        handles.append(Patch(color="none"))
+        labels.append(_wrap("note: " + note))
     if handles:
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    if hax.get_legend_handles_labels()[0]:
-        hax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.subplots_adjust(left=0.09, right=0.74, top=0.94, bottom=0.08)
-    save_png(fig, path)
+    hh, hl = hax.get_legend_handles_labels()
+    if hh:
+        hl = [_legend_label(lab, [s.get(key) or 0 for s in samples if s.get(key) is not None])
+              for lab, (key, *_) in zip(hl, [spec for spec in HOST_LINES
+                                             if any(s.get(spec[0]) is not None for s in samples)])]
+        hax.legend(hh, hl, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.subplots_adjust(left=0.09, right=0.70, top=0.93, bottom=0.08)
+    return fig
 
 
 def save_png(fig: Any, path: str | Path) -> None:
@@ -277,29 +369,35 @@ def save_png(fig: Any, path: str | Path) -> None:
         raise
 
 
-def render_summary_table(memory: dict[str, Any]) -> str:
+def render_summary_table(memory: dict[str, Any], device: str = "run's device") -> str:
     """The end-of-run table rebuilt from a summary.json ``memory`` section (for reports on
-    finished runs): a row per device and Overall, then the non-allocator breakdown and census."""
+    finished runs), leading with what was measured: a row per device and Overall (measured
+    columns only), then the non-allocator breakdown and census; where no allocator was
+    measured, the census and process lines first and one line saying so."""
     last = memory.get("last") or {}
     peaks = memory.get("peaks") or {}
-    header = ["", *(label for _, label in TABLE_COLUMNS)]
-    rows = []
+    rows: list[list[Any]] = []
     for d in memory.get("devices") or []:
-        rows.append([f"Device {d.get('index', '?')}", *(fb(d.get(k + "_bytes")) for k, _ in TABLE_COLUMNS)])
+        rows.append([f"Device {d.get('index', '?')}", *(d.get(k + "_bytes") for k, _ in TABLE_COLUMNS)])
     ov = {k: last.get(k + "_bytes") for k, _ in TABLE_COLUMNS}
     ov["peak_allocated"], ov["peak_reserved"] = peaks.get("allocated_bytes"), peaks.get("reserved_bytes")
-    rows.append(["Overall", *(fb(ov.get(k)) for k, _ in TABLE_COLUMNS)])
-    lines = [(f"Memory at step {last.get('memory_step')} ({last.get('memory_phase')} phase); peaks over the run. "
-              "GiB = 2^30 bytes"), *_grid(header, rows)]
+    rows.append(["Overall", *(ov.get(k) for k, _ in TABLE_COLUMNS)])
+    grid = _device_grid(rows, f"no allocator figures for the {device}: the census and process figures above "
+                              "are what was measured")
+    figures: list[str] = []
     if last.get("non_allocator_bytes") is not None:
-        lines.append(
+        figures.append(
             f"non-allocator (NVML used - reserved) {fb(last['non_allocator_bytes'])} = paged optimizer state "
             f"{fb(last.get('paged_optimizer_state_bytes'))} + CUDA context {fb(last.get('cuda_context_bytes'))} + "
             f"other processes {fb(last.get('other_processes_used_bytes'))} + unexplained "
             f"{fb(last.get('non_allocator_unexplained_bytes'))}")
     cen = {k[len("census_"):-len("_bytes")]: v for k, v in last.items() if k.startswith("census_")}
     if cen:
-        lines.append("census: " + " | ".join(f"{k.replace('_', ' ')} {fb(cen.get(k))}" for k in CENSUS_ORDER if k in cen))
-    lines.append(f"process: RSS {fb(last.get('rss_bytes'))}, peak RSS {fb(peaks.get('rss_bytes'))} | swap growth "
-                 f"{fd(peaks.get('swap_growth_bytes'))}")
-    return "\n".join(lines)
+        figures.append("census: " + " | ".join(f"{k.replace('_', ' ')} {fb(cen.get(k))}" for k in CENSUS_ORDER
+                                               if k in cen and cen.get(k) is not None))
+    figures.append(f"process: RSS {fb(last.get('rss_bytes'))}, peak RSS {fb(peaks.get('rss_bytes'))} | swap growth "
+                   f"{fd(peaks.get('swap_growth_bytes'))}")
+    head = (f"Memory at step {last.get('memory_step')} ({last.get('memory_phase')} phase); peaks over the run. "
+            "GiB = 2^30 bytes")
+    measured_grid = not (len(grid) == 1 and grid[0].startswith("no allocator"))
+    return "\n".join([head, *grid, *figures] if measured_grid else [head, *figures, *grid])
