@@ -248,6 +248,9 @@ def main() -> None:
         os.environ["HYDRA_FULL_ERROR"] = "1"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from finetune import quiet
+
+    quiet.install(debug())  # the known third-party lines that tell a user nothing (--debug: all)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         check_group_choices(sys.argv[1:])

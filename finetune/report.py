@@ -278,14 +278,22 @@ def markdown(rs: list[dict[str, Any]], notes: list[str]) -> str:
 
 
 def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
-    """A bar per job. Top: the census at the first optimizer step stacked, the allocator's
-    measured peak as a marker (the plan's where no allocator is measured), the budget as a
+    """Write ``draw_chart``'s figure to ``path`` (a temporary name, then renamed into place)."""
+    from finetune.accounting.report import save_png
+
+    save_png(draw_chart(rs), path)
+
+
+def draw_chart(rs: list[dict[str, Any]]) -> Any:
+    """The sweep_memory.png figure: a bar per job. Top: the census at the first optimizer step
+    stacked, the allocator's measured peak as a marker (the plan's where no allocator is measured), the budget as a
     line; pruned jobs as a hatched bar at their planned peak. Bottom: the process's peak RSS
     (what the OS saw). Each panel has its own unit; readable from 2 to 30 jobs."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    from finetune.accounting.report import save_png, unit_for
+    from finetune.accounting.report import unit_for
 
     n = len(rs)
     xs = list(range(n))
@@ -324,11 +332,14 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
                    label="planned peak (no allocator measured)", **marker)
     if draw_budget:
         ax.axhline(budget / scale, color="#d62728", lw=1.2, label=f"memory budget {budget / GIB:.2f} GiB")
-    elif budget is not None:
-        ax.text(1.01, 0.0, f"memory budget {budget / GIB:.2f} GiB\n(above the chart)", transform=ax.transAxes,
-                ha="left", va="bottom", fontsize=8, color="#d62728")
+    elif budget is not None:  # named in the legend: a text inside or beside the chart could cover data
+        ax.bar([0], [0], color="none", label=f"note: memory budget {budget / GIB:.2f} GiB,\nabove the chart's scale")
     ax.set_ylabel(f"{unit}\n(device / allocator)", fontsize=9)
-    ax.set_title(f"sweep memory: {n} job(s); census at the first optimizer step, peaks per job")
+    # what ran: a backend on a GPU where an allocator was measured, on the CPU (census only) elsewhere
+    backends = sorted({str(r.get("backend")) for r in rs if r.get("backend")})
+    where = ", ".join(f"{b} {'backend ' if b == 'cuda' else ''}on {'GPU' if alloc else 'CPU'}" for b in backends)
+    ax.set_title(f"sweep memory, {where or 'no job ran'}: {n} job(s)\n"
+                 "census at the first optimizer step, peaks per job", fontsize=10)
     rss = [(r.get("peak_rss_bytes") or 0) for r in rs]
     hscale, hunit = unit_for(max(rss + [0]))
     hax.bar(xs, [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
@@ -342,15 +353,22 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
         a.set_ylim(bottom=0)
         a.grid(axis="y", alpha=0.3)
         a.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    failed = [i for i, r in enumerate(rs) if r.get("status") == "failed"]
+    if failed:  # no bar to show: the legend says which jobs and why they are empty
+        handles, labels_ = ax.get_legend_handles_labels()
+        ax.legend([*handles, Patch(color="none")], [*labels_, f"note: {len(failed)} job(s) failed: no figures"],
+                  loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.set_xticklabels([])
-    hax.set_xticklabels(labels, rotation=35 if rotate else 0, ha="right" if rotate else "center",
+    # a few labels slant; many stand upright, where slanted ones would cover their neighbours
+    angle = (90 if n > 4 else 35) if rotate else 0
+    hax.set_xticklabels(labels, rotation=angle, ha="right" if angle == 35 else "center",
                         fontsize=7 if n > 12 else 8)
     right = 1.0 - 2.6 / width
     longest = max((len(x) for x in labels), default=0)
     bottom = min(0.34, 0.08 + 0.0105 * longest) if rotate else 0.1
     fig.subplots_adjust(left=max(0.9, 0.055 * longest if rotate else 0.9) / width, right=right, bottom=bottom,
-                        top=0.93, hspace=0.12)
-    save_png(fig, path)
+                        top=0.90, hspace=0.12)
+    return fig
 
 
 def report(root: Path, out_dir: Path | None = None, chart: bool = True) -> tuple[list[dict[str, Any]], list[str]]:

@@ -329,6 +329,9 @@ class CudaBackend:
         kwargs["device_map"] = "auto" if split else {"": str(device)}
         if m.name == "qlora":
             kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or weight_dtype)
+        from finetune import quiet
+
+        quiet.no_loading_bar()
         try:
             hf = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
         except (RuntimeError, NotImplementedError, ImportError) as e:

@@ -354,7 +354,7 @@ def draw_plot(samples: list[dict[str, Any]], title: str = "memory", budget: int 
     return fig
 
 
-def save_png(fig: Any, path: str | Path) -> None:
+def save_png(fig: Any, path: str | Path, dpi: float | None = None) -> None:
     """Write a matplotlib figure to ``path`` under a temporary name, then rename it into place
     (a chart is never half-written)."""
     path = Path(path)
@@ -362,7 +362,10 @@ def save_png(fig: Any, path: str | Path) -> None:
     fd_, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=path.parent)
     os.close(fd_)
     try:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", dpi=dpi or fig.dpi)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600: a chart is as readable as any file the run writes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
