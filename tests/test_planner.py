@@ -392,7 +392,8 @@ def test_activation_mechanisms(tmp_path):
 # ---- budgets ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,total,expected", [
-    (None, 1000, 1000), (None, None, None), (123, None, 123), ("123", None, 123), (" 40GiB ", None, 40 * 2**30),
+    (None, 1000, 1000), (None, None, None), (2**21, None, 2**21), (str(2**21), None, 2**21),
+    (" 40GiB ", None, 40 * 2**30),
     ("40GB", None, 40 * 10**9), ("512MiB", None, 512 * 2**20), ("1.5TB", None, 1_500_000_000_000),
     ("2gib", None, 2 * 2**30), ("90%", 1000, 900), ("100%", 2**30, 2**30), ("1KiB", None, 1024),
 ])
@@ -405,6 +406,16 @@ def test_parse_budget(text, total, expected):
 def test_parse_budget_rejects_bad_text_naming_valid_forms(text, total):
     with pytest.raises(UserError, match="GiB|unit|size"):
         parse_budget(text, total)
+
+
+@pytest.mark.parametrize("text,says", [(40, "is 40 bytes: did you mean 40GB?"), ("40", "is 40 bytes: did you mean 40GB?"),
+                                       ("1048575", "is 1,048,575 bytes: did you mean 1048575MB?")])
+def test_a_unitless_budget_below_one_mib_is_refused_as_bytes(text, says):
+    """memory.budget=40 meant 40 GB: a number without a unit counts bytes, and below 1 MiB that
+    is never a real budget."""
+    with pytest.raises(UserError) as e:
+        parse_budget(text, None)
+    assert says in str(e.value) and "\n" not in str(e.value)
 
 
 # ---- fitting to a budget ------------------------------------------------------------------------
