@@ -135,6 +135,8 @@ def test_cli_plan_of_a_cached_hub_id_plans_that_model(tmp_path: Path) -> None:
     plan = json.loads((tmp_path / "r" / "plan.json").read_text())
     assert f"{snap} torch_dtype" in plan["dtypes"]["stored"]
     assert abs(plan["params_total"] - META_PARAMS["Qwen3-8B"]) <= 0.005 * META_PARAMS["Qwen3-8B"], plan["params_total"]
+    assert plan["model"]["name"] == "Qwen/Qwen3-8B" and plan["model"]["model_type"] == "qwen3"
+    assert (r.stdout + r.stderr).lstrip().startswith("plan: Qwen/Qwen3-8B "), (r.stdout + r.stderr)[:200]
 
 
 @pytest.mark.parametrize("preset, slug", sorted(PRESET_RELEASED.items()))

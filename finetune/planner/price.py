@@ -268,6 +268,13 @@ def _budget(s: Setup, override: int | None) -> tuple[int | None, str, int | None
     return dm.total_bytes, f"device: {label}", dm.total_bytes
 
 
+def _model_name(model_cfg: Any) -> str:
+    """What the plan calls the model: the preset's name, or the path when the default preset
+    only carries a user's ``model.path`` (``model.path=Qwen/Qwen3-8B`` is not "tiny")."""
+    name, path = str(_get(model_cfg, "name", "")), _get(model_cfg, "path")
+    return str(path) if path and name == "tiny" else name
+
+
 def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     """What the plan prices approximately for this model, said in the plan."""
     out = []
@@ -313,7 +320,7 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "devices": s.n_devices,
         "world_size": s.world_size,
         "strategy": s.strategy if s.world_size > 1 else None,
-        "model": {"name": str(_get(_get(cfg, "model"), "name", "")), **arch.summary()},
+        "model": {"name": _model_name(_get(cfg, "model")), **arch.summary()},
         "method": s.method,
         "optim": s.optim,
         "precision": s.precision,
