@@ -88,3 +88,35 @@ def clear_results(run_dir: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
+
+
+def _is_temporary(name: str) -> bool:
+    """A name our atomic writers give a file or directory before it is complete:
+    io.atomic_write_* and io.atomic_dir ``.NAME.XXXX.tmp``, io.finalize_dir's ``.NAME.old``,
+    accounting.report.save_png's ``.tmp-XXXX.png``."""
+    return name.startswith(".") and (name.endswith(".tmp") or name.endswith(".old")
+                                     or (name.startswith(".tmp-") and name.endswith(".png")))
+
+
+def remove_dead_temporaries(run_dir: Path) -> list[Path]:
+    """Remove what killed writers left in ``run_dir`` and its checkpoints/ (a ``kill -9`` during a
+    checkpoint save, an adapter or a summary), and return it. Called once a run holds the run
+    dir's lock and its checks have passed: the lock's holder is the only writer there, so every
+    temporary found then belongs to a process that is gone."""
+    removed: list[Path] = []
+    for d in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        try:
+            children = list(d.iterdir())
+        except OSError:
+            continue
+        for p in children:
+            if not _is_temporary(p.name) or p.is_symlink():
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            if not p.exists():
+                removed.append(p)
+    return removed
+

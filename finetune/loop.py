@@ -463,6 +463,10 @@ class Trainer:
         # every check has passed: from here on the run writes its results into the run dir
         if self.lock is not None:
             self.lock.begun = True
+            gone = checkpoints.remove_dead_temporaries(self.run_dir)  # a killed writer's, this run holding the lock
+            if gone:
+                print(f"removed {len(gone)} temporary file(s) a killed run left in {self.run_dir}: "
+                      f"{', '.join(p.name for p in gone)}", file=sys.stderr)
         if start == 0 and self.comm.rank == 0 and cfg.train.get("overwrite"):
             checkpoints.clear_results(self.run_dir)  # the earlier run's results (claim refused them otherwise)
         # a fresh run starts metrics.jsonl empty; a resumed one drops the lines after its
@@ -546,6 +550,7 @@ class Trainer:
                             "summary and memory.png are missing") from None
         self.runlog.summary(summary)
         try:
+            faults.in_write("memory.png")
             self.acct.write_plot(self.run_dir / "memory.png", budget=self.governor.budget_bytes)
         except Exception as e:  # a plot must never cost the run its results
             log.warning("memory.png not written: %s", e)

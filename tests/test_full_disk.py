@@ -231,3 +231,49 @@ def test_export_and_report_onto_a_full_disk_fail_in_one_line(small_fs, tmp_path,
     assert report.main([str(run), "--out", str(small_fs)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: cannot write ") and "No space left on device" in err[0], err
+
+
+@needs_torch
+def test_a_full_disk_at_the_summary_keeps_the_adapter_and_says_what_is_missing(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("FINETUNE_FAULT_WRITE", "summary")
+    with pytest.raises(UserError) as e:
+        train(make_cfg(run, *ARGS, "train.steps=2"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"summary.json not written to {run} (No space left on device); the "
+                                              f"adapter in {run / 'adapter'} is complete")
+    assert (run / "adapter" / "adapter_model.safetensors").is_file() and not (run / "summary.json").exists()
+    assert len(_losses(run)) == 2
+    assert [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != ".lock"] == []
+
+
+@needs_torch
+def test_a_full_disk_at_memory_png_costs_only_the_chart(tmp_path, monkeypatch, caplog):
+    run = tmp_path / "run"
+    monkeypatch.setenv("FINETUNE_FAULT_WRITE", "memory.png")
+    summary = train(make_cfg(run, *ARGS, "train.steps=2", "memory.sample_every=1"))
+    assert summary["steps_this_run"] == 2 and (run / "summary.json").is_file() and not (run / "memory.png").exists()
+    assert any("memory.png not written" in r.getMessage() for r in caplog.records)
+
+
+@needs_torch
+def test_a_killed_writers_temporaries_are_removed_when_the_next_run_begins(tmp_path, capsys):
+    """What a kill -9 mid-save leaves (an atomic_dir temporary in checkpoints/, a half-written
+    summary's temporary file, a chart's) goes once a run holds the dir and its checks passed; a
+    refused command removes nothing."""
+    run = tmp_path / "run"
+    train(make_cfg(run, *ARGS, "train.steps=2"))
+    left = [run / "checkpoints" / ".step_0000003.abcd1234.tmp", run / ".adapter.x1y2.tmp"]
+    for d in left:
+        d.mkdir(parents=True)
+        (d / "part").write_bytes(b"\0" * 10)
+    (run / ".summary.json.q9.tmp").write_text("{")
+    (run / ".tmp-zz.png").write_bytes(b"\x89PNG")
+    with pytest.raises(UserError):  # refused (a new run onto a finished one): nothing removed
+        train(make_cfg(run, *ARGS, "train.steps=2"))
+    assert all(p.exists() for p in left) and (run / ".summary.json.q9.tmp").exists()
+    capsys.readouterr()
+    train(make_cfg(run, *ARGS, "train.steps=3", "train.resume=true"))
+    assert not any(p.exists() for p in left)
+    assert not (run / ".summary.json.q9.tmp").exists() and not (run / ".tmp-zz.png").exists()
+    assert "removed 4 temporary file(s) a killed run left" in capsys.readouterr().err
