@@ -178,6 +178,8 @@ def _guard_run_dir() -> None:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
+        if not HydraConfig.initialized():  # a multirun's launcher, before its first job: no run dir
+            return original(*args, **kwargs)
         hc = HydraConfig.get()
         mode = next((o.split("=", 1)[1] for o in hc.overrides.task if o.startswith("mode=")), "train")
         if hc.mode == RunMode.RUN and mode == "train" and not _several_ranks():
@@ -263,7 +265,13 @@ def main() -> None:
     register_configs()
     _one_line_config_errors()
     _guard_run_dir()
-    hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(_task)()
+    from finetune import sweep  # also registers hydra.sweep.subdir's job_dirname resolver
+
+    try:
+        hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(_task)()
+    except sweep.SweepStopped as stop:  # fail_fast=true: the first failed job ended the sweep
+        sys.exit(sweep.stopped(stop))
+    sys.exit(sweep.multirun_exit_code())  # a multirun with failed jobs: 1, naming them in one line
 
 
 if __name__ == "__main__":

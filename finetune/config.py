@@ -212,6 +212,9 @@ class Config:
     prompt: str | None = None
     # Multirun: each job in a fresh process (its own memory baseline; see finetune/sweep.py).
     isolate_jobs: bool = True
+    # Multirun: a failed job is recorded (failed.json) and the sweep goes on; true stops the
+    # sweep at the first failed job. Either way the sweep exits 1 naming the failed jobs.
+    fail_fast: bool = False
     # Multirun with a sweeper that optimizes (Optuna): what a job returns: tokens_per_sec
     # (maximize), val_loss or train_loss (minimize); a job whose plan exceeds memory.budget is
     # pruned before loading anything. null: jobs return their summary.

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 from finetune.config import UserError
 from finetune.io import atomic_write_text
+from finetune.redact import redact_overrides, redact_text, redact_tree
 
 EXTRA = "pip install 'finetune[loggers]'"
 
@@ -233,11 +235,17 @@ class WandbLogger(Logger):
         s, wandb = self.settings, self._wandb
         run_id = s.get("id") or _saved_id(run_dir, "wandb", lambda: secrets.token_hex(4))[0]
         self.events: list[list[Any]] = []
-        self.run = wandb.init(
-            project=s.get("project") or "finetune", entity=s.get("entity"), group=s.get("group"),
-            name=s.get("name") or run_dir.name, dir=str(s.get("dir") or run_dir), mode=s.get("mode"),
-            tags=list(s.get("tags") or []) or None, id=run_id, resume="allow", config=config,
-            settings=wandb.Settings(console=str(s.get("console") or "off")))
+        argv = sys.argv
+        # W&B keeps the command line (its metadata's "args"): the overrides, with secrets masked
+        sys.argv = [argv[0], *redact_overrides(argv[1:])]
+        try:
+            self.run = wandb.init(
+                project=s.get("project") or "finetune", entity=s.get("entity"), group=s.get("group"),
+                name=s.get("name") or run_dir.name, dir=str(s.get("dir") or run_dir), mode=s.get("mode"),
+                tags=[redact_text(str(t)) for t in s.get("tags") or []] or None, id=run_id, resume="allow",
+                config=config, settings=wandb.Settings(console=str(s.get("console") or "off")))
+        finally:
+            sys.argv = argv
 
     def log_step(self, rec: dict[str, Any], values: dict[str, float]) -> None:
         self.run.log(values, step=int(rec["step"]))
@@ -291,7 +299,8 @@ class MlflowLogger(Logger):
 
         def new_run() -> str:
             return c.create_run(exp_id, run_name=s.get("run_name") or run_dir.name,
-                                tags={str(k): str(v) for k, v in (s.get("tags") or {}).items()}).info.run_id
+                                tags={str(k): str(v) for k, v in redact_tree(dict(s.get("tags") or {})).items()}
+                                ).info.run_id
 
         self.run_id, existed = _saved_id(run_dir, f"mlflow_{exp_id}", new_run)
         if existed:

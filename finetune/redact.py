@@ -85,12 +85,94 @@ def redact_tree(tree: Any, secrets: list[str] | None = None) -> Any:
     return tree
 
 
+def is_secret_override(override: str) -> bool:
+    """Whether a command-line override (``+extra.api_key=sk-...``, ``hf_token=a,b``) sets a
+    key named like a secret (``is_secret_key``) to a value."""
+    key, eq, value = str(override).partition("=")
+    return bool(eq) and is_secret_key(key.lstrip("+~"), value)
+
+
+def redact_overrides(overrides: list[str], secrets: list[str] | None = None) -> list[str]:
+    """Overrides with a secret key's value masked whatever its length (``+extra.api_key=***``),
+    and known secret values masked in the others."""
+    return [o.partition("=")[0] + "=" + MASK if is_secret_override(o) else redact_text(str(o), secrets)
+            for o in overrides]
+
+
+# a YAML list item holding an override (``- +extra.api_key=sk-...``, maybe quoted), and Hydra's
+# ``override_dirname: a=1,+extra.api_key=sk-...``
+_OVERRIDE_ITEM = re.compile(r"^(\s*-\s+)(['\"]?)([^\s'\"=]+=.*?)\2\s*$")
+_OVERRIDE_DIRNAME = re.compile(r"^(\s*override_dirname:\s+)(.*)$")
+
+
+def _mask_override_lines(text: str) -> str:
+    """YAML text with every override of a secret-named key masked, short values included (the
+    value search of ``redact_text`` only masks values of MIN_SECRET_LEN characters or more)."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        end = line[len(body):]
+        m = _OVERRIDE_ITEM.match(body)
+        if m and is_secret_override(m[3]):
+            body = f"{m[1]}{m[2]}{m[3].partition('=')[0]}={MASK}{m[2]}"
+        m = _OVERRIDE_DIRNAME.match(body)
+        if m and any(is_secret_override(p) for p in m[2].split(",")):
+            body = m[1] + ",".join(redact_overrides(m[2].split(","), []))
+        out.append(body + end)
+    return "".join(out)
+
+
+def override_secrets(overrides: list[str]) -> list[str]:
+    """The values secret-named overrides set, a sweep's each value too (``api_key=a,b``)."""
+    found = []
+    for o in overrides:
+        if is_secret_override(o):
+            value = str(o).partition("=")[2]
+            pieces = [value, *(v.strip("'\" ") for v in value.strip("[]()").split(","))]
+            found += [v for v in pieces if len(v) >= MIN_SECRET_LEN]
+    return found
+
+
+def redact_yaml_file(path: Path, secrets: list[str]) -> None:
+    """Rewrite a YAML file Hydra saved (``.hydra/*.yaml``, ``multirun.yaml``) with ``secrets``,
+    the values under secret-named keys and secret-named overrides masked; untouched when it
+    holds none."""
+    import yaml
+
+    from finetune.io import atomic_write_text
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    text = path.read_text()
+    found = list(secrets)
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        tree = None
+    found += config_secrets(tree)
+    overrides = (((tree or {}).get("hydra") or {}).get("overrides") or {}) if isinstance(tree, dict) else {}
+    if isinstance(tree, list):  # overrides.yaml
+        found += override_secrets([str(o) for o in tree])
+    elif isinstance(overrides, dict):
+        found += override_secrets([str(o) for v in overrides.values() if isinstance(v, list) for o in v])
+    clean = _mask_override_lines(redact_text(text, sorted(set(found), key=len, reverse=True)))
+    if clean != text:
+        atomic_write_text(path, clean)
+
+
+def redact_multirun_yaml(path: Path, secrets: list[str]) -> None:
+    """A sweep's ``multirun.yaml`` (Hydra writes it before the first job) with secrets masked."""
+    try:
+        redact_yaml_file(path, secrets)
+    except OSError:  # the jobs still run; their own files are masked as they start
+        pass
+
+
 def redact_hydra_files(cfg: Any) -> None:
     """Rewrite the run dir's ``.hydra/*.yaml`` (config, overrides, hydra) with secrets masked.
     Hydra writes them before the task runs; nothing else reads them back."""
     from omegaconf import OmegaConf
-
-    from finetune.io import atomic_write_text
 
     run_dir = cfg.get("run_dir") if hasattr(cfg, "get") else None
     if not run_dir:
@@ -98,13 +180,10 @@ def redact_hydra_files(cfg: Any) -> None:
     secrets = sorted(set(env_secrets()) | set(config_secrets(OmegaConf.to_container(cfg, resolve=False))),
                      key=len, reverse=True)
     hydra_dir = Path(str(run_dir)) / ".hydra"
-    if not secrets or not hydra_dir.is_dir():
+    if not hydra_dir.is_dir():
         return
     for f in hydra_dir.glob("*.yaml"):
-        text = f.read_text()
-        clean = redact_text(text, secrets)
-        if clean != text:
-            atomic_write_text(f, clean)
+        redact_yaml_file(f, secrets)
 
 
 # files an export writes as text (configs, model cards, chat templates); everything else is

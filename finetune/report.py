@@ -71,9 +71,16 @@ def _get(d: Any, dotted: str) -> Any:
     return d
 
 
+# what makes a directory a job of the report: a run's result, a pruned trial, a failed job
+# (finetune/sweep.py writes failed.json: its error line, exit code and log)
+JOB_FILES = ("summary.json", "pruned.json", "failed.json")
+
+
 def find_runs(root: Path) -> list[Path]:
-    """Every directory under ``root`` (itself included) holding a summary.json or pruned.json."""
-    return sorted({p.parent for name in ("summary.json", "pruned.json") for p in root.rglob(name)})
+    """Every directory under ``root`` (itself included) holding one of JOB_FILES, less those
+    inside another (a logger's copy of summary.json: MLflow's ``mlruns/.../artifacts/``)."""
+    found = {p.parent for name in JOB_FILES for p in root.rglob(name)}
+    return sorted(d for d in found if not any(a in found for a in d.parents))
 
 
 def _overrides(run: Path) -> list[str]:
@@ -82,8 +89,11 @@ def _overrides(run: Path) -> list[str]:
         return []
     import yaml
 
-    try:
-        return [str(o) for o in (yaml.safe_load(f.read_text()) or []) if not str(o).startswith("hydra.")]
+    from finetune.redact import redact_overrides
+
+    try:  # masked again here: a job name never shows a secret-named key's value
+        return redact_overrides([str(o) for o in (yaml.safe_load(f.read_text()) or [])
+                                 if not str(o).startswith("hydra.")])
     except yaml.YAMLError:
         return []
 
@@ -117,7 +127,11 @@ def rows(root: Path) -> list[dict[str, Any]]:
         name = " ".join(differ) or (str(run.relative_to(root)) if run != root else run.name)
         row: dict[str, Any] = {"job": name, "dir": str(run)}
         s = None
-        if (run / "summary.json").is_file():
+        failed = _failed(run)
+        if failed is not None:  # failed.json wins: a summary beside it is an earlier attempt's
+            row.update(status=f"failed (exit {failed.get('exit_code')})", error=failed.get("error"),
+                       log=failed.get("log"))
+        elif (run / "summary.json").is_file():
             try:
                 s = json.loads((run / "summary.json").read_text())
             except (OSError, ValueError) as e:  # a torn or edited file: list the run, go on
@@ -155,6 +169,18 @@ def rows(root: Path) -> list[dict[str, Any]]:
         if names.count(r["job"]) > 1:
             r["job"] += f" [{Path(r['dir']).name.split('_', 1)[0]}]"
     return out
+
+
+def _failed(run: Path) -> dict[str, Any] | None:
+    """A failed job's record (``failed.json``), None where the job did not fail."""
+    f = run / "failed.json"
+    if not f.is_file():
+        return None
+    try:
+        rec = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        return {"error": f"failed.json unreadable ({type(e).__name__})"}
+    return rec if isinstance(rec, dict) else {"error": "failed.json is not a JSON object"}
 
 
 def _natural(name: str) -> list[Any]:
@@ -212,6 +238,10 @@ def winners(rs: list[dict[str, Any]]) -> list[str]:
         out.append(f"least memory at equal loss: {lean['job']} (peak {_gib(lean['peak_bytes'])} GiB, train loss "
                    f"{lean['final_train_loss']:.4f}; {len(equal)} of {len(with_loss)} jobs within noise of the best "
                    f"{lo['final_train_loss']:.4f})")
+    failed = [r for r in rs if r["status"].startswith("failed")]
+    if failed:
+        out.append(f"failed: {len(failed)} job(s) ("
+                   + "; ".join(f"{r['job']}: {r.get('error')}, log {r.get('log')}" for r in failed) + ")")
     pruned = [r for r in rs if r["status"].startswith("pruned")]
     if pruned:
         out.append(f"pruned by plan before loading: {len(pruned)} job(s) ("
@@ -379,7 +409,7 @@ def report(root: Path, out_dir: Path | None = None, chart: bool = True) -> tuple
     notes = winners(rs)
     out = out_dir or root
     buf = io.StringIO()
-    fields = [k for k, _, _ in COLUMNS] + ["peak_bytes", "loss_noise", "dir"]
+    fields = [k for k, _, _ in COLUMNS] + ["peak_bytes", "loss_noise", "dir", "error", "log"]
     w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
     w.writeheader()
     w.writerows(rs)
@@ -419,7 +449,10 @@ class SweepReportCallback(Callback):
     directory by itself (conf/config.yaml ``hydra.callbacks``)."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        root = Path(str(config.hydra.sweep.dir))
+        self.write(Path(str(config.hydra.sweep.dir)))
+
+    def write(self, root: Path) -> None:
+        """Write and print the report of the sweep in ``root`` (also after fail_fast stopped it)."""
         if not root.is_dir() or not find_runs(root):
             return
         try:

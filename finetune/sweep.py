@@ -13,17 +13,41 @@ jobs in-process (faster, peaks not comparable).
 Pruning: with ``objective`` set (an Optuna search), a job whose plan does not fit
 ``memory.budget`` is not run at all: it writes ``pruned.json`` (the planned peak, the budget)
 and returns the worst objective value, so the sweeper never picks it and no weight is loaded.
+
+A failed job does not end the sweep: it writes ``failed.json`` (its error line, exit code and
+the file holding its output) into its directory, prints one line, and the sweep goes on; the
+report lists it, and ``finetune -m`` exits 1 naming the failed jobs in its last line.
+``fail_fast=true`` stops at the first failure instead (the report is still written).
+
+Secrets: a job's directory is named by its number and its non-secret overrides (``job_dirname``,
+conf/config.yaml ``hydra.sweep.subdir``); ``multirun.yaml`` and Hydra's launch lines are masked
+(finetune/redact.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+from finetune.redact import (
+    config_secrets,
+    env_secrets,
+    is_secret_override,
+    redact_multirun_yaml,
+    redact_overrides,
+    redact_text,
+)
 
 FRESH_ENV = "FINETUNE_FRESH_PROCESS"
 # set in every job submitit starts (local: its job id; SLURM: the executor), a process of its own
@@ -31,6 +55,11 @@ SUBMITIT_ENV = ("SUBMITIT_LOCAL_JOB_ID", "SUBMITIT_EXECUTOR")
 # objective -> (summary.json key, direction)
 OBJECTIVES = {"tokens_per_sec": ("tokens_per_sec", "maximize"), "val_loss": ("final_val_loss", "minimize"),
               "train_loss": ("final_train_loss", "minimize")}
+FAILED_FILE = "failed.json"  # in a failed job's dir: {job, overrides, error, exit_code, log}
+# the job process's stderr, as shown live (not *.log: a refused run puts back the *.log files
+# it found, which would cut this one off while it is written)
+JOB_STDERR = "stderr.txt"
+NAME_MAX_BYTES = 200  # a job dir's name; file systems allow 255 bytes per path component
 
 
 def in_multirun() -> bool:
@@ -79,33 +108,231 @@ def prune_by_plan(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     return rec
 
 
+class SweepStopped(SystemExit):
+    """``fail_fast=true``: the first failed job ends the sweep (exit 1); the CLI writes the
+    report of the jobs so far and names the failure."""
+
+    def __init__(self, sweep_dir: Path, failure: dict[str, Any]):
+        super().__init__(1)
+        self.sweep_dir, self.failure = sweep_dir, failure
+
+
+def job_dirname(num: Any, overrides: Any) -> str:
+    """A job directory's name (resolver ``job_dirname`` in ``hydra.sweep.subdir``): the job's
+    number, then its overrides as Hydra's ``override_dirname`` writes them (sorted, ``,``
+    between), less ``hydra.*`` keys and keys named like a secret (``+extra.api_key=...``);
+    a ``/`` in a value becomes ``_`` (a path is not a tree of directories), and the name is
+    cut to NAME_MAX_BYTES (the number keeps it unique)."""
+    secrets = env_secrets()
+    kept = sorted(str(o) for o in (overrides or [])
+                  if not str(o).lstrip("+~").startswith("hydra.") and not is_secret_override(str(o))
+                  and not any(v in str(o) for v in secrets))
+    name = f"{num}_{','.join(kept)}" if kept else str(num)
+    name = name.replace(os.sep, "_").replace("\0", "")
+    return name.encode()[:NAME_MAX_BYTES].decode(errors="ignore")
+
+
+if not OmegaConf.has_resolver("job_dirname"):
+    OmegaConf.register_new_resolver("job_dirname", job_dirname, use_cache=False)
+
+
+def _error_line(stderr_tail: str, returncode: int) -> str:
+    """The one line that says why a job's process failed: its ``error: ...`` line (the CLI's
+    one-line refusals), else its last line (a traceback's exception), else how it ended."""
+    lines = [ln.strip() for ln in stderr_tail.replace("\r", "\n").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    if returncode < 0:
+        try:
+            how = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-returncode}"
+        return how + (" (out of memory? see the kernel log: dmesg)" if returncode == -signal.SIGKILL else "")
+    if errors:
+        return errors[-1][len("error: "):]
+    return lines[-1] if lines else f"exited {returncode} without a message"
+
+
+def _run_child(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[int, str]:
+    """Run a job's process: its stdout passes through, its stderr is shown live and kept in
+    ``log_path``. Returns (exit code, its error line)."""
+    tail = b""
+    log = None
+    try:
+        log = open(log_path, "wb")
+    except OSError as e:  # a full or read-only disk: run the job anyway, say where no log is
+        print(f"[sweep] cannot keep the job's output in {log_path} ({e.strerror or e})", file=sys.stderr)
+    out = getattr(sys.stderr, "buffer", None)
+    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    assert p.stderr is not None
+    try:
+        # chunks, not lines: a progress bar's \r updates reach the terminal as they come
+        while chunk := os.read(p.stderr.fileno(), 1 << 16):
+            if out is not None:
+                sys.stderr.flush()
+                out.write(chunk)
+                out.flush()
+            else:
+                sys.stderr.write(chunk.decode(errors="replace"))
+            if log is not None:
+                try:
+                    log.write(chunk)
+                    log.flush()
+                except OSError:
+                    log.close()
+                    log = None
+            tail = (tail + chunk)[-(1 << 14):]  # the error line is in the last 16 KiB
+    finally:
+        rc = p.wait()
+        p.stderr.close()
+        if log is not None:
+            log.close()
+    return rc, _error_line(tail.decode(errors="replace"), rc)
+
+
+def _secrets(cfg: Any) -> list[str]:
+    return sorted(set(env_secrets()) | set(config_secrets(OmegaConf.to_container(cfg, resolve=False))),
+                  key=len, reverse=True)
+
+
+def record_failure(cfg: Any, num: Any, overrides: list[str], error: str, exit_code: int, log: Path) -> dict[str, Any]:
+    """Write the job's ``failed.json`` (secrets masked) and print its one line; returns the record."""
+    secrets = _secrets(cfg)
+    run_dir = Path(str(cfg.run_dir))
+    rec = {"failed": True, "job": num, "overrides": redact_overrides(overrides, secrets),
+           "error": redact_text(error, secrets), "exit_code": exit_code, "log": str(log)}
+    try:
+        from finetune.io import atomic_write_json
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / FAILED_FILE, rec)
+    except OSError as e:
+        print(f"[sweep] cannot write {run_dir / FAILED_FILE} ({e.strerror or e})", file=sys.stderr)
+    print(f"[sweep] job {num} failed (exit {exit_code}): {rec['error']}; log: {log}", file=sys.stderr)
+    return rec
+
+
 def run_job(cfg: Any, run: Any) -> Any:
     """One multirun job: pruned by plan where the sweep searches, else run in a fresh process
-    (or in this one where ``isolate_jobs=false`` or the launcher already gave it one)."""
+    (or in this one where ``isolate_jobs=false`` or the launcher already gave it one). A job
+    that fails is recorded (``record_failure``) and returns None (the worst value to a search);
+    with ``fail_fast=true`` it ends the sweep (SweepStopped)."""
     from hydra.core.hydra_config import HydraConfig
+
+    from finetune.config import UserError
 
     objective = cfg.get("objective")
     if objective and objective not in OBJECTIVES:
-        from finetune.config import UserError
-
         raise UserError(f"objective={objective} is not valid; choose one of: {', '.join(OBJECTIVES)}")
-    run_dir = Path(str(cfg.run_dir))
-    if objective and cfg.mode == "train" and prune_by_plan(cfg, run_dir) is not None:
-        return worst(objective)
-    fresh = os.environ.get(FRESH_ENV) or any(os.environ.get(k) for k in SUBMITIT_ENV)
-    if not cfg.get("isolate_jobs", True) or fresh or cfg.mode != "train":
-        return objective_value(run(cfg), objective)
     hc = HydraConfig.get()
+    run_dir = Path(str(cfg.run_dir))
+    redact_multirun_yaml(Path(str(hc.sweep.dir)) / "multirun.yaml", _secrets(cfg))
+    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a job run again into the same sweep dir
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.run.dir=", "hydra.sweep."))]
+    try:
+        if objective and cfg.mode == "train" and prune_by_plan(cfg, run_dir) is not None:
+            return worst(objective)
+        fresh = os.environ.get(FRESH_ENV) or any(os.environ.get(k) for k in SUBMITIT_ENV)
+        if not cfg.get("isolate_jobs", True) or fresh or cfg.mode != "train":
+            return objective_value(run(cfg), objective)
+    except Exception as e:  # in this process: the error as the CLI would say it, the traceback in the job's log
+        log = run_dir / f"{hc.job.name}.log"
+        try:
+            with open(log, "a") as f:
+                f.write(traceback.format_exc())
+        except OSError:
+            pass
+        line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        failure = record_failure(cfg, hc.job.num, overrides, line if isinstance(e, UserError) else
+                                 f"{type(e).__name__}: {line}", 2 if isinstance(e, UserError) else 1, log)
+        return _failed(cfg, hc, failure, objective)
     quoted = str(run_dir).replace("\\", "\\\\").replace("'", "\\'")  # the job dir holds '=' and ','
     cmd = [sys.executable, "-m", "finetune", *overrides, f"hydra.run.dir='{quoted}'",
            # the job's own dir already holds the multirun's .hydra/; the child writes its own beside
            "hydra.output_subdir=.hydra"]
     env = {**os.environ, FRESH_ENV: "1"}
-    r = subprocess.run(cmd, env=env, check=False)
-    if r.returncode != 0:
-        from finetune.config import UserError
-
-        raise UserError(f"sweep job {hc.job.num} ({' '.join(overrides)}) exited {r.returncode}; its log is in {run_dir}")
+    # the file exists before the child starts, so a refused child leaves the job dir where it is
+    log = run_dir / JOB_STDERR
+    rc, error = _run_child(cmd, env, log)
+    if rc != 0:
+        return _failed(cfg, hc, record_failure(cfg, hc.job.num, overrides, error, rc, log), objective)
     summary = run_dir / "summary.json"
     return objective_value(json.loads(summary.read_text()) if summary.is_file() else None, objective)
+
+
+def _failed(cfg: Any, hc: Any, failure: dict[str, Any], objective: str | None) -> Any:
+    if cfg.get("fail_fast", False):
+        raise SweepStopped(Path(str(hc.sweep.dir)), failure)
+    return worst(objective) if objective else None
+
+
+def failed_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The ``failed.json`` records under a sweep dir, by job number."""
+    out = []
+    for f in Path(sweep_dir).rglob(FAILED_FILE):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            rec = {"error": f"{f} unreadable"}
+        if isinstance(rec, dict):
+            out.append({**rec, "dir": str(f.parent)})
+    return sorted(out, key=lambda r: (r.get("job") if isinstance(r.get("job"), int) else 1 << 62, r["dir"]))
+
+
+_ENDED: list[Path] = []  # sweep dirs whose multirun ended in this process (SweepOutcome)
+
+
+def multirun_exit_code() -> int:
+    """After ``finetune -m``: 1 when a job of the sweep failed, naming them in one line; else 0."""
+    failed = [r for d in _ENDED for r in failed_jobs(d)]
+    if not failed:
+        return 0
+    named = "; ".join(f"#{r.get('job')} ({' '.join(r.get('overrides') or []) or r['dir']}): {r.get('error')}"
+                      for r in failed)
+    n = len({r["dir"] for r in failed})
+    print(f"error: {n} sweep job{'s' if n != 1 else ''} failed: {named} (each dir holds its {FAILED_FILE})",
+          file=sys.stderr)
+    return 1
+
+
+def stopped(stop: SweepStopped) -> int:
+    """``fail_fast=true`` ended the sweep: its report, then the one line; returns the exit code."""
+    from finetune.report import SweepReportCallback
+
+    print(f"[sweep] fail_fast=true: stopped after job {stop.failure.get('job')} failed", file=sys.stderr)
+    redact_multirun_yaml(stop.sweep_dir / "multirun.yaml", env_secrets())
+    SweepReportCallback().write(stop.sweep_dir)
+    _ENDED.append(stop.sweep_dir)
+    return multirun_exit_code()
+
+
+# the loggers that print a job's overrides as it starts (a filter acts on its own logger only)
+LAUNCH_LOGGERS = ("hydra._internal.core_plugins.basic_launcher", "hydra_plugins.hydra_joblib_launcher._core",
+                  "hydra_plugins.hydra_submitit_launcher.submitit_launcher")
+
+
+class _MaskLaunchLines(logging.Filter):
+    """Hydra's launchers log each job's overrides (``#0 : ... +extra.api_key=...``): masked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg, secrets = record.getMessage(), env_secrets()
+        clean = redact_text(" ".join(redact_overrides(msg.split(" "), secrets)), secrets)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
+
+
+class SweepOutcome(Callback):
+    """Hydra callback (conf/config.yaml ``hydra.callbacks``): masks secrets in Hydra's launch
+    lines and ``multirun.yaml``, and notes the sweep's end so the CLI's exit code can say
+    whether a job failed (``multirun_exit_code``)."""
+
+    def __init__(self) -> None:
+        for name in LAUNCH_LOGGERS:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _MaskLaunchLines) for f in logger.filters):
+                logger.addFilter(_MaskLaunchLines())
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        root = Path(str(config.hydra.sweep.dir))
+        redact_multirun_yaml(root / "multirun.yaml", env_secrets())
+        _ENDED.append(root)
