@@ -193,3 +193,19 @@ def test_mlx_peak_within_ten_percent_for_every_family(tmp_path):
            if abs(planned / peak - 1) > 0.10]
     assert not bad, bad
     assert len(rows) == len(cases)
+
+
+@needs_torch
+def test_a_lora_on_the_head_is_counted_as_peft_builds_it(tmp_path):
+    """method.lora.keys=[q_proj,lm_head] on cuda: PEFT adapts the (tied) output head too, and the
+    plan counts its r x (hidden + vocab) adapter; mlx-lm cannot, and says so in one line."""
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.model_source import resolve_model_dir
+
+    cfg = make_cfg(tmp_path, "backend=cuda", "backend.device=cpu", "method.lora.keys=[q_proj,lm_head]")
+    be = CudaBackend()
+    info = be.setup(cfg, resolve_model_dir(cfg.model))
+    p = planner.plan(cfg, recommend=False)
+    assert info.params_trainable == p["params_trainable"] == 2 * 8 * (64 + 64) + 8 * (64 + 512)
+    with pytest.raises(UserError, match="lm_head cannot be adapted on backend=mlx"):
+        planner.plan(make_cfg(tmp_path, "backend=mlx", "method.lora.keys=[q_proj,lm_head]"), recommend=False)

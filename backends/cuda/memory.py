@@ -93,6 +93,10 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     return device, n_devices, notes
 
 
+def check_lora_keys(keys: tuple[str, ...]) -> None:
+    """PEFT adapts any of the description's keys, the output head included."""
+
+
 def check_model(hf: dict[str, Any], seq_len: int) -> None:
     """Nothing to refuse before loading: transformers builds any model_type it knows (the
     runtime names one it does not, with the fix, when it loads)."""
@@ -255,6 +259,8 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         head += n * 8  # nn.Embedding backward keeps the int64 indices
     elif s.autocast:
         head += V * h * 2  # cast lm_head weight kept for the hidden state's grad
+    if "lm_head" in s.keys and not full:
+        head += n * s.rank * (2 if s.autocast else s.ad)  # PEFT's lora_A output on the head, kept by lora_B
     if s.attn == "sdpa" and s.padding_mask:
         # bool [B, 1, T, T] padding mask, shared by layers; without a padding mask (what the
         # runtime passes for right-padded causal rows) transformers hands sdpa is_causal=True

@@ -77,6 +77,14 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     return run_device(), 1, []
 
 
+def check_lora_keys(keys: tuple[str, ...]) -> None:
+    """mlx-lm adapts layers inside the decoder blocks only (tuner/utils.py linear_to_lora_layers
+    walks model.layers): not the output head."""
+    if "lm_head" in keys:
+        raise UserError("method.lora.keys: lm_head cannot be adapted on backend=mlx (mlx-lm adapts layers inside "
+                        "the decoder blocks only); drop lm_head, or use backend=cuda")
+
+
 def check_model(hf: dict[str, Any], seq_len: int) -> None:
     """Refuse, in one line, a checkpoint mlx-lm would load as a different model
     (backends/mlx/hfconfig.py refusal: the same check the runtime makes before loading)."""

@@ -331,6 +331,7 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
 
 ALL_LINEAR = "all-linear"
 EXPERTS = "experts"
+HEAD = "lm_head"  # the output head (PEFT adapts it; never part of all-linear)
 
 
 def default_keys(desc: ModelDesc) -> tuple[str, ...]:
@@ -348,7 +349,8 @@ def lora_keys(desc: ModelDesc, keys: Any) -> tuple[str, ...]:
     Accepts the module names of the model's blocks (``q_proj``; mlx-lm's dotted paths such as
     ``self_attn.q_proj`` too), ``all-linear`` (every attention and MLP linear of the blocks, no
     head, no router; on MoE models the experts are adapted only when named), ``experts`` (every
-    expert's matrices) and null (``default_keys``). Raises UserError naming the model's own keys.
+    expert's matrices), ``lm_head`` (the output head; backends that cannot adapt it refuse) and
+    null (``default_keys``). Raises UserError naming the model's own keys.
     """
     if keys is None or (isinstance(keys, str) and keys in ("", "default")):
         return default_keys(desc)
@@ -356,11 +358,13 @@ def lora_keys(desc: ModelDesc, keys: Any) -> tuple[str, ...]:
     valid = tuple(lin.key for lin in dict.fromkeys(x for b in desc.blocks for x in b.linears) if lin.kind != "router")
     valid = tuple(dict.fromkeys(valid))
     adaptable = tuple(k for k in valid if k != EXPERTS)
-    choices = ", ".join([*adaptable, ALL_LINEAR] + ([EXPERTS] if EXPERTS in valid else []))
+    choices = ", ".join([*adaptable, ALL_LINEAR] + ([EXPERTS] if EXPERTS in valid else []) + [HEAD])
     out: list[str] = []
     for k in wanted:
         k = str(k)
-        if k == ALL_LINEAR:
+        if k == HEAD:
+            picks = [HEAD]
+        elif k == ALL_LINEAR:
             picks = [lin.key for b in desc.blocks for lin in b.linears if lin.kind in ("attention", "mlp")]
         else:
             short = k.rsplit(".", 1)[-1]
@@ -376,7 +380,7 @@ def lora_keys(desc: ModelDesc, keys: Any) -> tuple[str, ...]:
                 out.append(p)
     if not out:
         raise UserError(f"method.lora.keys is empty; choose from: {choices}")
-    order = {k: i for i, k in enumerate(valid)}
+    order = {k: i for i, k in enumerate((*valid, HEAD))}
     return tuple(sorted(out, key=order.__getitem__))
 
 
@@ -384,7 +388,8 @@ def first_stage(desc: ModelDesc, keys: tuple[str, ...], full: bool) -> int:
     """Stage of the block where gradients start in the lowest layer that needs them."""
     if full:
         return STAGE_NORM1
-    return min(lin.stage for b in desc.blocks for lin in b.linears if lin.key in keys)
+    # the head alone (lm_head): no block computes anything that needs a gradient
+    return min((lin.stage for b in desc.blocks for lin in b.linears if lin.key in keys), default=STAGE_MLP_OUT + 1)
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from finetune.config import UserError, check_backend_support
-from finetune.planner.describe import ModelDesc, describe, first_stage, lora_keys
+from finetune.planner.describe import HEAD, ModelDesc, describe, first_stage, lora_keys
 
 SCHEMA_VERSION = 1
 GIB = 2**30
@@ -195,6 +195,8 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
                      + (f", adapters {adapter_dtype}" if method in ("lora", "dora", "qlora") else ""))
     lc = _get(m, "lora")
     keys = lora_keys(arch, _get(lc, "keys"))
+    if method != "full":
+        mm.check_lora_keys(keys)  # what the backend's library cannot adapt, in one line
     n = int(_get(lc, "num_layers", -1))
     L = arch.layers
     if method == "full" or n <= 0 or n >= L:
@@ -320,6 +322,11 @@ def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
         out.append(Tensor(path, shape, None, kind, full, wd))
     if not arch.tie:
         out.append(Tensor("lm_head.weight", (V, h), None, "lm_head", full, wd, quant_of("lm_head", h)))
+    if s.adapters and HEAD in s.keys:  # PEFT's LoRA on the output head (a tied head's module too)
+        out.append(Tensor("lm_head.lora_A", (s.rank, h), None, "lora_A", True, ad))
+        out.append(Tensor("lm_head.lora_B", (V, s.rank), None, "lora_B", True, ad))
+        if s.method == "dora":
+            out.append(Tensor("lm_head.magnitude", (V,), None, "dora_m", True, ad))
     return out
 
 
