@@ -10,6 +10,12 @@ backend computes the *sum* of per-token cross-entropy over target positions whos
 ``loss_scale`` (the loop passes 1 / label tokens of the whole optimizer step) before
 backward, and returns the unscaled sum. Gradients accumulate across calls until
 ``optimizer_step``.
+
+Packed micro-batches (``train.packing``, ``pack``) keep the convention: one row holds several
+samples end to end, ``position_ids`` restart at 0 at each sample, and each sample's first
+token has mask 0 (it is no sample's target: the position before it belongs to another
+sample). The backend lets no token attend across a sample boundary, so the sum is the sum
+of the same samples unpacked.
 """
 
 from __future__ import annotations
@@ -40,6 +46,16 @@ class Batch:
     # padded_length). 1 trims each micro-batch to its own longest sample.
     pad_multiple: int = 1
     max_len: int | None = None
+    # Packed (``pack``): [1, N] int32 positions, restarting at 0 at each sample; the backend
+    # keeps attention within a sample. None: each row is one sample, from position 0.
+    position_ids: np.ndarray | None = None
+
+    @property
+    def samples(self) -> int:
+        """Samples in the batch (rows, or the samples packed into its row)."""
+        if self.position_ids is None:
+            return len(self.lengths)
+        return int((self.position_ids == 0).sum())
 
     @property
     def tokens(self) -> int:
@@ -69,6 +85,33 @@ class Batch:
                 )
             )
         return out
+
+
+def pack(batch: Batch, tokens_per_micro: int) -> list[Batch]:
+    """The samples of ``batch`` (a padded step, rows in the sampler's order) end to end in
+    micro-batches of at most ``tokens_per_micro`` tokens, in the same order: a sample goes into
+    the current micro-batch while it fits, else starts the next one. A sample longer than
+    ``tokens_per_micro`` gets a micro-batch of its own, whole (cutting it would change the
+    loss; the data pipeline cuts samples once, at the configured value: ``train.pack_overflow``).
+    No pad is kept: each micro-batch is [1, N] with N its samples' tokens. Each sample's first
+    token is masked out of the loss (it is column 0 of its sample), so the label tokens and
+    the loss sum equal the unpacked batch's."""
+    out: list[Batch] = []
+    start, used = 0, 0
+    lengths = [int(n) for n in batch.lengths]
+    for i, n in enumerate(lengths + [0]):
+        if i == len(lengths) or (i > start and used + n > tokens_per_micro):
+            rows = range(start, i)
+            ids = np.concatenate([batch.input_ids[r, : lengths[r]] for r in rows])
+            mask = np.concatenate([batch.loss_mask[r, : lengths[r]] for r in rows]).copy()
+            pos = np.concatenate([np.arange(lengths[r], dtype=np.int32) for r in rows])
+            mask[pos == 0] = 0
+            out.append(Batch(ids[None].astype(np.int32, copy=False), mask[None], np.array([len(ids)], np.int32),
+                             batch.indices[start:i] if len(batch.indices) else batch.indices,
+                             position_ids=pos[None]))
+            start, used = i, 0
+        used += n
+    return out
 
 
 def padded_length(longest: int, multiple: int, max_len: int | None = None) -> int:

@@ -167,6 +167,18 @@ class TrainConfig:
     loss_chunk: int = 0
     # compile the step (mx.compile on mlx, torch.compile on cuda); off until it measures faster
     compile: bool = False
+    # Pack samples end to end into micro-batches of train.tokens_per_micro tokens: no pad is
+    # computed, positions restart at each sample and no token attends across a boundary (cuda:
+    # transformers' position_ids path; mlx: a block-diagonal causal mask). The loss is the
+    # unpacked one's; memory per micro-batch is set by tokens, not by the longest sample.
+    packing: bool = False
+    # tokens per packed micro-batch; null: train.batch_size * train.seq_len (what the unpacked
+    # micro-batch holds at most). The governor lowers it under memory pressure.
+    tokens_per_micro: int | None = None
+    # a sample longer than tokens_per_micro (set below seq_len): truncate (its tail is dropped)
+    # or split (into pieces of tokens_per_micro, each the next one's context-free start; every
+    # target kept once)
+    pack_overflow: str = "truncate"
 
 
 @dataclass
@@ -230,6 +242,7 @@ VALID = {
     "data.name": ("synthetic", "jsonl", "hf"),
     "train.schedule": ("constant", "linear", "cosine"),
     "train.on_save_error": ("stop", "continue"),
+    "train.pack_overflow": ("truncate", "split"),
     "mode": ("train", "plan", "generate"),
 }
 # Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
@@ -362,6 +375,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "train.seed": (0, 2**32 - 1, True, True, False),
     "train.pad_multiple": (0, INF, True, False, False),
     "train.keep_checkpoints": (1, INF, True, False, False),
+    "train.tokens_per_micro": (2, INF, True, False, True),
     "memory.sample_every": (0, INF, True, False, False),
     "memory.phase_every": (1, INF, True, False, False),
     "generate.max_new_tokens": (1, INF, True, False, False),

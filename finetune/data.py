@@ -707,6 +707,10 @@ class DataSource:
             self._epoch_cache = {epoch: batches}  # keep one epoch: memory stays flat
         return self._epoch_cache[epoch]
 
+    def step_lengths(self, step_index: int) -> np.ndarray:
+        """Tokens of each sample of 0-based optimizer step ``step_index``, in the step's order."""
+        return self.lengths[self._epoch(step_index // self.steps_per_epoch)[step_index % self.steps_per_epoch]]
+
     def train_batch(self, step_index: int) -> Batch:
         """Effective batch for 0-based optimizer step ``step_index`` (the same for any micro-batch)."""
         idx = self._epoch(step_index // self.steps_per_epoch)[step_index % self.steps_per_epoch]
@@ -768,6 +772,14 @@ def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, di
                     "raise train.seq_len to keep them whole", tok.truncated, tok.records, cfg.train.seq_len, tok.longest)
     if tok.dropped_no_target:
         log.warning("%d samples had no target token within train.seq_len and were dropped", tok.dropped_no_target)
+    from finetune.state import tokens_per_micro
+
+    cap, cut = tokens_per_micro(cfg), 0
+    if cap:
+        tok, cut = fit_to_micro(tok, cap, str(cfg.train.pack_overflow))
+        if cut:
+            log.warning("%d samples were longer than train.tokens_per_micro=%d and were %s (train.pack_overflow)", cut,
+                        cap, "truncated" if cfg.train.pack_overflow == "truncate" else "split into pieces")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = pad_multiple(cfg)
     src = DataSource(tok, int(pad), cfg.train.batch_size * cfg.train.grad_accum * int(world_size), cfg.train.seed,
@@ -779,4 +791,49 @@ def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, di
              # the widest micro-batch the run can see (train.pad_multiple): what plans price
              "pad_multiple": multiple,
              "max_padded_tokens": padded_length(int(lens.max()), multiple, int(cfg.train.seq_len))}
+    if cap:
+        # the widest packed micro-batch of the run's steps: what the plan prices (a run that
+        # survives it survives every step)
+        widest = max(packed_widths(src.step_lengths(i), cap).max() for i in range(int(cfg.train.steps)))
+        stats.update(tokens_per_micro=cap, pack_overflow=str(cfg.train.pack_overflow), pack_cut=cut,
+                     max_micro_tokens=int(widest))
     return src, stats
+
+
+def packed_widths(lengths: np.ndarray, tokens_per_micro: int) -> np.ndarray:
+    """Tokens of each micro-batch ``backends.base.pack`` makes of samples of ``lengths``."""
+    out, used = [], 0
+    for n in (int(x) for x in lengths):
+        if used and used + n > tokens_per_micro:
+            out.append(used)
+            used = 0
+        used += n
+    out.append(used)
+    return np.array(out, np.int64)
+
+
+def fit_to_micro(tok: Tokenized, cap: int, overflow: str) -> tuple[Tokenized, int]:
+    """Samples longer than ``cap`` tokens (``train.tokens_per_micro`` below ``train.seq_len``)
+    cut once, before training, so every step trains the same samples whatever the governor
+    later does: "truncate" keeps the first ``cap`` tokens; "split" cuts pieces of ``cap``
+    tokens, each starting at the previous piece's last token (its context only: a sample's
+    first token is no target), so every target is trained exactly once. A piece or a
+    truncation left without a target is dropped. Returns (the samples, how many were cut)."""
+    if not len(tok.ids) or int(tok.lengths.max()) <= cap:
+        return tok, 0
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    cut = 0
+    for x, m in zip(tok.ids, tok.masks):
+        x, m = np.asarray(x), np.asarray(m)
+        if len(x) <= cap:
+            ids.append(x)
+            masks.append(m)
+            continue
+        cut += 1
+        starts = [0] if overflow == "truncate" else range(0, len(x) - 1, cap - 1)
+        for s in starts:
+            if m[s + 1 : s + cap].any():
+                ids.append(x[s : s + cap])
+                masks.append(m[s : s + cap])
+    return Tokenized(ids, masks, tok.truncated, tok.dropped_no_target, tok.longest, tok.records), cut

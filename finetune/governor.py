@@ -1,7 +1,8 @@
 """The governor: given the plan, the samples and the budget, what do we change?
 
 Every change keeps the math: the micro-batch only ever moves to a smaller divisor of the
-effective batch (gradient accumulation rises to match), the chunked loss computes the same
+effective batch (gradient accumulation rises to match), or, packed (train.packing), to fewer
+tokens per micro-batch (the same samples in the same order, packed into more micro-batches), the chunked loss computes the same
 cross-entropy a chunk of tokens at a time (equal within float rounding), gradient
 checkpointing recomputes rather than approximates, and releasing cached blocks changes no
 number. Each action is an
@@ -68,6 +69,9 @@ class Governor:
         self._swap_acted_at: int | None = None
         self._cache_limit_pending = False  # memory.cache_limit=auto: set after the first measured step
         self._chunk_refused = False  # the backend said it cannot chunk this run's loss
+        # the longest sample of the step (the loop sets it): a packed micro-batch holds at least
+        # one whole sample, so tokens per micro-batch below it lower no peak
+        self.step_longest: int | None = None
 
     @property
     def effective(self) -> int:
@@ -116,12 +120,26 @@ class Governor:
         self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after, **detail})
 
     def _lower_micro(self, step: int, trigger: str, **detail: Any) -> bool:
+        if self.state.tokens_per_micro:
+            return self._lower_tokens(step, trigger, **detail)
         new = smaller_divisor(self.effective, self.micro)
         if new is None or new >= self.micro:
             return False
         before = {"batch_size": self.micro, "grad_accum": self.effective // self.micro}
         self.micro = new
         self._act(step, trigger, "lower_micro_batch", before, {"batch_size": new, "grad_accum": self.effective // new},
+                  **detail)
+        return True
+
+    def _lower_tokens(self, step: int, trigger: str, **detail: Any) -> bool:
+        """Packed: halve the tokens per micro-batch, never below the step's longest sample (a
+        micro-batch holds whole samples: below that the largest one stays as it is)."""
+        old = self.state.tokens_per_micro
+        new = max(old // 2, self.step_longest or 1)
+        if new >= old:
+            return False
+        self.state.tokens_per_micro = new
+        self._act(step, trigger, "lower_tokens_per_micro", {"tokens_per_micro": old}, {"tokens_per_micro": new},
                   **detail)
         return True
 
@@ -174,6 +192,8 @@ class Governor:
         self.micro = res.batch_size
         self.grad_checkpointing = res.grad_checkpointing
         self.state.loss_chunk = res.loss_chunk
+        if self.state.tokens_per_micro:
+            self.state.tokens_per_micro = res.tokens_per_micro
 
     def apply_loss_chunk(self) -> None:
         """After setup (or on resume): a chunked loss the plan chose before loading, or the
@@ -236,6 +256,8 @@ class Governor:
     def restore(self, state: dict[str, Any]) -> None:
         # a supervisor restart may have lowered train.batch_size below the checkpoint's micro
         self.micro = min(int(state.get("micro_batch", self.micro)), self.micro)
+        if state.get("tokens_per_micro") and self.state.tokens_per_micro:
+            self.state.tokens_per_micro = min(int(state["tokens_per_micro"]), self.state.tokens_per_micro)
         if state.get("loss_chunk") and not self.state.loss_chunk and self.backend is not None:
             self.state.loss_chunk = int(state["loss_chunk"])  # the checkpointed run chunked its loss
             self.apply_loss_chunk()

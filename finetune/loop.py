@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from finetune import checkpoints, faults
 from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
-from finetune.backends.base import Comm
+from finetune.backends.base import Batch, Comm, pack
 from finetune.config import UserError, validate
 from finetune.data import rank_slice
 from finetune.io import DirBusy, atomic_dir, atomic_write_json, disk_errors, finalize_dir, lock_dir
@@ -177,8 +177,9 @@ class Trainer:
             raise UserError(f"model.path={self.model_dir}: its tokenizer cannot be loaded ({first[:200]}); point "
                             "model.path at a complete HF-format model (tokenizer files included)") from None
         self.data, self.data_stats = data_mod.build(cfg, self.tokenizer, world_size=self.comm.world_size)
-        # may lower the micro-batch / turn on checkpointing; plans for the longest sample
-        self.governor.before_load(seq_len=self.data_stats["max_padded_tokens"])
+        # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:
+        # the widest packed micro-batch of the run's steps)
+        self.governor.before_load(seq_len=self.data_stats.get("max_micro_tokens") or self.data_stats["max_padded_tokens"])
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak. Objects an earlier
         # run left in reference cycles are collected now, not in the middle of this one.
@@ -248,6 +249,7 @@ class Trainer:
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
         return {"step": step, "micro_batch": self.governor.micro,
+                "tokens_per_micro": self.governor.state.tokens_per_micro,
                 "grad_checkpointing": self.governor.grad_checkpointing,
                 "loss_chunk": self.governor.loss_chunk,
                 "effective_batch": self.cfg.train.batch_size * self.cfg.train.grad_accum,
@@ -412,6 +414,7 @@ class Trainer:
         batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
         mine = rank_slice(batch, self.comm.rank, self.comm.world_size)
         self._step_max_len = int(mine.input_ids.shape[1])  # the widest micro-batch, padded
+        self.governor.step_longest = int(batch.lengths.max())  # the floor of tokens per packed micro-batch
         scale = 1.0 / batch.label_tokens  # of the whole step: the sum over ranks is one process's
         def hook(phase: str) -> None:
             self.acct.sample(step, phase)
@@ -420,7 +423,7 @@ class Trainer:
         while True:
             loss_sum, oom = 0.0, None
             try:
-                for micro in mine.split(self.governor.micro):
+                for micro in self._micro_batches(mine):
                     loss_sum += self.backend.forward_backward(micro, scale, hook)
             except OutOfMemory as e:
                 oom = e
@@ -445,6 +448,16 @@ class Trainer:
                                  row_tokens=int(batch.input_ids.shape[1]))  # every rank's batch: one decision
         grad_norm = self.backend.optimizer_step(self._lr(step))
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
+
+    def _micro_batches(self, mine: Batch) -> list[Batch]:
+        """This rank's share of the step, in the governor's current micro-batches: packed to
+        ``tokens_per_micro`` tokens (train.packing), else ``micro_batch`` samples each."""
+        tokens = self.governor.state.tokens_per_micro
+        if not tokens:
+            return mine.split(self.governor.micro)
+        parts = pack(mine, tokens)
+        self._step_max_len = max(p.tokens for p in parts)  # the widest row: what calibration plans
+        return parts
 
     def evaluate(self) -> float | None:
         if self.cfg.train.eval_every <= 0:

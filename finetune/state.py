@@ -18,6 +18,9 @@ class RunState:
     effective_batch: int  # samples per optimizer step: micro_batch * grad_accum, fixed for the run
     grad_checkpointing: bool
     loss_chunk: int = 0  # train.loss_chunk: target tokens per chunk of head + loss (0: the whole logits)
+    # train.packing: tokens per packed micro-batch (the memory lever then; micro_batch is not
+    # used to split a step); 0: not packed
+    tokens_per_micro: int = 0
 
     @property
     def grad_accum(self) -> int:
@@ -27,7 +30,8 @@ class RunState:
     def from_config(cls, cfg: Any, backend: str) -> RunState:
         t = cfg.train
         return cls(backend=backend, micro_batch=int(t.batch_size), effective_batch=int(t.batch_size) * int(t.grad_accum),
-                   grad_checkpointing=bool(t.grad_checkpointing), loss_chunk=int(getattr(t, "loss_chunk", 0) or 0))
+                   grad_checkpointing=bool(t.grad_checkpointing), loss_chunk=int(getattr(t, "loss_chunk", 0) or 0),
+                   tokens_per_micro=tokens_per_micro(cfg))
 
     def with_(self, **changes: Any) -> RunState:
         """A copy with ``changes`` (micro_batch, grad_checkpointing, ...)."""
@@ -35,3 +39,12 @@ class RunState:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "grad_accum": self.grad_accum}
+
+
+def tokens_per_micro(cfg: Any) -> int:
+    """``train.tokens_per_micro`` as configured, null resolved to ``train.batch_size *
+    train.seq_len`` (the most an unpacked micro-batch holds); 0 when ``train.packing`` is off."""
+    t = cfg.train
+    if not getattr(t, "packing", False):
+        return 0
+    return int(getattr(t, "tokens_per_micro", None) or int(t.batch_size) * int(t.seq_len))

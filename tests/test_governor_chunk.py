@@ -3,7 +3,7 @@ the CPU: chosen before loading when the plan says it alone brings the step under
 memory.budget, and turned on after an out-of-memory at micro-batch 1 when the failing tensor is
 the logits. Either way the losses equal the unadapted run's within float rounding.
 
-The chunk is LOSS_CHUNK_LEVER tokens (1,024 for users); here it is patched to 32 so the tiny
+The chunk is LOSS_CHUNK_LEVER tokens (1,024 for users); here it is patched to 16 so the tiny
 model's short samples hold several chunks, the same code path at a size a CPU test can run.
 """
 
@@ -22,7 +22,7 @@ from finetune.loop import Trainer, train
 
 from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
-CHUNK = 32
+CHUNK = 16
 COMMON = ("backend=cuda", "train.progress=false", "data.num_samples=64", "train.eval_every=0", "train.steps=3",
           "train.warmup_steps=1", "train.seq_len=64")
 
@@ -33,10 +33,11 @@ def _losses(run: Path) -> list[float]:
 
 def _logits_oom(from_step: int) -> Any:
     """Out of memory from optimizer step ``from_step`` on whenever the output head produces
-    logits for more than one position of a row: the [B, T, V] tensor the chunked loss never
-    builds (its chunks are [N, V] with N <= CHUNK)."""
-    return cuda_backend_with_oom(lambda be, out: be.steps_done >= from_step - 1 and out.dim() == 3
-                                 and out.shape[1] > 1, on="head")
+    logits for more than CHUNK positions at once: the target rows' [N, V] logits that the
+    unchunked loss builds and the chunked one never does (its chunks are [N, V] with N <= CHUNK;
+    the model's own call on the last position of each row is [B, 1, V])."""
+    return cuda_backend_with_oom(lambda be, out: be.steps_done >= from_step - 1
+                                 and out.numel() // out.shape[-1] > CHUNK, on="head")
 
 
 @needs_torch

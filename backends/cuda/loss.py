@@ -17,9 +17,13 @@ target tokens at a time, so at most one chunk's [chunk, V] logits exist at once:
   unchunked loss (one forward, two backward), none recomputed: checkpointing each chunk
   instead would add a fourth.
 
-Only target tokens (loss mask 1) go through the head in the chunked path: a masked position
-adds 0 to the sum and nothing to any gradient, so skipping it changes no number and saves its
-share of the head's work (prompts and padding, in a usual SFT batch).
+Only target tokens (loss mask 1) go through the head, chunked or not (``target_head``): the
+model runs its body, the hidden states of target positions are gathered, and the head and
+cross-entropy run on those alone. A masked position adds 0 to the sum and nothing to any
+gradient, so skipping it changes no number and saves its share of the head's matmul and of
+the [N, V] logits (prompts and padding: often more than half the tokens of chat data). A model
+whose logits are not its head applied to its hidden states (soft-capping, a logit scale)
+computes every position's logits as before, and ``head_fallback`` says why.
 
 Both paths follow the convention of ``backends/base.py``: the sum of fp32 per-token
 cross-entropy over targets ``input_ids[:, 1:]`` weighted by ``loss_mask[:, 1:]``.
@@ -38,6 +42,7 @@ import torch.nn.functional as F
 
 AutocastFactory = Callable[[], AbstractContextManager]
 _HEAD_CHECKED: weakref.WeakSet = weakref.WeakSet()  # models whose logits are exactly head(hidden)
+_HEAD_REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model: why its head runs everywhere
 _LIGER = importlib.util.find_spec("liger_kernel") is not None
 
 
@@ -48,7 +53,8 @@ class UnsupportedModel(ValueError):
 
 def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    loss_mask: torch.Tensor, chunk: int, autocast_ctx: AutocastFactory,
-                   liger: bool = True) -> torch.Tensor:
+                   liger: bool = True, position_ids: torch.Tensor | None = None,
+                   target_head: bool = True) -> torch.Tensor:
     """Sum of fp32 token cross-entropy over target positions, as a 0-dim fp32 tensor.
 
     Args:
@@ -66,16 +72,24 @@ def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
             runs the head under it.
         liger: use Liger's fused kernel where it can run (CUDA tensors, a plain ``nn.Linear``
             head, 0/1 mask, gradients wanted); False forces the torch path.
+        position_ids: [1, N] for a packed row (``Batch.position_ids``), restarting at 0 at each
+            sample, with ``attention_mask`` None: transformers then builds the block-diagonal
+            causal mask from them (masking_utils ``find_packed_sequence_indices``; sdpa and
+            eager get it as a 4-D mask, flash-attention varlen as cu_seqlens). None: positions
+            0..T-1 in every row.
+        target_head: with ``chunk = 0``, run the head on target positions only (the loss and
+            gradients are the same within float rounding) where the model allows it
+            (``head_fallback``); False computes every position's logits.
 
     Raises:
         UnsupportedModel: (a ValueError) ``chunk > 0`` on a model whose logits are not its head
             applied to the hidden states (soft-capping, a logit scale): the chunked path
             cannot reproduce them.
     """
-    if chunk <= 0:
-        return _full_loss_sum(model, input_ids, attention_mask, loss_mask, autocast_ctx)
+    if chunk <= 0 and not (target_head and _head_applies(model, input_ids, attention_mask, autocast_ctx)):
+        return _full_loss_sum(model, input_ids, attention_mask, loss_mask, autocast_ctx, position_ids)
     head = output_head(model)
-    hidden = _body(model, head, input_ids, attention_mask, autocast_ctx)
+    hidden = _body(model, head, input_ids, attention_mask, autocast_ctx, position_ids)
     flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts token t + 1
     targets = input_ids[:, 1:].reshape(-1)
     weights = loss_mask[:, 1:].reshape(-1).float()
@@ -88,12 +102,37 @@ def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     flat = flat.index_select(0, rows)
     targets = targets.to(flat.device).index_select(0, rows)
     weights = weights.to(flat.device).index_select(0, rows)
+    if chunk <= 0:  # the target rows' logits at once, autograd keeping them as the full loss does
+        return _chunk_loss(head, flat, targets, weights, autocast_ctx)
     if liger and unit and _liger_can_run(head, flat):
         return _liger_loss_sum(head, flat, targets, autocast_ctx)
     params = [p for p in head.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (flat.requires_grad or params):
         return _chunks_no_grad(head, flat, targets, weights, chunk, autocast_ctx)
     return _ChunkedHeadLoss.apply(head, autocast_ctx, chunk, targets, weights, flat, *params)
+
+
+def head_fallback(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s head runs on every position although ``target_head`` asked for targets
+    only (its logits are not its head applied to its hidden states), once checked; else None."""
+    return _HEAD_REFUSED.get(model)
+
+
+def _head_applies(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  autocast_ctx: AutocastFactory) -> bool:
+    """Whether the head may run on target rows only: the check ``_check_head`` makes for the
+    chunked loss, made once per model; a refusal is kept (``head_fallback``) and not retried."""
+    if model in _HEAD_CHECKED:
+        return True
+    if model in _HEAD_REFUSED:
+        return False
+    try:
+        _check_head(model, output_head(model), input_ids[:1, :8],
+                    None if attention_mask is None else attention_mask[:1, :8], autocast_ctx)
+    except UnsupportedModel as e:
+        _HEAD_REFUSED[model] = str(e).replace("train.loss_chunk: ", "").split("; set ")[0]
+        return False
+    return True
 
 
 def check_chunkable(model: torch.nn.Module, device: torch.device, autocast_ctx: AutocastFactory) -> None:
@@ -121,10 +160,12 @@ def output_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _full_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   loss_mask: torch.Tensor, autocast_ctx: AutocastFactory) -> torch.Tensor:
+                   loss_mask: torch.Tensor, autocast_ctx: AutocastFactory,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
     # The unchunked loss, op for op as CudaBackend._loss_sum computed it before chunking existed.
     with autocast_ctx():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                       **_positions(position_ids)).logits
     logits = logits[:, :-1].float()
     targets = input_ids[:, 1:].to(logits.device)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
@@ -132,8 +173,15 @@ def _full_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return (ce.view_as(targets) * mask.to(ce.device)).sum()
 
 
+def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's keyword for a packed row's positions; none for an unpacked batch (the model
+    counts 0..T-1 itself, as it always did)."""
+    return {} if position_ids is None else {"position_ids": position_ids}
+
+
 def _body(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
-          attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory) -> torch.Tensor:
+          attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory,
+          position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, H]: what the model feeds its head, from the model's own forward.
 
     A pre-hook on the head keeps its input and hands the head the last position only, so the
@@ -143,12 +191,13 @@ def _body(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor
     if model not in _HEAD_CHECKED:
         _check_head(model, head, input_ids[:1, :8], None if attention_mask is None else attention_mask[:1, :8],
                     autocast_ctx)
-    hidden, _ = _forward_keeping_head_input(model, head, input_ids, attention_mask, autocast_ctx)
+    hidden, _ = _forward_keeping_head_input(model, head, input_ids, attention_mask, autocast_ctx, position_ids)
     return hidden
 
 
 def _forward_keeping_head_input(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.Tensor,
-                                attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory) -> tuple:
+                                attention_mask: torch.Tensor | None, autocast_ctx: AutocastFactory,
+                                position_ids: torch.Tensor | None = None) -> tuple:
     kept: dict[str, torch.Tensor] = {}
 
     def keep_last(module: torch.nn.Module, args: tuple) -> tuple:
@@ -158,7 +207,8 @@ def _forward_keeping_head_input(model: torch.nn.Module, head: torch.nn.Module, i
     handle = head.register_forward_pre_hook(keep_last)
     try:
         with autocast_ctx():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                        **_positions(position_ids))
     finally:
         handle.remove()
     hidden = kept.get("hidden")

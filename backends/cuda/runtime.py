@@ -22,6 +22,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import gc
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,8 @@ from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHoo
 from finetune.backends.cuda.capabilities import CAPABILITIES
 
 from finetune.config import UserError
+
+log = logging.getLogger("finetune")
 
 METHODS, OPTIMIZERS = CAPABILITIES.methods, CAPABILITIES.optimizers
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,6 +246,7 @@ class CudaBackend:
         self.strategy: str | None = None  # "ddp" | "fsdp" under several ranks, else None
         self.sharded = False  # fsdp: every rank saves its shards into one checkpoint directory
         self._loss_chunk = 0  # train.loss_chunk: target tokens per chunk of head + loss (0: whole)
+        self._head_said = False  # the head's fallback to every position is said once
         self._max_norm: float | None = None  # optim.max_grad_norm (None: no clipping)
         # Rows are right-padded, and in a causal model a real token never attends to a later
         # position, so a padding mask changes no real token's output: the pads' own outputs
@@ -294,6 +298,10 @@ class CudaBackend:
         self.cfg, self.model_dir = cfg, Path(model_dir)
         mn = cfg.optim.max_grad_norm
         self._padding_mask = bool(cfg.model.trust_remote_code)
+        if self._padding_mask and cfg.train.packing:
+            raise UserError("train.packing with model.trust_remote_code=true: the model's own code may not keep "
+                            "attention within a packed sample (transformers' position_ids path); set "
+                            "train.packing=false")
         self._max_norm = None if mn is None else float(mn)  # read once, not every step
         if stored_quantization(cfg.model, model_dir):
             raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
@@ -519,23 +527,35 @@ class CudaBackend:
         torch.compile'd loss under train.compile unless ``compiled`` is False (evaluation: its
         no-grad, eval-mode graph would be one more compilation for a few batches)."""
         ids = self._to_device(batch.input_ids, np.int64)
-        attn = None
-        if self._padding_mask:
+        attn = positions = None
+        if batch.position_ids is not None:  # packed: transformers masks each sample from its positions
+            positions = self._to_device(batch.position_ids, np.int64)
+        elif self._padding_mask:
             lengths = self._to_device(batch.lengths, np.int64)
             attn = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
-        from finetune.backends.cuda.loss import UnsupportedModel, token_loss_sum
+        from finetune.backends.cuda.loss import UnsupportedModel, head_fallback, token_loss_sum
 
-        # the chunked loss picks its target rows from the mask on the host (no device read);
-        # the whole-logits loss multiplies on the device: sent now, its copy is no sync later
-        mask = (torch.from_numpy(np.asarray(batch.loss_mask, dtype=np.float32)) if self._loss_chunk
+        use_compiled = compiled and self._compiled_loss is not None
+        # the head on target rows only (backends/cuda/loss.py), except in the compiled loss
+        # (its rows would be a data-dependent shape) and under FSDP (the head's weights are
+        # sharded outside the model's forward)
+        target_head = not use_compiled and not self.sharded
+        # the target rows are picked from the mask on the host (no device read); the
+        # whole-logits loss multiplies on the device: sent now, its copy is no sync later
+        mask = (torch.from_numpy(np.asarray(batch.loss_mask, dtype=np.float32)) if self._loss_chunk or target_head
                 else self._to_device(batch.loss_mask, np.float32))
-        loss_fn = self._compiled_loss if compiled and self._compiled_loss is not None else token_loss_sum
+        loss_fn = self._compiled_loss if use_compiled else token_loss_sum
         try:
             # train.loss_chunk > 0: the head and cross-entropy a chunk of tokens at a time, so
-            # the [B, T, V] logits never exist (backends/cuda/loss.py); 0: the full logits
-            return loss_fn(self.model, ids, attn, mask, self._loss_chunk, self._autocast)
+            # the [B, T, V] logits never exist (backends/cuda/loss.py); 0: the target rows' at once
+            loss = loss_fn(self.model, ids, attn, mask, self._loss_chunk, self._autocast, position_ids=positions,
+                           target_head=target_head)
         except UnsupportedModel as e:  # a model the chunked loss cannot reproduce: say so once
             raise UserError(str(e)) from None
+        if target_head and not self._head_said and head_fallback(self.model):
+            self._head_said = True
+            log.info("the output head runs on every position, not only targets: %s", head_fallback(self.model))
+        return loss
 
     def forward_backward(self, batch: Batch, loss_scale: float,
                          on_phase: PhaseHook | None = None) -> float:

@@ -19,14 +19,20 @@ their sum; two or three chunks overlap in MLX's scheduler), plus, when the head 
 [V, H] gradient summed in fp32. MLX has no way to free a chunk sooner from inside a traced
 function (an ``mx.eval`` there keeps the whole graph instead).
 
-Target rows only: where the loss mask can be read (an ``nn.value_and_grad`` step; not under
-``mx.compile``, which forbids reading arrays), only the rows that count go through the head;
-a masked row adds 0 to the sum and nothing to any gradient, so no number changes.
+Target rows only, chunked or not (``target_head``): where the loss mask can be read (an
+``nn.value_and_grad`` step; not under ``mx.compile``, which forbids reading arrays), the body's
+hidden states at the rows that count are gathered and only they go through the head; a masked
+row adds 0 to the sum and nothing to any gradient, so no number changes, and neither the
+head's matmul nor the logits exist for prompt or pad tokens. A model whose logits are not its
+head applied to its body's output computes every position's logits, and ``head_fallback``
+says why.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +41,7 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
 _HEAD_CHECKED: dict[int, weakref.ref] = {}  # id(model): models whose logits are head(body)
+_HEAD_REFUSED: dict[int, tuple[weakref.ref, str]] = {}  # id(model): (model, why its head runs everywhere)
 # ModelArgs fields of mlx-lm models whose __call__ transforms the head's output (gemma2 and
 # others: soft-capping; cohere: logit_scale; granite: logits_scaling), used where the
 # numeric check cannot run (under mx.compile).
@@ -48,7 +55,7 @@ class UnsupportedModel(ValueError):
     head applied to the hidden states it feeds the head). The message names the fix."""
 
 def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
-                   grad: bool | None = None) -> mx.array:
+                   grad: bool | None = None, cache: list | None = None, target_head: bool = True) -> mx.array:
     """Sum of fp32 token cross-entropy over targets ``ids[:, 1:]`` weighted by ``mask[:, 1:]``.
 
     Args:
@@ -62,6 +69,11 @@ def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
             False sums the chunks' losses without their gradients; differentiating that result
             still gives correct gradients, through MLX's own autodiff, but without the bound
             on the backward's memory.
+        cache: for a packed row, what ``packed(model, positions)`` yields (entered around
+            the whole ``value_and_grad``, so a recomputing backward sees it too); None for an
+            unpacked batch.
+        target_head: with ``chunk = 0``, the head on target rows only where the model allows
+            it (``head_fallback``); False computes every position's logits.
 
     Returns:
         A 0-dim float32 array, differentiable with ``nn.value_and_grad(model, ...)``.
@@ -71,12 +83,17 @@ def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
             applied to its body's output (soft-capping, a logit scale), which the chunked path
             cannot reproduce.
     """
-    if chunk <= 0:
-        logits = model(ids[:, :-1]).astype(mx.float32)
+    if chunk <= 0 and not (target_head and _head_applies(model, ids)):
+        logits = model(ids[:, :-1], cache=cache).astype(mx.float32)
         return (nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]).sum()
     module, call = output_head(model)
     _check_head(model, call, ids)
-    hidden = model.model(ids[:, :-1])
+    hidden = model.model(ids[:, :-1], cache=cache)
+    return _head_sum(model, module, call, hidden, ids, mask, chunk, grad)
+
+
+def _head_sum(model: nn.Module, module: nn.Module, call: Any, hidden: mx.array, ids: mx.array, mask: mx.array,
+              chunk: int, grad: bool | None) -> mx.array:
     flat = hidden.reshape(-1, hidden.shape[-1])
     targets = ids[:, 1:].reshape(-1)
     weights = mask[:, 1:].reshape(-1).astype(mx.float32)
@@ -86,6 +103,8 @@ def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
             return flat[:0].astype(mx.float32).sum()  # 0, still a function of the model
         index = mx.array(rows.astype(np.int32))
         flat, targets, weights = flat[index], targets[index], weights[index]
+    if chunk <= 0:  # the target rows' logits at once (all rows under mx.compile, weighted by the mask)
+        return _chunk_loss(module, call, {}, flat, targets, weights)
     if not (model.training if grad is None else grad):
         total, done = mx.array(0.0, mx.float32), None
         for s in range(0, flat.shape[0], chunk):
@@ -97,6 +116,105 @@ def token_loss_sum(model: nn.Module, ids: mx.array, mask: mx.array, chunk: int,
     trainable = bool(tree_flatten(params))
     loss = _head_loss(module, call, chunk, trainable)
     return loss(params if trainable else {}, flat, targets, weights)[0]
+
+
+class _PackedRoPE:
+    """A model's RoPE at per-token positions: mx.fast.rope takes one offset per batch row, so
+    the packed row [1, H, N, D] is turned into N rows of one token each, offset by that
+    token's position (the same kernel and frequencies, each token rotated by its own position)."""
+
+    def __init__(self, rope: Any, positions: mx.array):
+        self.rope, self.positions, self.calls = rope, positions, 0
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        self.calls += 1
+        return self.rope(x.swapaxes(0, 2), offset=self.positions).swapaxes(0, 2)
+
+
+class _PackedCache:
+    """What a packed forward hands each layer as its ``cache``: mlx-lm's models build their
+    attention mask with ``cache.make_mask`` and pass keys and values through
+    ``update_and_fetch``; here the mask is block-diagonal causal (a token sees the earlier
+    tokens of its own sample only) and keys and values pass through unchanged."""
+
+    offset = 0  # the model's rope(offset=cache.offset): _PackedRoPE uses the positions instead
+
+    def __init__(self, positions: mx.array):
+        pos = positions.reshape(-1)
+        self.segment = mx.cumsum((pos == 0).astype(mx.int32))  # sample number of each token
+        self.index = mx.arange(pos.shape[0])
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
+        q, k = self.index[:, None], self.index[None, :]
+        mask = (self.segment[:, None] == self.segment[None, :]) & (q >= k)
+        if window_size is not None:
+            mask = mask & (q < k + window_size)
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+
+@contextmanager
+def packed(model: nn.Module, positions: mx.array | None) -> Iterator[list | None]:
+    """Within it, ``model`` runs a packed row: yields the per-layer caches to pass to
+    ``token_loss_sum`` (None when ``positions`` is None: an unpacked batch, nothing changed).
+    ``positions`` is the row's [1, N] (``Batch.position_ids``); the model sees its first N - 1.
+    Each attention's ``rope`` is shadowed by ``_PackedRoPE`` (an instance attribute, so the
+    module tree and its parameters stay as they are) and restored on exit.
+
+    Raises:
+        UnsupportedModel: a model with no ``rope`` module on its attention, or whose RoPE cannot
+            take per-token offsets (its positions could not restart per sample).
+    """
+    if positions is None:
+        yield None
+        return
+    positions = positions[:, :-1]  # the model's input is ids[:, :-1]
+    wrapped = []
+    for _, m in model.named_modules():
+        if isinstance(m, nn.Module) and "rope" in m and callable(m["rope"]):
+            w = _PackedRoPE(m["rope"], positions.reshape(-1))
+            object.__setattr__(m, "rope", w)
+            wrapped.append((m, w))
+    try:
+        if not wrapped:
+            raise UnsupportedModel(f"train.packing: {type(model).__name__} has no rope module on its attention, "
+                                   "so positions cannot restart per sample; set train.packing=false")
+        cache = _PackedCache(positions)
+        try:
+            yield [cache] * len(model.layers)
+        except (ValueError, TypeError) as e:
+            if any(w.calls for _, w in wrapped):
+                raise
+            raise UnsupportedModel(f"train.packing: {type(model).__name__}'s attention cannot run a packed row "
+                                   f"({e}); set train.packing=false") from None
+    finally:
+        for m, _ in wrapped:
+            object.__delattr__(m, "rope")
+
+
+def head_fallback(model: nn.Module) -> str | None:
+    """Why ``model``'s head runs on every position although ``target_head`` asked for targets
+    only (its logits are not its head applied to its body's output), once checked; else None."""
+    got = _HEAD_REFUSED.get(id(model))
+    return got[1] if got is not None and got[0]() is model else None
+
+
+def _head_applies(model: nn.Module, ids: mx.array) -> bool:
+    """Whether the head may run on target rows only: the chunked loss's check, once per model;
+    a refusal is kept (``head_fallback``) and not retried."""
+    ref = _HEAD_CHECKED.get(id(model))
+    if ref is not None and ref() is model:
+        return True
+    if head_fallback(model) is not None:
+        return False
+    try:
+        _check_head(model, output_head(model)[1], ids)
+    except UnsupportedModel as e:
+        _HEAD_REFUSED[id(model)] = (weakref.ref(model), str(e).replace("train.loss_chunk: ", "").split("; set ")[0])
+        return False
+    return True
 
 
 def check_chunkable(model: nn.Module) -> None:

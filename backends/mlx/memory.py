@@ -222,13 +222,15 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
     transient = int((MLX_TRANSIENT_NH * n * h + nf * n * f
                      + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
                      + tt * s.batch * arch.heads * T * T) * a)
-    logits = n * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
-    if s.loss_chunk and s.loss_chunk < n:
+    # the head runs on target rows only (backends/mlx/loss.py target_head): their logits
+    nt = s.head_rows(n, bool(arch.final_softcap))
+    logits = nt * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
+    if s.loss_chunk and s.loss_chunk < nt:
         # train.loss_chunk (backends/mlx/loss.py): one chunk's logits and cotangents at a time,
         # plus the hidden states' gradient kept from forward (fp32 [n, h]) and, where the head
         # trains, its fp32 gradient
         logits = (s.loss_chunk * V * (MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0))
-                  + 4 * n * h + (4 * V * h if s.method == "full" else 0))
+                  + 4 * nt * h + (4 * V * h if s.method == "full" else 0))
     if arch.final_softcap:
         # Gemma-2's final soft-capping (models/gemma2.py: tanh(out / cap) * cap)
         logits += MLX_SOFTCAP_LOGITS_NV * n * V

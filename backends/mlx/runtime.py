@@ -17,11 +17,13 @@ ranks before each update, rank 0 writing the saves.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,8 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
 
 from finetune.config import UserError, check_backend_support
+
+log = logging.getLogger("finetune")
 
 _SCALARS = ("step", "learning_rate")  # optimizer bookkeeping, not per-parameter state
 
@@ -212,6 +216,8 @@ class MlxBackend:
         self._grads: dict | None = None
         self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
         self._loss_chunk = 0  # train.loss_chunk: tokens per chunk of head + loss (0: whole logits)
+        self._cache: list | None = None  # a packed micro-batch's per-layer caches, while it runs
+        self._head_said = False  # the head's fallback to every position is said once
         self._max_norm: float | None = None  # optim.max_grad_norm (None: no clipping)
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
         self._compile = False  # train.compile: the step's two halves through mx.compile
@@ -323,6 +329,9 @@ class MlxBackend:
         self._vg = nn.value_and_grad(model, self._loss)
         self._compile = bool(getattr(cfg.train, "compile", False))
         self._compiled = {}
+        if self._compile and cfg.train.packing:
+            raise UserError("train.compile with train.packing on backend=mlx: every packed micro-batch has its own "
+                            "length and sample boundaries, so mx.compile would trace each one anew; set one of them off")
         self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
         if _metal():  # MLX has no getter for the wired limit: read it once by a swap
             self._wired_limit = mx.set_wired_limit(0)
@@ -396,18 +405,37 @@ class MlxBackend:
 
     # ---- step --------------------------------------------------------------------------
     def _loss(self, ids: mx.array, mask: mx.array, scale: float) -> tuple[mx.array, mx.array]:
-        from finetune.backends.mlx.loss import UnsupportedModel, token_loss_sum
+        from finetune.backends.mlx.loss import UnsupportedModel, head_fallback, token_loss_sum
 
         # train.loss_chunk > 0: head + cross-entropy a chunk of tokens at a time, the full
         # [B, T, V] logits never built (backends/mlx/loss.py); 0: the whole logits
         try:
-            loss_sum = token_loss_sum(self.model, ids, mask, self._loss_chunk)
+            loss_sum = token_loss_sum(self.model, ids, mask, self._loss_chunk, cache=self._cache)
         except UnsupportedModel as e:  # a model whose logits the chunked loss cannot reproduce
             raise UserError(str(e)) from None
+        if not self._head_said and head_fallback(self.model):
+            self._head_said = True
+            log.info("the output head runs on every position, not only targets: %s", head_fallback(self.model))
         return loss_sum * scale, loss_sum  # grads of the first, the second rides along
 
     def _arrays(self, batch: Batch) -> tuple[mx.array, mx.array]:
         return mx.array(batch.input_ids.astype(np.int32)), mx.array(batch.loss_mask.astype(np.float32))
+
+    @contextmanager
+    def _packed(self, batch: Batch) -> Iterator[None]:
+        """A packed micro-batch (``Batch.position_ids``): the model's RoPE takes each token's
+        own position and its attention a block-diagonal causal mask for the whole call,
+        gradients included (``backends/mlx/loss.py`` ``packed``); an unpacked batch as before."""
+        from finetune.backends.mlx.loss import UnsupportedModel, packed
+
+        pos = None if batch.position_ids is None else mx.array(batch.position_ids.astype(np.int32))
+        try:
+            with packed(self.model, pos) as self._cache:
+                yield
+        except UnsupportedModel as e:
+            raise UserError(str(e)) from None
+        finally:
+            self._cache = None
 
     def _reseed(self) -> None:
         # mx.random.state has no setter, so a saved key cannot be put back. Instead the key
@@ -458,10 +486,11 @@ class MlxBackend:
         self._reseed()
         ids, mask = self._arrays(batch)
         try:
-            if self._compile:  # the scale as an array: a Python float would be traced as a constant
-                (_, loss_sum), grads = self._compiled_vg()(ids, mask, mx.array(loss_scale, mx.float32))
-            else:
-                (_, loss_sum), grads = self._vg(ids, mask, loss_scale)
+            with self._packed(batch):
+                if self._compile:  # the scale as an array: a Python float would be traced as a constant
+                    (_, loss_sum), grads = self._compiled_vg()(ids, mask, mx.array(loss_scale, mx.float32))
+                else:
+                    (_, loss_sum), grads = self._vg(ids, mask, loss_scale)
             total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
             mx.eval(loss_sum, total)  # materialize: memory figures are real after this
         except RuntimeError as e:
@@ -501,7 +530,8 @@ class MlxBackend:
         ids, mask = self._arrays(batch)
         self.model.eval()  # no dropout
         try:
-            loss = self._loss(ids, mask, 1.0)[1]
+            with self._packed(batch):
+                loss = self._loss(ids, mask, 1.0)[1]
             mx.eval(loss)
         finally:
             self.model.train()

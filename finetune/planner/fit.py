@@ -140,6 +140,7 @@ class FitResult:
     events: list[dict[str, Any]] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
+    tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
 
 def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state: Any = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
@@ -160,17 +161,19 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
     arch, s = resolve(cfg, seq_len, state)
     budget = int(budget_bytes)
     eff = s.batch * s.grad_accum
-    base = state or RunState(s.backend, s.batch, eff, s.ckpt)
+    base = state or (RunState.from_config(cfg, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
     def full_plan(batch: int, ckpt: bool) -> dict[str, Any]:
         return plan(cfg, seq_len=seq_len, budget_bytes=budget, recommend=False,
-                    state=base.with_(micro_batch=batch, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
+                    state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
+                                     grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
 
     p0 = _core(arch, s)
     before = {"batch_size": s.batch, "grad_accum": s.grad_accum, "grad_checkpointing": s.ckpt,
               "peak_bytes": p0["max_device_peak_bytes"], "budget_bytes": budget}
     if _fits(p0, budget):
-        return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, loss_chunk=s.loss_chunk)
+        return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, loss_chunk=s.loss_chunk,
+                         tokens_per_micro=base.tokens_per_micro)
     events: list[dict[str, Any]] = []
     chunked = _setup_with(s, loss_chunk=LOSS_CHUNK_LEVER)
     pc = _core(arch, chunked) if chunk_lever_ok(cfg, s) else p0
@@ -181,8 +184,10 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
                        "after": {"loss_chunk": LOSS_CHUNK_LEVER, "peak_bytes": pc["max_device_peak_bytes"]}})
         if _fits(pc, budget):
             return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, events,
-                             loss_chunk=s.loss_chunk)
+                             loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
         before = {**before, "peak_bytes": pc["max_device_peak_bytes"]}
+    if s.packed:
+        return _fit_packed(cfg, arch, s, base, budget, before, events, seq_len)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -203,3 +208,53 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
     return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)
+
+
+def _fit_packed(cfg: Any, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
+                events: list[dict[str, Any]], seq_len: int | None) -> FitResult:
+    """train.packing: the micro-batch lever is tokens per micro-batch. Halve it (then with
+    gradient checkpointing) until the plan fits; each step's samples stay the same, packed
+    into more micro-batches. A micro-batch holds at least one whole sample, so the row priced
+    for ``c`` tokens is ``min(the width planned, max(c, the longest sample))`` (the longest:
+    train.seq_len, the data's cap)."""
+    tokens = base.tokens_per_micro
+    longest = min(int(_get(_get(cfg, "train"), "seq_len", 256)), s.seq_len)
+    candidates = [tokens]
+    while candidates[-1] > longest:
+        candidates.append(max(candidates[-1] // 2, longest))
+
+    def width(c: int) -> int:
+        return min(s.seq_len, max(c, longest))
+
+    def priced(c: int, ckpt: bool) -> dict[str, Any]:
+        return _core(arch, _setup_with(s, seq_len=width(c), ckpt=ckpt))
+
+    before = {**before, "tokens_per_micro": tokens}
+    for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
+        for c in candidates:
+            p = priced(c, ckpt)
+            if not _fits(p, budget):
+                continue
+            if c != tokens:
+                events.append({"trigger": "plan_over_budget", "action": "lower_tokens_per_micro",
+                               "before": {"tokens_per_micro": tokens, "peak_bytes": before["peak_bytes"],
+                                          "budget_bytes": budget},
+                               "after": {"tokens_per_micro": c,
+                                         "peak_bytes": priced(c, s.ckpt)["max_device_peak_bytes"]}})
+            if ckpt and not s.ckpt:
+                prev = events[-1]["after"] if events else {"tokens_per_micro": tokens,
+                                                           "peak_bytes": before["peak_bytes"]}
+                events.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing",
+                               "before": {**prev, "grad_checkpointing": False},
+                               "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["max_device_peak_bytes"]}})
+            state = base.with_(tokens_per_micro=c, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk)
+            full = plan(cfg, seq_len=width(c), budget_bytes=budget, recommend=False, state=state)
+            return FitResult(True, full, base.micro_batch, base.grad_accum, ckpt, events, loss_chunk=s.loss_chunk,
+                             tokens_per_micro=c)
+    last = candidates[-1]
+    smallest = _setup_with(s, seq_len=width(last), ckpt=True)
+    suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
+    state = base.with_(tokens_per_micro=last, grad_checkpointing=True, loss_chunk=s.loss_chunk)
+    return FitResult(False, plan(cfg, seq_len=width(last), budget_bytes=budget, recommend=False, state=state),
+                     base.micro_batch, base.grad_accum, True, [], suggestions, loss_chunk=s.loss_chunk,
+                     tokens_per_micro=last)

@@ -107,6 +107,24 @@ class Setup:
     # cuda: the runtime passes a [B, T] padding mask only for remote-code models (right-padded
     # causal rows need none, backends/cuda/runtime.py), so only then is a [B, 1, T, T] one built
     padding_mask: bool = False
+    # train.packing: one row of ``seq_len`` tokens per micro-batch (batch 1), samples masked
+    # from each other (cuda: transformers' [1, 1, T, T] block mask for sdpa/eager; mlx: the
+    # block-diagonal bool mask). False: ``batch`` rows of ``seq_len`` tokens.
+    packed: bool = False
+    # the share of positions that are targets (label tokens / tokens, from the data where
+    # known; 1.0: every position, the bound without data). The head and its logits run on
+    # target rows only (backends' target_head) unless ``target_head`` is False.
+    target_fraction: float = 1.0
+    target_head: bool = True
+
+    def head_rows(self, n: int, softcap: bool) -> int:
+        """Rows of the output head for ``n`` positions: the target rows where the head runs on
+        targets only; every position for a model whose logits are not its head applied to its
+        hidden states (soft-capping) or where the runtime computes them all (a compiled cuda
+        loss, FSDP shards)."""
+        if softcap or not self.target_head:
+            return n
+        return max(1, -(-int(n * self.target_fraction * 1_000_000) // 1_000_000))
 
     @property
     def wd(self) -> int:
@@ -151,6 +169,30 @@ def attention(desc: ModelDesc, wanted: str) -> str:
         raise UserError(f"backend.attn_implementation={wanted}: transformers runs {desc.model_type} only with eager "
                         f"attention ({_EAGER_ONLY[desc.model_type]}); use backend.attn_implementation=auto (or eager)")
     return wanted
+
+
+def _packed_setup(setup: Setup, cfg: Any, state: Any, seq_len: int | None) -> None:
+    """train.packing: price one row per micro-batch, as wide as ``seq_len`` when given (the
+    longest packed micro-batch the data gives, ``finetune.data`` ``max_micro_tokens``), else
+    ``tokens_per_micro``; the row's block mask is a [1, 1, T, T] bool on cuda (transformers
+    builds it from position_ids for sdpa and eager). The head runs on target rows unless the
+    cuda loss is compiled or sharded (backends/cuda/runtime.py _loss_sum)."""
+    from finetune.state import tokens_per_micro
+
+    t = _get(cfg, "train")
+    if setup.backend == "cuda" and (bool(_get(t, "compile", False)) or
+                                    (setup.strategy == "fsdp" and setup.world_size > 1)):
+        setup.target_head = False
+    tokens = state.tokens_per_micro if state is not None else tokens_per_micro(cfg)
+    if not tokens:
+        return
+    effective = setup.batch * setup.grad_accum
+    width = int(seq_len) if seq_len else tokens
+    setup.packed, setup.batch, setup.seq_len = True, 1, width
+    # micro-batches per step: the step's samples at the widest over the packed width (at
+    # least 2 wherever they do not fit one: gradients then accumulate)
+    setup.grad_accum = max(1, -(-effective * int(_get(t, "seq_len", 256)) // tokens))
+    setup.padding_mask = setup.backend == "cuda"
 
 
 def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
@@ -227,6 +269,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
         loss_chunk=state.loss_chunk if state is not None else int(_get(t, "loss_chunk", 0) or 0),
         padding_mask=bool(_get(model_cfg, "trust_remote_code", False)),
     )
+    _packed_setup(setup, cfg, state, seq_len)
     if setup.pre_quant:
         # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
         # QuantizedEmbedding); method=qlora quantizes nothing more

@@ -292,6 +292,22 @@ def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     return out
 
 
+def _packing(cfg: Any, s: Setup, state: Any) -> dict[str, Any] | None:
+    """train.packing as planned: the tokens of the micro-batch priced, and the attention path
+    that keeps samples apart (the same one the runtime takes)."""
+    if not s.packed:
+        return None
+    from finetune.state import tokens_per_micro
+
+    if s.backend == "cuda":
+        path = ("flash_attention_2 varlen (cu_seqlens from position_ids)" if s.attn.startswith("flash")
+                else f"{s.attn} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids")
+    else:
+        path = "mx.fast.scaled_dot_product_attention with a block-diagonal causal bool mask; RoPE per token"
+    return {"tokens_per_micro": state.tokens_per_micro if state is not None else tokens_per_micro(cfg),
+            "tokens_priced": s.seq_len, "attention": path}
+
+
 def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None) -> dict[str, Any]:
     """Predict a run's memory without loading weights (the content of plan.json).
@@ -331,10 +347,15 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "lora": {"rank": s.rank, "keys": list(s.keys), "layers": len(s.lora_layers)} if s.adapters else None,
         "batch_size": s.batch,
         "grad_accum": s.grad_accum,
-        "effective_batch": s.batch * s.grad_accum,  # per rank, as RunState.effective_batch (x world_size per step)
+        # per rank, as RunState.effective_batch (x world_size per step); packed, the samples
+        # of a step whatever the number of micro-batches
+        "effective_batch": (state.effective_batch if state is not None else
+                            int(_get(_get(cfg, "train"), "batch_size", 1)) * int(_get(_get(cfg, "train"), "grad_accum", 1)))
+        if s.packed else s.batch * s.grad_accum,
         "seq_len": s.seq_len,
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
+        "packing": _packing(cfg, s, state),
         **core,
         "device_total_bytes": device_total,
         "budget_bytes": budget,

@@ -1,0 +1,168 @@
+"""The output head only at target positions (both backends), on the built-in tiny Qwen2 with a
+vocabulary of 2,048 (so the head matters), tied and untied.
+
+Asserted: the loss sum and every trained parameter's gradient with the head on target rows
+only equal those with the head on every position (``target_head=False``), with masked prompts
+and padding, packed or not, with and without the chunked loss; a model whose logits are not
+its head applied to its hidden states (Gemma2's soft-capping) falls back to every position and
+says why, its loss the full head's.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import needs_mlx, needs_torch
+from finetune.backends.base import Batch, pack
+
+from finetune.config import Config, ModelConfig
+from finetune.tiny import build_tiny
+
+V = 2048
+
+
+def vocab(tie: bool) -> ModelConfig:
+    m = ModelConfig()
+    m.vocab_size, m.tie_embeddings = V, tie
+    return m
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def model(request: Any) -> tuple[Path, bool]:
+    return build_tiny(vocab(request.param)), request.param
+
+
+def make_batch() -> Batch:
+    """Rows of 65, 40, 22 real tokens, right-padded; the first 12 tokens of each a prompt."""
+    rng = np.random.default_rng(5)
+    lengths = np.array([65, 40, 22], np.int32)
+    ids = rng.integers(1, V, (3, 65)).astype(np.int32)
+    mask = np.zeros((3, 65), np.int8)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0
+        mask[i, 12:n] = 1
+    return Batch(ids, mask, lengths)
+
+
+def assert_grads_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys() and want
+    for name, w in want.items():
+        scale = float(np.abs(w).max()) or 1.0
+        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+
+
+def _cfg(m: ModelConfig) -> Any:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(Config(run_dir="unused"))
+    cfg.model = OmegaConf.structured(m)
+    cfg.method.name = "full"
+    return cfg
+
+
+# ---- torch (backend=cuda, on the CPU here) ----------------------------------------------------
+@needs_torch
+def test_torch_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
+    import torch
+
+    from finetune.backends.cuda import loss as loss_mod
+    from finetune.backends.cuda.runtime import CudaBackend
+
+    path, tie = model
+    cfg = _cfg(vocab(tie))
+    cfg.backend.name, cfg.backend.device, cfg.precision.name = "cuda", "cpu", "32-true"
+    be = CudaBackend()
+    be.setup(cfg, path)
+
+    def step(b: Batch, chunk: int, target: bool) -> tuple[float, dict[str, np.ndarray]]:
+        be.zero_grad()
+        ids = torch.from_numpy(b.input_ids.astype(np.int64))
+        pos = None if b.position_ids is None else torch.from_numpy(b.position_ids.astype(np.int64))
+        loss = loss_mod.token_loss_sum(be.model, ids, None, torch.from_numpy(b.loss_mask.astype(np.float32)), chunk,
+                                       be._autocast, position_ids=pos, target_head=target)
+        loss.backward()
+        grads = {n: p.grad.numpy().copy() for n, p in be.model.named_parameters() if p.grad is not None}
+        be.zero_grad()
+        return float(loss.detach()), grads
+
+    for b in (make_batch(), pack(make_batch(), 1000)[0]):
+        want_loss, want = step(b, 0, False)
+        for chunk in (0, 17):
+            loss, grads = step(b, chunk, True)
+            assert loss == pytest.approx(want_loss, rel=1e-5), chunk
+            assert_grads_equal(grads, want)
+    assert loss_mod.head_fallback(be.model) is None
+
+
+@needs_torch
+def test_torch_soft_capped_model_falls_back() -> None:
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from finetune.backends.cuda.loss import head_fallback, token_loss_sum
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                           final_logit_softcapping=30.0))
+    ids = torch.randint(0, 64, (2, 9))
+    mask = torch.ones(2, 9)
+    mask[:, :4] = 0
+    got = float(token_loss_sum(model, ids, None, mask, 0, nullcontext).detach())
+    assert got == pytest.approx(float(token_loss_sum(model, ids, None, mask, 0, nullcontext, target_head=False).detach()))
+    assert "soft-capping" in head_fallback(model)
+
+
+# ---- mlx ----------------------------------------------------------------------------------------
+@needs_mlx
+def test_mlx_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
+    import mlx.core as mx
+    from mlx import nn
+    from mlx.utils import tree_flatten
+
+    from finetune.backends.mlx import loss as loss_mod
+    from finetune.backends.mlx.runtime import MlxBackend
+
+    path, tie = model
+    be = MlxBackend()
+    be.setup(_cfg(vocab(tie)), path)
+    m = be.model
+
+    def step(b: Batch, chunk: int, target: bool) -> tuple[float, dict[str, np.ndarray]]:
+        ids, mask = mx.array(b.input_ids), mx.array(b.loss_mask.astype(np.float32))
+        pos = None if b.position_ids is None else mx.array(b.position_ids)
+        with loss_mod.packed(m, pos) as cache:
+            loss, grads = nn.value_and_grad(m, lambda: loss_mod.token_loss_sum(m, ids, mask, chunk, cache=cache,
+                                                                                target_head=target))()
+            mx.eval(loss, grads)
+        return float(loss), {k: np.array(v) for k, v in tree_flatten(grads)}
+
+    for b in (make_batch(), pack(make_batch(), 1000)[0]):
+        want_loss, want = step(b, 0, False)
+        for chunk in (0, 17):
+            loss, grads = step(b, chunk, True)
+            assert loss == pytest.approx(want_loss, rel=1e-5), chunk
+            assert_grads_equal(grads, want)
+    assert loss_mod.head_fallback(m) is None
+
+
+@needs_mlx
+def test_mlx_soft_capped_model_falls_back() -> None:
+    import mlx.core as mx
+    from mlx_lm.models import gemma2
+
+    from finetune.backends.mlx.loss import head_fallback, token_loss_sum
+
+    args = gemma2.ModelArgs(model_type="gemma2", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                            num_attention_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=64,
+                            num_key_value_heads=1)
+    model = gemma2.Model(args)
+    ids = mx.array(np.arange(18).reshape(2, 9) % 64)
+    mask = mx.array(np.r_[np.zeros(4), np.ones(5)][None].repeat(2, 0).astype(np.float32))
+    got = float(token_loss_sum(model, ids, mask, 0))
+    assert got == pytest.approx(float(token_loss_sum(model, ids, mask, 0, target_head=False)))
+    assert "final_logit_softcapping" in head_fallback(model)
