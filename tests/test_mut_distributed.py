@@ -1,0 +1,40 @@
+"""What a SLURM step without torchrun hands torch's env:// rendezvous: rank, world and the
+port every task of the job computes alike (29500 + job id mod 1000). Written for survivors of
+the mutation run (benchmarks/mutation/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import needs_torch
+
+
+@needs_torch
+def test_slurm_step_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    from finetune.backends.cuda.distributed import launched_world
+
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234567")
+    monkeypatch.setenv("MASTER_ADDR", "node-a")
+    import os
+
+    assert launched_world() == (3, 4, 1)
+    assert (os.environ["MASTER_PORT"], os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (
+        "30067", "3", "4", "1")
+
+
+@needs_torch
+def test_torchrun_world_and_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from finetune.backends.cuda.distributed import launched_world
+
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert launched_world() == (1, 2, 0)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert launched_world() is None
