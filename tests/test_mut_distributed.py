@@ -5,7 +5,6 @@ the mutation run (benchmarks/mutation/)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import needs_torch
 
 

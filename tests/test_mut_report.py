@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from finetune.report import GIB, main, write_chart
 
 BUDGET_RED = np.array([0xD6, 0x27, 0x28]) / 255  # the budget line's colour (#d62728)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from finetune.config import compose
 from finetune.sweep import prune_by_plan
 
