@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from omegaconf import OmegaConf
-
 from finetune.config import UserError, check_ranges, compose
+from omegaconf import OmegaConf
 
 # counts that must be at least 1: 1 is accepted, 0 refused
 AT_LEAST_ONE = ["backend.num_devices", "model.hidden_size", "model.num_layers", "model.num_heads",
@@ -83,3 +82,11 @@ def test_an_override_on_the_edge_reaches_the_check(tmp_path: Path) -> None:
     check_ranges(compose(tmp_path / "a", "backend=cuda", "train.seed=4294967295"))
     with pytest.raises(UserError, match=r"train\.seed=4294967296 must be in \[0, 4\.29497e\+09\]"):
         check_ranges(compose(tmp_path / "b", "backend=cuda", "train.seed=4294967296"))
+
+
+@pytest.mark.parametrize("betas", [[0.9], [0.9, 0.99, 0.999]])
+def test_betas_need_exactly_two(base: Any, betas: list[float]) -> None:
+    cfg = copy.deepcopy(base)
+    OmegaConf.update(cfg, "optim.betas", betas)
+    with pytest.raises(UserError, match=r"optim\.betas=.* needs two values; set optim\.betas=\[0\.9,0\.999\]"):
+        check_ranges(cfg)

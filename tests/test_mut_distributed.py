@@ -35,5 +35,10 @@ def test_torchrun_world_and_single_process(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert launched_world() == (1, 2, 0)
+    # a launcher that sets only WORLD_SIZE and RANK (mpirun-style): one process per node
+    monkeypatch.delenv("LOCAL_RANK")
+    assert launched_world() == (1, 2, 0)
+    monkeypatch.delenv("RANK")
+    assert launched_world() == (0, 2, 0)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert launched_world() is None
