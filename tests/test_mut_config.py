@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from finetune.config import UserError, check_ranges, compose
 from omegaconf import OmegaConf
+
+from finetune.config import UserError, check_ranges, compose
 
 # counts that must be at least 1: 1 is accepted, 0 refused
 AT_LEAST_ONE = ["backend.num_devices", "model.hidden_size", "model.num_layers", "model.num_heads",

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
 from finetune.config import UserError, compose
 from finetune.model_source import check_weights
-from safetensors.numpy import save_file
 
 
 def test_missing_shards_named_first_with_the_count(tmp_path: Path) -> None:
