@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from finetune.config import UserError, compose
-from finetune.model_source import check_weights
+from finetune.model_source import check_weights, safetensors_damage
 
 
 def test_missing_shards_named_first_with_the_count(tmp_path: Path) -> None:
@@ -27,3 +27,27 @@ def test_missing_shards_named_first_with_the_count(tmp_path: Path) -> None:
         check_weights(d, cfg)
     assert str(e.value) == (f"{d / shards[1]} is missing (2 of 3 shards that model.safetensors.index.json names); "
                             f"download it again (huggingface-cli download <repo> --local-dir {d}) or copy it whole")
+
+
+def _st(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def test_safetensors_layout_edges(tmp_path: Path) -> None:
+    # a tensor whose byte range is shorter than its dtype x shape: damaged, with the numbers
+    short = _st(tmp_path / "short.safetensors", {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}},
+                bytes(12))
+    assert safetensors_damage(short) == "tensor w holds 12 bytes, not F32[2, 2]"
+    longer = _st(tmp_path / "long.safetensors", {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 20]}},
+                 bytes(20))
+    assert safetensors_damage(longer) == "tensor w holds 20 bytes, not F32[2, 2]"
+    # whole files: one exact tensor; only metadata and no tensor bytes (as safetensors writes an empty dict)
+    whole = _st(tmp_path / "whole.safetensors", {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}},
+                bytes(16))
+    assert safetensors_damage(whole) is None
+    empty = _st(tmp_path / "empty.safetensors", {"__metadata__": {"format": "pt"}}, b"")
+    assert safetensors_damage(empty) is None
+    trailing = _st(tmp_path / "trailing.safetensors", {"__metadata__": {"format": "pt"}}, bytes(3))
+    assert safetensors_damage(trailing) == "3 bytes after its last tensor"
