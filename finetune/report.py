@@ -112,7 +112,14 @@ def _loss_noise(run: Path) -> float | None:
     m = run / "metrics.jsonl"
     if not m.is_file():
         return None
-    losses = [json.loads(x)["loss"] for x in m.read_text().splitlines() if x.startswith('{"step"')]
+    losses = []
+    for line in m.read_text(errors="replace").splitlines():
+        if not line.startswith('{"step"'):
+            continue
+        try:
+            losses.append(json.loads(line)["loss"])
+        except (ValueError, KeyError):  # a torn last line (a power cut mid-write): the steps before it count
+            continue
     tail = losses[-10:]
     return statistics.stdev(tail) / math.sqrt(len(tail)) if len(tail) >= 3 else None
 

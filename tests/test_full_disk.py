@@ -277,3 +277,17 @@ def test_a_killed_writers_temporaries_are_removed_when_the_next_run_begins(tmp_p
     assert not any(p.exists() for p in left)
     assert not (run / ".summary.json.q9.tmp").exists() and not (run / ".tmp-zz.png").exists()
     assert "removed 4 temporary file(s) a killed run left" in capsys.readouterr().err
+
+
+def test_report_reads_past_a_torn_metrics_line(tmp_path, capsys):
+    """finetune-report on a run whose metrics.jsonl ends in a torn line (a power cut mid-write):
+    the report is written from the lines before it, no traceback."""
+    from finetune.report import main as report_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"backend": "cuda", "steps": 4, "final_train_loss": 2.0}))
+    lines = [json.dumps({"step": i, "loss": 2.0 + i / 10}) for i in range(1, 5)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')
+    assert report_main([str(run)]) == 0
+    assert (run / "sweep_summary.csv").is_file()
