@@ -448,7 +448,10 @@ def load_results(session: Path) -> dict[str, dict]:
     for ln in (session / "results.jsonl").read_text().splitlines():
         if ln.strip():
             rec = json.loads(ln)
-            last[rec["job_id"]] = rec
+            prev = last.get(rec["job_id"])
+            # a kill stands: a later record (a mapped run started before a recheck) cannot undo it
+            if prev is None or prev["outcome"] not in ("killed", "timeout"):
+                last[rec["job_id"]] = rec
     return last
 
 
@@ -561,6 +564,9 @@ def cmd_run(args: argparse.Namespace) -> None:
                 deferred.clear()
                 continue
             for m in todo:
+                if m["job_id"] in load_results(session):  # recorded meanwhile (recheck)
+                    done[m["job_id"]] = load_results(session)[m["job_id"]]
+                    continue
                 tmap = tmap if tmap.complete else TestMap(meta["sha"])
                 rec = run_mapped(workdir, tmap, trees, m, args)
                 i = order.index(m) + 1
@@ -617,7 +623,7 @@ def cmd_recheck(args: argparse.Namespace) -> None:
     eq = load_equivalents()
     for m in meta["order"]:
         rec = done.get(m["job_id"])
-        if final_outcome(m, rec, eq) not in ("survived", "full-suite queue"):
+        if final_outcome(m, rec, eq) not in ("survived", "full-suite queue") + (("pending",) if args.pending else ()):
             continue
         mine = [f for f in files if args.tests or Path(f).stem.removeprefix("test_mut_") in m["module"]]
         if not mine:
@@ -730,6 +736,8 @@ def main() -> None:
     p.add_argument("--tests", nargs="*", help="test files (default: tests/test_mut_*.py, each against "
                                               "the survivors of the module its name names)")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--pending", action="store_true", help="also mutants not run yet: a kill is recorded, "
+                                                          "a survivor left for `run`")
     p = sub.add_parser("status", help="made/killed/survived/timeout/equivalent per module")
     p.add_argument("--session", default="sample")
     p.add_argument("--survivors", action="store_true", help="list each survivor with its diff")
