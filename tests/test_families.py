@@ -223,12 +223,13 @@ def test_mlx_adapter_exported_to_peft_gives_mlx_logits(name: str, root: Path, tm
 
 
 # ---- refusals ------------------------------------------------------------------------------------
-# family -> the keys its one-line refusal lists (the model's own names, then all-linear[, experts])
+# family -> the keys its one-line refusal lists (the model's own names, then all-linear[, experts],
+# then lm_head, the output head, which PEFT adapts on cuda)
 OWN_KEYS = {
-    "phi3": "qkv_proj, o_proj, gate_up_proj, down_proj, all-linear",
-    "starcoder2": "q_proj, k_proj, v_proj, o_proj, c_fc, c_proj, all-linear",
-    "llama": "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, all-linear",
-    "mixtral": "q_proj, k_proj, v_proj, o_proj, all-linear, experts",
+    "phi3": "qkv_proj, o_proj, gate_up_proj, down_proj, all-linear, lm_head",
+    "starcoder2": "q_proj, k_proj, v_proj, o_proj, c_fc, c_proj, all-linear, lm_head",
+    "llama": "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, all-linear, lm_head",
+    "mixtral": "q_proj, k_proj, v_proj, o_proj, all-linear, experts, lm_head",
 }
 
 
