@@ -26,9 +26,8 @@ TOL = 1e-4  # fp32 on both sides; measured differences are ~3e-7 (starcoder2 1.1
 
 # family -> what the one-line refusal must say. Each is something no config key can fix:
 REFUSED = {
-    # mlx_lm/models/gemma2.py never reads sliding_window: every layer attends to all 16 tokens
-    # where transformers' sliding layers see 8 (equal within the window: test_window_refusal_...)
-    "gemma2": "sliding_window=8 at 16 tokens",
+    # (gemma2's tiny window, 256 tokens, is longer than these 16 ids: it loads and matches here;
+    # test_window_refusal_only_past_the_window refuses a run longer than the window)
     # transformers 5 saves experts fused as gate_up_proj [E, hidden, 2*inter]; mlx-lm's gpt_oss
     # sanitize splits only the MXFP4 hub layout and the load fails on the unknown names
     "gpt_oss": "unquantized expert layout",
@@ -98,10 +97,19 @@ def test_mlx_backend_logits_equal_transformers(name: str, reference: Any) -> Non
 def test_window_refusal_only_past_the_window(reference: Any) -> None:
     """gemma2 within its 8-token window is the same model in mlx-lm, so a run that never passes
     the window loads (and matches); the refusal is about the window, not the family."""
+    from finetune.config import UserError
+
     window = json.loads((build_family("gemma2") / "config.json").read_text())["sliding_window"]
     model = _backend_model("gemma2", seq_len=window)
     diff = float(np.abs(_mlx_logits(model, IDS[:window]) - reference("gemma2")[:window]).max())
     assert diff < TOL
+    # mlx_lm/models/gemma2.py never reads sliding_window: past it, every layer would attend to
+    # every token where transformers' sliding layers see the window only
+    with pytest.raises(UserError) as e:
+        _backend_model("gemma2", seq_len=window + 1)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("backend=mlx: mlx-lm 0.32") and "use backend=cuda" in line
+    assert f"sliding_window={window} at {window + 1} tokens" in line and "model_type=gemma2" in line
 
 
 def test_normalisation_is_what_fixes_llama(reference: Any) -> None:
