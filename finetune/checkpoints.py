@@ -94,7 +94,7 @@ def _is_temporary(name: str) -> bool:
     """A name our atomic writers give a file or directory before it is complete:
     io.atomic_write_* and io.atomic_dir ``.NAME.XXXX.tmp``, io.finalize_dir's ``.NAME.old``,
     accounting.report.save_png's ``.tmp-XXXX.png``."""
-    return name.startswith(".") and (name.endswith(".tmp") or name.endswith(".old")
+    return name.startswith(".") and (name.endswith((".tmp", ".old"))
                                      or (name.startswith(".tmp-") and name.endswith(".png")))
 
 
@@ -119,4 +119,20 @@ def remove_dead_temporaries(run_dir: Path) -> list[Path]:
             if not p.exists():
                 removed.append(p)
     return removed
+
+
+def lock_run_dir(run_dir: Path) -> Any:
+    """Take ``run_dir``'s lock (finetune.io.lock_dir) for this run, or refuse in one line: the
+    CLI's guard (before Hydra writes into the dir) and the loop's claim both ask here."""
+    from finetune.config import UserError
+    from finetune.io import DirBusy, lock_dir
+
+    try:
+        return lock_dir(run_dir)
+    except DirBusy:
+        raise UserError(f"run dir {run_dir} is in use by another run (it holds the lock on {run_dir / '.lock'}); "
+                        "wait for that run to end, or choose another hydra.run.dir") from None
+    except OSError as e:
+        raise UserError(f"run dir {run_dir}: its lock file cannot be made ({e.strerror or e}); set "
+                        "hydra.run.dir= to a writable directory") from None
 

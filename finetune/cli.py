@@ -106,7 +106,7 @@ class RunDirGuard:
     HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
     def __init__(self, run_dir: Path, subdir: str | None):
-        from finetune.io import DirBusy, lock_dir
+        from finetune import checkpoints
 
         self.run_dir = run_dir
         self.hydra_dir = run_dir / subdir if subdir else None
@@ -117,14 +117,7 @@ class RunDirGuard:
                 f = self.hydra_dir / name
                 self.files[f] = f.read_bytes() if f.is_file() else None
         self.logs = {f: f.stat().st_size for f in run_dir.glob("*.log") if f.is_file()}
-        try:
-            self.lock = lock_dir(run_dir)
-        except DirBusy:
-            raise UserError(f"run dir {run_dir} is in use by another run (it holds the lock on {run_dir / '.lock'}); "
-                            "wait for that run to end, or choose another hydra.run.dir") from None
-        except OSError as e:
-            raise UserError(f"run dir {run_dir}: its lock file cannot be made ({e.strerror or e}); set "
-                            "hydra.run.dir= to a writable directory") from None
+        self.lock = checkpoints.lock_run_dir(run_dir)
 
     def restore(self) -> None:
         """Put back what this command wrote before the run began (nothing once it has begun)."""

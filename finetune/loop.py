@@ -29,7 +29,7 @@ from finetune.backends import OutOfMemory, get_backend, resolve_backend_name
 from finetune.backends.base import Batch, Comm, pack
 from finetune.config import UserError, validate
 from finetune.data import rank_slice
-from finetune.io import DirBusy, atomic_dir, atomic_write_json, disk_errors, finalize_dir, lock_dir
+from finetune.io import atomic_dir, atomic_write_json, disk_errors, finalize_dir
 from finetune.redact import redact_tree
 from finetune.runlog import RankRunLog, RunLog, RunLogWriteError
 
@@ -126,14 +126,7 @@ class Trainer:
         refused: UserError | None = None
         try:
             if self.comm.rank == 0:
-                try:
-                    self.lock = lock_dir(d)
-                except DirBusy:
-                    raise UserError(f"run dir {d} is in use by another run (it holds the lock on {d / '.lock'}); "
-                                    "wait for that run to end, or choose another hydra.run.dir") from None
-                except OSError as e:
-                    raise UserError(f"run dir {d}: its lock file cannot be made ({e.strerror or e}); set "
-                                    "hydra.run.dir= to a writable directory") from None
+                self.lock = checkpoints.lock_run_dir(d)
             if t.resume and not checkpoints.list_checkpoints(d):
                 raise UserError(f"train.resume=true but {d}/checkpoints holds no checkpoint; point hydra.run.dir "
                                 "at the run to continue, or set train.save_every")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import needs_mlx, needs_torch
 from finetune.backends.base import Batch, pack
+from test_chunked_loss import assert_grads_equal
 
 from finetune.config import Config, ModelConfig
 from finetune.tiny import build_tiny
@@ -48,11 +49,6 @@ def make_batch() -> Batch:
     return Batch(ids, mask, lengths)
 
 
-def assert_grads_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert got.keys() == want.keys() and want
-    for name, w in want.items():
-        scale = float(np.abs(w).max()) or 1.0
-        np.testing.assert_allclose(got[name], w, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
 
 
 def _cfg(m: ModelConfig) -> Any:
@@ -68,7 +64,6 @@ def _cfg(m: ModelConfig) -> Any:
 @needs_torch
 def test_torch_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
     import torch
-
     from finetune.backends.cuda import loss as loss_mod
     from finetune.backends.cuda.runtime import CudaBackend
 
@@ -101,9 +96,8 @@ def test_torch_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
 @needs_torch
 def test_torch_soft_capped_model_falls_back() -> None:
     import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
     from finetune.backends.cuda.loss import head_fallback, token_loss_sum
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -121,11 +115,10 @@ def test_torch_soft_capped_model_falls_back() -> None:
 @needs_mlx
 def test_mlx_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
     import mlx.core as mx
-    from mlx import nn
-    from mlx.utils import tree_flatten
-
     from finetune.backends.mlx import loss as loss_mod
     from finetune.backends.mlx.runtime import MlxBackend
+    from mlx import nn
+    from mlx.utils import tree_flatten
 
     path, tie = model
     be = MlxBackend()
@@ -153,9 +146,8 @@ def test_mlx_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
 @needs_mlx
 def test_mlx_soft_capped_model_falls_back() -> None:
     import mlx.core as mx
-    from mlx_lm.models import gemma2
-
     from finetune.backends.mlx.loss import head_fallback, token_loss_sum
+    from mlx_lm.models import gemma2
 
     args = gemma2.ModelArgs(model_type="gemma2", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
                             num_attention_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=64,
