@@ -8,12 +8,20 @@ import pytest
 from conftest import needs_torch
 
 
+def _forget_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset the launcher's variables so that monkeypatch puts them back as they were, even
+    those launched_world itself writes into os.environ (a bare delenv of an unset name records
+    nothing, and RANK/WORLD_SIZE left behind would make every later test a distributed run)."""
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+
+
 @needs_torch
 def test_slurm_step_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     from finetune.backends.cuda.distributed import launched_world
 
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+    _forget_launcher_env(monkeypatch)
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_LOCALID", "1")
@@ -30,6 +38,7 @@ def test_slurm_step_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_torchrun_world_and_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from finetune.backends.cuda.distributed import launched_world
 
+    _forget_launcher_env(monkeypatch)
     monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
