@@ -1,0 +1,64 @@
+"""Write (or check) the plan.json of each configuration in tests/data/plans/configs.txt.
+
+The files are the planner's output at the commit that wrote them, made with the hub offline and
+no cache, so the same tree gives the same bytes anywhere. `tests/test_plan_golden.py` holds the
+planner to them: a refactor must leave every byte as it was; a change to the planner's math
+rewrites them with this script, and the diff shows every figure that moved.
+
+    python scripts/golden_plans.py          # rewrite tests/data/plans/*.json
+    python scripts/golden_plans.py --check  # exit 1 and name the files that differ
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLANS = REPO / "tests" / "data" / "plans"
+
+
+def configs() -> list[tuple[str, list[str]]]:
+    out = []
+    for line in (PLANS / "configs.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, overrides = line.partition(":")
+            out.append((name.strip(), overrides.split()))
+    return out
+
+
+def plan_bytes(overrides: list[str]) -> str:
+    """plan.json's text for these overrides, as `finetune mode=plan` writes it."""
+    sys.path.insert(0, str(REPO))
+    from finetune.config import compose
+    from finetune.planner.price import plan
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = compose(Path(d) / "run", *overrides)
+        return json.dumps(plan(cfg), indent=2) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="empty-hub-")
+    differ = []
+    for name, overrides in configs():
+        text = plan_bytes(overrides)
+        path = PLANS / f"{name}.json"
+        if "--check" in argv:
+            if not path.is_file() or path.read_text() != text:
+                differ.append(name)
+        else:
+            path.write_text(text)
+    if differ:
+        print("plan.json differs for: " + ", ".join(differ), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
