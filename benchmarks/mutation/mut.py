@@ -448,7 +448,12 @@ def load_results(session: Path) -> dict[str, dict]:
     for ln in (session / "results.jsonl").read_text().splitlines():
         if ln.strip():
             rec = json.loads(ln)
+            if rec["outcome"] == "deferred":  # a quick pass that did not kill: still to be run in full
+                last.setdefault(rec["job_id"], rec)
+                continue
             prev = last.get(rec["job_id"])
+            if prev is not None and prev["outcome"] == "deferred":
+                prev = None
             # a kill stands: a later record (a mapped run started before a recheck) cannot undo it
             if prev is None or prev["outcome"] not in ("killed", "timeout"):
                 last[rec["job_id"]] = rec
@@ -511,6 +516,23 @@ def run_mapped(workdir: Path, tmap: TestMap, trees: dict[str, ast.AST], m: dict,
     if mod not in trees:
         trees[mod] = ast.parse((workdir / mod).read_text())
     files = tmap.for_mutant(mod, enclosing_span(trees[mod], m["line"]))
+    quick = getattr(args, "quick", 0)
+    if quick and not files:
+        return {"job_id": m["job_id"], "phase": "quick", "tests": [], "seconds": 0, "diff": "", "outcome": "deferred",
+                "time": time.strftime("%H:%M:%S")}
+    if quick:
+        # the quick pass: the cheapest mapped tests up to `quick` mapped seconds (at least one);
+        # a kill stands, anything else is "deferred" to the full mapped run
+        chosen, total = [], 0.0
+        for t in files:
+            if chosen and total + tmap.seconds(t) > quick:
+                break
+            chosen.append(t)
+            total += tmap.seconds(t)
+        outcome, diff, tail, secs = apply_and_test(workdir, m, chosen, tmap, max(args.min_timeout, 4 * total + 120))
+        return {"job_id": m["job_id"], "phase": "quick", "tests": chosen, "seconds": round(secs, 1), "diff": diff,
+                "outcome": outcome if outcome in ("killed", "timeout", "no-mutation") else "deferred",
+                "time": time.strftime("%H:%M:%S")}
     if not files:
         import cosmic_ray.plugins
         from cosmic_ray.mutating import use_mutation
@@ -534,7 +556,8 @@ def run_mapped(workdir: Path, tmap: TestMap, trees: dict[str, ast.AST], m: dict,
 def cmd_run(args: argparse.Namespace) -> None:
     session = SESSIONS / args.session
     meta = json.loads((session / "meta.json").read_text())
-    lock = session / "run.pid"
+    worker, workers = (int(x) for x in args.worker.split("/")) if args.worker else (1, 1)
+    lock = session / (f"run.{worker}.pid" if workers > 1 else "run.pid")
     if lock.is_file():
         pid = int(lock.read_text() or 0)
         if pid and Path(f"/proc/{pid}").exists():
@@ -544,7 +567,24 @@ def cmd_run(args: argparse.Namespace) -> None:
     tmap = TestMap(meta["sha"])
     trees: dict[str, ast.AST] = {}
     done = load_results(session)
-    order = meta["order"]
+    order = [m for i, m in enumerate(meta["order"]) if i % workers == worker - 1]
+    if args.quick:
+        todo = [m for m in order if m["job_id"] not in done]
+        print(f"session {args.session}: quick pass over {len(todo)} mutants (worker {worker}/{workers}, mapped "
+              f"tests up to {args.quick:.0f} s each)", flush=True)
+        try:
+            for m in todo:
+                if m["job_id"] in load_results(session):
+                    continue
+                rec = run_mapped(workdir, TestMap(meta["sha"]), trees, m, args)
+                record(session, rec)
+                print(f"[quick {meta['order'].index(m) + 1}/{len(meta['order'])}] {m['module']}:{m['line']} "
+                      f"{m['operator'].split('/')[-1]}: {rec['outcome']} ({rec['seconds']} s, "
+                      f"{len(rec['tests'])} tests)", flush=True)
+        finally:
+            lock.unlink(missing_ok=True)
+        return
+    done = {k: v for k, v in done.items() if v["outcome"] != "deferred"}
     print(f"session {args.session}: {len(order)} mutants at {meta['sha'][:7]}, {len(done)} with a result; "
           f"map {'exact' if tmap.exact else 'module-level (made at another commit)'}", flush=True)
     try:
@@ -564,12 +604,13 @@ def cmd_run(args: argparse.Namespace) -> None:
                 deferred.clear()
                 continue
             for m in todo:
-                if m["job_id"] in load_results(session):  # recorded meanwhile (recheck)
-                    done[m["job_id"]] = load_results(session)[m["job_id"]]
+                now = load_results(session).get(m["job_id"])
+                if now is not None and now["outcome"] != "deferred":  # recorded meanwhile (recheck)
+                    done[m["job_id"]] = now
                     continue
                 tmap = tmap if tmap.complete else TestMap(meta["sha"])
                 rec = run_mapped(workdir, tmap, trees, m, args)
-                i = order.index(m) + 1
+                i = meta["order"].index(m) + 1
                 if rec["outcome"] == "survived" and not tmap.complete:
                     deferred.add(m["job_id"])
                     print(f"[{i}/{len(order)}] {m['module']}:{m['line']}: let through by the files mapped so far; "
@@ -655,7 +696,7 @@ def is_equivalent(m: dict, equivalents: list[tuple[str, int, str]]) -> bool:
 
 
 def final_outcome(m: dict, rec: dict | None, equivalents: list) -> str:
-    if rec is None:
+    if rec is None or rec["outcome"] == "deferred":
         return "pending"
     if rec["outcome"] in ("killed", "timeout"):
         return rec["outcome"]
@@ -678,6 +719,8 @@ def cmd_status(args: argparse.Namespace) -> None:
         table[m["module"]][out] += 1
         if out in ("survived", "full-suite queue"):
             survivors.append((m, done[m["job_id"]], out))
+        elif m["job_id"] in done:  # the quick pass let it through: a survivor candidate
+            survivors.append((m, done[m["job_id"]], "deferred by the quick pass"))
     cols = ("made",) + OUTCOMES
     head = f"{'module':40s}" + "".join(f"{c:>10s}" for c in ("made", "killed", "survived", "timeout", "equiv",
                                                                  "pending", "queue"))
@@ -731,6 +774,11 @@ def main() -> None:
     p.add_argument("--full-timeout", type=float, default=None, help="per-mutant limit for the whole suite, s "
                                                                     "(default 3x the map's summed seconds)")
     p.add_argument("--no-full-suite", action="store_true", help="stop after the mapped tests")
+    p.add_argument("--quick", type=float, default=0, help="a quick pass: each mutant not yet judged against its "
+                                                          "cheapest mapped tests up to this many mapped seconds; "
+                                                          "kills stand, the rest are left for a full run")
+    p.add_argument("--worker", default=None, help="I/N: this process runs every N-th mutant from the I-th, "
+                                                 "in its own --workdir (two cores: two workers)")
     p = sub.add_parser("recheck", help="run survivors against test files written since")
     p.add_argument("--session", default="sample")
     p.add_argument("--tests", nargs="*", help="test files (default: tests/test_mut_*.py, each against "
