@@ -149,9 +149,10 @@ def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
     ev = [e for e in s["adaptations"] if e["action"] == "set_mlx_cache_limit"]
     assert len(ev) == 1 and ev[0]["step"] == 1 and ev[0]["trigger"] == "measured_step_peak"
     b = ev[0]["before"]
-    from finetune.governor import MLX_MIN_CACHE_LIMIT
+    from finetune.backends import capabilities
 
-    assert ev[0]["after"]["cache_limit"] == max(MLX_MIN_CACHE_LIMIT, b["step_peak_allocated"] - b["allocated"])
+    floor = capabilities("mlx").min_cache_limit_bytes
+    assert ev[0]["after"]["cache_limit"] == max(floor, b["step_peak_allocated"] - b["allocated"])
     # far below the old rule (a quarter of the budget, here the machine's RAM)
     assert ev[0]["after"]["cache_limit"] < s["budget_bytes"] // 16
     assert s["memory"]["last"]["mlx_cache_limit_bytes"] == ev[0]["after"]["cache_limit"]

@@ -24,7 +24,8 @@ pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from finetune.backends.base import Comm
-from finetune.backends.mlx.runtime import MlxBackend, launcher_backend
+from finetune.backends.mlx.distributed import launcher_backend
+from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import ModelConfig
 from finetune.tiny import build_tiny
 

@@ -19,4 +19,10 @@ CAPABILITIES = Capabilities(
     nvml=True,  # CUDA devices have a driver-level view (NVML) beside the allocator
     cache_limit=False,  # torch's caching allocator has no cap on cached blocks to set
     strategies=("ddp", "fsdp"),  # under torchrun: replicated (gradient all-reduce) or FSDP2 fully_shard
+    chunked_loss_with_compile=False,  # the compiled loss traces the whole logits (runtime._compile_loss)
+    packed_block_mask=True,  # transformers builds it from position_ids for sdpa and eager
+    gpu_device="cuda",  # paged optimizer state in unified memory; backend.device_map=auto splits layers
+    adapter_format="peft",
+    # the event's name since the governor first set limits on mlx; kept so runs' files compare
+    limits_event="set_mlx_limits",
 )

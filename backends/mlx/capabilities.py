@@ -19,4 +19,14 @@ CAPABILITIES = Capabilities(
     nvml=False,
     cache_limit=True,  # mx.set_cache_limit: the governor sizes it from the measured step
     strategies=("ddp",),  # under mlx.launch: replicated, gradients summed with mx.distributed.all_sum
+    # memory.cache_limit=auto: never below MLX's own default cache (32 MiB, mlx allocator.cpp),
+    # so small steps keep the reuse they had
+    min_cache_limit_bytes=32 << 20,
+    # an Apple GPU: MLX reuses a freed Metal buffer only for a request within two pages of its
+    # size, so repeated shapes matter; mlx-lm pads the same way (finetune/data.py pad_multiple)
+    default_pad_multiple={"mlx:gpu": 32},
+    pre_quantized=True,  # mlx_lm.convert -q checkpoints: mlx_lm.load rebuilds their quantized layers
+    adapter_format="mlx",
+    limits_event="set_mlx_limits",
+    cache_limit_event="set_mlx_cache_limit",
 )

@@ -1,0 +1,35 @@
+"""``finetune mode=generate`` on the mlx backend: ``mlx_lm.generate``, with an mlx-lm adapter
+when one is given (``MlxBackend.generate`` calls it; finetune/generate.py holds the shared CLI
+and mode logic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.errors import UserError
+from finetune.backends.mlx.hfconfig import model_config
+
+
+def generate(model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+             seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
+    """The completion of ``prompt`` by the base in ``model_dir`` plus the mlx-lm ``adapter``:
+    greedy at ``temperature`` 0, sampled with ``seed`` otherwise."""
+    import mlx.core as mx
+    from mlx_lm import generate as mlx_generate
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load
+
+    if not any(model_dir.glob("*.safetensors")):
+        raise UserError(f"model.path={model_dir} has only pickle weights, which mlx-lm does not load (even with "
+                        "model.allow_pickle=true); convert them to safetensors, or use backend=cuda")
+    # mlx-lm reads model*.safetensors only; the tokenizer's own code runs only when trusted
+
+    model, tok = load(str(model_dir), adapter_path=str(adapter) if adapter is not None else None,
+                      model_config=model_config(model_dir),
+                      tokenizer_config={"trust_remote_code": trust_remote_code}, trust_remote_code=trust_remote_code)
+    if tok.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = tok.encode(prompt)
+    mx.random.seed(seed)
+    return mlx_generate(model, tok, ids, max_tokens=max_new_tokens, sampler=make_sampler(temp=temperature))
