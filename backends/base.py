@@ -142,6 +142,17 @@ class Capabilities:
     nvml: bool  # the device has a driver view (NVML) to reconcile with the allocator
     cache_limit: bool  # the allocator's cache can be capped (the governor sets it)
     strategies: tuple[str, ...] = ("ddp",)  # how several processes share one run (backend.strategy)
+    # What shared code would otherwise infer from the backend's name:
+    min_cache_limit_bytes: int = 0  # memory.cache_limit=auto never caps the cache below this
+    # train.pad_multiple=0 (auto), by run device (budget.run_device); 1 where a device is absent
+    default_pad_multiple: dict[str, int] = field(default_factory=dict)
+    chunked_loss_with_compile: bool = True  # train.loss_chunk and the target-row head survive train.compile
+    packed_block_mask: bool = False  # a packed row's attention is a [1, 1, T, T] bool block mask
+    pre_quantized: bool = False  # trains on a pre-quantized checkpoint (config.json 'quantization') as stored
+    gpu_device: str | None = None  # the run device whose optimizer state may page and whose layers may split
+    adapter_format: str = "peft"  # the adapter format its library loads (finetune.export's names)
+    limits_event: str = "set_memory_limits"  # the governor's event when it applies the budget's limits
+    cache_limit_event: str = "set_cache_limit"  # the governor's event when it caps the cache
 
     def choices(self, key: str) -> tuple[str, ...]:
         return {"method.name": self.methods, "optim.name": self.optimizers,
@@ -281,6 +292,19 @@ class Backend(Protocol):
     def set_memory_limits(self, budget_bytes: int) -> dict[str, Any]:
         """Apply a memory budget where the framework lets us (mlx: memory/cache/wired limits;
         cuda: per-process memory fraction). Return what was set, for the event log."""
+        ...
+
+    def generate(self, model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+                 seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
+        """``mode=generate``: the completion of ``prompt`` (through the tokenizer's chat template
+        where it has one) by the base in ``model_dir`` plus ``adapter`` (in
+        ``Capabilities.adapter_format``), greedy at ``temperature`` 0, else sampled with
+        ``seed``. Needs no setup(): it loads its own model with the framework's library."""
+        ...
+
+    def set_cache_limit(self, limit_bytes: int) -> int:
+        """Cap the bytes of freed buffers the allocator keeps for reuse; return the previous cap.
+        The governor calls it only where ``Capabilities.cache_limit`` says the cap exists."""
         ...
 
     def set_grad_checkpointing(self, enabled: bool) -> None:

@@ -749,9 +749,12 @@ def pad_multiple(cfg: Any) -> int:
     m = int(cfg.train.pad_multiple)
     if m:
         return m
-    from finetune.budget import apple_silicon
 
-    return 32 if apple_silicon() and cfg.backend.name in ("mlx", "auto") else 1
+    caps = capabilities(concrete_name(str(cfg.backend.name)))  # auto: mlx on Apple Silicon
+    if not caps.default_pad_multiple:
+        return 1  # no device of this backend pads by default: nothing to probe
+
+    return caps.default_pad_multiple.get(run_device(caps.name, str(cfg.backend.device)), 1)
 
 
 def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, dict[str, Any]]:

@@ -23,9 +23,6 @@ SWAP_GROWTH_BYTES = 256 << 20  # swap grown this much since the run started: we 
 PSI_SOME_AVG10 = 20.0  # % of the last 10 s some task stalled on memory (Linux PSI)
 FRAGMENTED_FRACTION = 0.25  # inactive split blocks / reserved
 FRAGMENTED_MIN_BYTES = 512 << 20
-# memory.cache_limit=auto: never cap MLX's cache below its own default (32 MiB, mlx
-# allocator.cpp), so small steps keep the reuse they had.
-MLX_MIN_CACHE_LIMIT = 32 << 20
 
 
 def smaller_divisor(n: int, below: int) -> int | None:
@@ -212,32 +209,31 @@ class Governor:
                         "the loss stays whole", want, why)
 
     def attach(self, backend: Any) -> None:
-        """Apply framework limits from the budget (MLX: memory and wired limits) and the cache
-        limit (``memory.cache_limit``: a size now, ``auto`` once step 1 is measured)."""
-        from finetune.backends import capabilities
-
+        """Apply the framework's limits from the budget (``Backend.set_memory_limits``) and the
+        cache limit (``memory.cache_limit``: a size now, ``auto`` once step 1 is measured)."""
         self.backend = backend
+        self.caps = capabilities(self.backend_name)
         if not self.adapt:
             return
         if self.budget_bytes:
             got = backend.set_memory_limits(self.budget_bytes)  # {} where the framework has none
             if got:  # {name: new, name_prev: old}
-                self._act(0, "budget", "set_mlx_limits", {k[:-5]: v for k, v in got.items() if k.endswith("_prev")},
+                self._act(0, "budget", self.caps.limits_event,
+                          {k[:-5]: v for k, v in got.items() if k.endswith("_prev")},
                           {k: v for k, v in got.items() if not k.endswith("_prev")})
         want = self.cfg.memory.cache_limit
-        if want is None or not capabilities(self.backend_name).cache_limit:
+        if want is None or not self.caps.cache_limit:
             return
         if str(want) == "auto":
             self._cache_limit_pending = True
             return
-        from finetune.budget import parse_budget
 
         limit = parse_budget(want, self.budget_bytes)
         prev = backend.set_cache_limit(limit)
-        self._act(0, "memory.cache_limit", "set_mlx_cache_limit", {"cache_limit": prev}, {"cache_limit": limit})
+        self._act(0, "memory.cache_limit", self.caps.cache_limit_event, {"cache_limit": prev}, {"cache_limit": limit})
 
     def _derive_cache_limit(self, step: int, sample: dict[str, Any]) -> None:
-        """memory.cache_limit=auto: cap MLX's cache at what one step frees and asks for again,
+        """memory.cache_limit=auto: cap the allocator's cache at what one step frees and asks for again,
         its measured peak above the bytes still live after it. A cache that size serves the
         next step of the same shape entirely from reuse; a larger one (the old default: a
         quarter of the budget) only holds buffers of shapes that do not come back."""
@@ -245,11 +241,11 @@ class Governor:
         if peak is None or live is None:
             return
         self._cache_limit_pending = False
-        limit = max(MLX_MIN_CACHE_LIMIT, int(peak) - int(live))
+        limit = max(self.caps.min_cache_limit_bytes, int(peak) - int(live))
         if self.budget_bytes:
             limit = min(limit, self.budget_bytes)
         prev = self.backend.set_cache_limit(limit)
-        self._act(step, "measured_step_peak", "set_mlx_cache_limit",
+        self._act(step, "measured_step_peak", self.caps.cache_limit_event,
                   {"cache_limit": prev, "step_peak_allocated": int(peak), "allocated": int(live)},
                   {"cache_limit": limit})
 

@@ -105,15 +105,20 @@ def check_model(hf: dict[str, Any], seq_len: int) -> None:
 def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
     """An MLX pre-quantized checkpoint: transformers cannot load it."""
     if quant:
-        raise UserError(f"model.path={_get(_get(cfg, 'model'), 'path')} is MLX-quantized ({quant['bits']}-bit, "
+        raise UserError(f"model.path={cfg_get(cfg_get(cfg, 'model'), 'path')} is MLX-quantized ({quant['bits']}-bit, "
                         "config.json 'quantization'), which transformers cannot load; use backend=mlx, "
                         "or the unquantized checkpoint with method=qlora")
 
 
+def packed_attention(s: Setup) -> str:
+    """The attention path that keeps packed samples apart, in words (the runtime's own)."""
+    if s.attn.startswith("flash"):
+        return "flash_attention_2 varlen (cu_seqlens from position_ids)"
+    return f"{s.attn} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
+
+
 def run_device(device: str = "auto") -> str:
     """``backend.device`` -> "cuda" or "cpu": auto is a GPU where NVML sees one."""
-    from finetune.budget import cuda_devices
-
     if device == "auto":
         return "cuda" if cuda_devices()[0] > 0 else "cpu"
     return "cuda" if device.startswith("cuda") else "cpu"

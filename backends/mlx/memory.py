@@ -100,17 +100,18 @@ def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
     """A pre-quantized checkpoint trains as mlx-lm trains it: nothing to refuse."""
 
 
+def packed_attention(s: Any) -> str:
+    """The attention path that keeps packed samples apart, in words (the runtime's own)."""
+    return "mx.fast.scaled_dot_product_attention with a block-diagonal causal bool mask; RoPE per token"
+
+
 def run_device(device: str = "auto") -> str:
     """"mlx:gpu" on Apple Silicon (Metal), "mlx:cpu" elsewhere (mlx[cpu])."""
-    from finetune.budget import apple_silicon
-
     return "mlx:gpu" if apple_silicon() else "mlx:cpu"
 
 
 def device_memory(device: str) -> Any:
     """Unified memory: Metal's recommended working set on an Apple GPU, else the host's RAM."""
-    from finetune.budget import DeviceMemory, apple_working_set, host_memory
-
     if device == "mlx:gpu":
         total, source, est = apple_working_set()
         return DeviceMemory(total, 1, source, est)

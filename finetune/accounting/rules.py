@@ -10,7 +10,7 @@ swapped) are explained exactly as live ones.
 from __future__ import annotations
 
 from collections.abc import Callable
-import statistics
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -222,64 +222,14 @@ def rule_cache_growth(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> lis
     if slope_r < ctx["leak_min_bytes_per_step"] or up < 0.5 or slope_a > 0.25 * slope_r:
         return []
     last = pts[-1]
-    mlx = last.get("backend") == "mlx" or last.get("mlx_cache") is not None
-    limit = last.get("mlx_cache_limit") if mlx else None
+    words = allocator_words(last)
+    limit = last.get(words.cache_limit_key) if words.cache_limit_key else None
     text = (f"Reserved grows by {fd(slope_r)} per step (linear fit over steps {pts[0]['step']}-{last['step']}, "
             f"now {fb(last['reserved'])}) while allocated stays near {fb(last['allocated'])} "
             f"({fd(slope_a)} per step): ")
-    if mlx:
-        text += ("MLX keeps freed buffers of each new size in its cache (batches of varying length need new "
-                 "sizes), so this is cache, not live data"
-                 + (f"; it can grow up to the cache limit {fb(limit)}, which memory.budget sets" if limit else "")
-                 + ".")
-    else:
-        text += ("the caching allocator keeps blocks of each new size (batches of varying length), so this is "
-                 "cache, not live data; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets blocks be reused "
-                 "across sizes.")
+    text += words.cache_growth(limit)
     return [_ex("cache_growth", "info", text, reserved_bytes_per_step=slope_r, allocated_bytes_per_step=slope_a,
                 reserved=last["reserved"], allocated=last["allocated"], cache_limit=limit)]
-
-
-def rule_non_allocator(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
-    """NVML's used memory beyond the allocator's reserved, split into known parts."""
-    cands = [s for s in samples if s.get("non_allocator") is not None]
-    if not cands:
-        return []
-    # the samples that read NVML (between readings a sample carries the last gap)
-    cands = [s for s in cands if s.get("system_fresh", True)] or cands
-    opt = [s for s in cands if s["phase"] == "optimizer"]
-    s = (opt or cands)[-1]
-    na, used, res = s["non_allocator"], s["device_used"], s["reserved"]
-    paged, ctxb, other = s.get("paged_optimizer_state"), s.get("cuda_context"), s.get("other_processes_used")
-    un = s.get("non_allocator_unexplained")
-    ndev = len(s.get("devices") or [])
-    text = (f"NVML reports {fb(used)} used on {'the device' if ndev <= 1 else f'{ndev} devices'} {_where(s)}, "
-            f"{fb(na)} more than the allocator's reserved {fb(res)}")
-    parts = []
-    if paged:
-        parts.append(f"{fb(paged)} is paged optimizer state in unified memory (bitsandbytes, outside the allocator)")
-    if ctxb is not None:
-        parts.append(f"{fb(ctxb)} the CUDA context (measured when it was created)")
-    if other is not None:
-        parts.append(f"{fb(other)} other processes on the device")
-    if parts:
-        text += "; of that, " + ", ".join(parts)
-    proc = s.get("process_device_used")
-    if un is not None and un >= 0:
-        text += (f", and {fb(un)} is unexplained" + (" (the CUDA context was not measured: it is part of this)"
-                                                     if ctxb is None else
-                                                     " (kernels CUDA loads on first use and library handles grow "
-                                                     "the context after it was measured)"))
-    elif un is not None:
-        text += (f"; the known parts exceed the gap by {fb(-un)}: part of the paged state is resident "
-                 "in host memory, not on the device")
-    if proc is not None:
-        text += (f". NVML attributes {fb(proc)} to this process, {fb(proc - res)} beyond its reserved "
-                 "(context, libraries' workspaces, resident paged memory)")
-    sev = "warning" if un is not None and un > ctx["unexplained_warn_bytes"] else "info"
-    return [_ex("non_allocator", sev, text + ".", device_used=used, reserved=res, non_allocator=na,
-                paged_optimizer_state=paged, cuda_context=ctxb, other_processes=other, unexplained=un,
-                process_device_used=proc)]
 
 
 def rule_fragmentation(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
@@ -295,18 +245,9 @@ def rule_fragmentation(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> li
     if excess < max(ctx["frag_min_bytes"], ctx["frag_min_fraction"] * res):
         return []
     split = s.get("inactive_split")
-    mlx = s.get("backend") == "mlx" or s.get("mlx_cache") is not None
     text = (f"Reserved {fb(res)} is {fb(res - al)} above allocated {fb(al)} {_where(s)}"
             + (f" and {fb(excess)} above the step peak {fb(peak)}" if peak else "") + ": ")
-    if mlx:
-        text += ("MLX keeps freed buffers in its cache for reuse; mx.set_cache_limit (or memory.budget, which "
-                 "sets it) caps it, and mx.clear_cache returns it.")
-    else:
-        text += "the caching allocator holds freed blocks that this process reuses but no one else can"
-        if split:
-            text += (f"; {fb(split)} are inactive split blocks (fragmentation): "
-                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces it")
-        text += "."
+    text += allocator_words(s).fragmentation(split)
     sev = "warning" if split and split > max(ctx["frag_min_bytes"], 0.1 * res) else "info"
     return [_ex("fragmentation", sev, text, reserved=res, allocated=al, step_peak_allocated=peak,
                 excess_over_peak=excess, inactive_split=split)]
@@ -367,70 +308,6 @@ def _governor_said(ctx: dict[str, Any], from_step: int) -> str:
     return "the governor " + ", then ".join(said)
 
 
-def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
-    """MLX (unified memory) peak above the machine's RAM or Metal's recommended working set:
-    what the OS did about it (footprint, compression, swap), what it cost in step time (the
-    run's own timings, steps that swapped against those that did not) and what the governor did."""
-    if not any(s.get("backend") == "mlx" or s.get("mlx_peak") is not None for s in samples):
-        return []
-    p1, at1 = _max_of(samples, "mlx_peak")
-    p2, at2 = _max_of(samples, "peak_allocated")
-    peak, at = (p1, at1) if (p1 or 0) >= (p2 or 0) else (p2, at2)
-    if peak is None or at is None:
-        return []
-    ram = ctx.get("system_total") or at.get("system_total")
-    rws = _max_of(samples, "mlx_recommended_working_set")[0]
-    over_ram = bool(ram and peak > ram)
-    if not over_ram and not (rws and peak > rws):
-        return []
-    swap = _max_of(samples, "swap_growth")[0]
-    footprint = _max_of(samples, "phys_footprint")[0]
-    compressed = _max_of(samples, "compressed")[0]
-    swapping, swapped_out = _swapping_steps(samples)
-    times = _step_times(samples)
-    fix = ("lower train.batch_size (raising train.grad_accum keeps the batch) or train.seq_len, turn on "
-           "train.grad_checkpointing, or set memory.budget so the governor does it")
-    if over_ram:
-        text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above the {fb(ram)} of RAM by {fb(peak - ram)}: "
-                "unified memory cannot hold it, so the OS kept the run going by compressing and swapping")
-        rule = "mlx_peak_over_ram"
-    else:
-        text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above Metal's recommended working set "
-                f"{fb(rws)} by {fb(peak - rws)}" + (f" (RAM {fb(ram)})" if ram else "")
-                + ": the GPU may have to page memory")
-        rule = "mlx_peak_over_working_set"
-    seen = []
-    if footprint is not None:
-        seen.append(f"charged the process a footprint of {fb(footprint)}")
-    if compressed:
-        seen.append(f"held {fb(compressed)} compressed")
-    if swapped_out:
-        seen.append(f"swapped {fb(swapped_out)} out to disk")
-    elif swap:
-        seen.append(f"grew swap by {fb(swap)}")
-    if seen:
-        text += "; the OS " + ", ".join(seen)
-    figs: dict[str, Any] = {"peak": peak, "ram": ram, "over": peak - (ram if over_ram else rws),
-                            "recommended_working_set": rws, "phys_footprint": footprint, "compressed": compressed,
-                            "swapped_out": swapped_out, "swap_growth": swap}
-    slow = [times[st] for st in sorted(swapping) if st in times]
-    calm = [t for st, t in times.items() if st not in swapping and st > 2]  # steps 1-2 include warm-up
-    if slow and calm:
-        ms, mc = statistics.median(slow), statistics.median(calm)
-        ratio = ms / mc if mc > 0 else None
-        slowed = ratio is not None and ratio > 1.1
-        text += (f". In the {len(slow)} step(s) where it swapped a step took {ms:.2f} s against {mc:.2f} s in the "
-                 f"{len(calm)} others" + (f" ({ratio:.2f}x): training slowed" if slowed else ": training did not slow"))
-        figs.update(swapping_steps_count=len(slow), step_ms_swapping=ms * 1000, step_ms_other=mc * 1000,
-                    slowdown_pct=(ratio - 1) * 100 if ratio else None)
-    elif swapping:
-        text += f". The OS swapped in {len(swapping)} step(s)"
-        figs["swapping_steps_count"] = len(swapping)
-    first = min(swapping) if swapping else at["step"]
-    text += f"; {_governor_said(ctx, first)}. To stay in RAM: {fix}."
-    return [_ex(rule, "warning", text, **figs)]
-
-
 def rule_swap(samples: list[dict[str, Any]], ctx: dict[str, Any], skip: bool = False) -> list[Explanation]:
     """System swap that grew during the run; peak RSS above physical memory."""
     g, at = _max_of(samples, "swap_growth")
@@ -449,21 +326,6 @@ def rule_swap(samples: list[dict[str, Any]], ctx: dict[str, Any], skip: bool = F
         text += f"; {fb(pswap)} of this process is in swap"
     text += ": the OS moved memory pages to disk, so expect slow steps."
     return [_ex("swap_growth", "warning", text, **figs)]
-
-
-def rule_allocator_retries(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
-    """cudaMalloc retries (the allocator freed its cache to satisfy a request) and OOMs."""
-    if not samples:
-        return []
-    s = samples[-1]
-    r, o = s.get("alloc_retries") or s.get("num_alloc_retries"), s.get("num_ooms")
-    if not r and not o:
-        return []
-    text = ((f"The CUDA caching allocator had to free its cache and retry an allocation {r} time(s)" if r else
-             "The CUDA allocator")
-            + (f" and hit {o} out-of-memory error(s)" if o else "")
-            + f" by {_where(s)}: the run is at the edge of device memory; each retry synchronizes and slows the step.")
-    return [_ex("allocator_retries", "warning", text, alloc_retries_count=r, num_ooms_count=o)]
 
 
 def rule_pressure(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
@@ -527,11 +389,64 @@ def rule_peak(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explan
                 **{k: v for k, v in c.items() if v is not None})]
 
 
-RULES: list[Callable[[list[dict[str, Any]], dict[str, Any]], list[Explanation]]] = [
-    rule_peak, rule_lazy_optimizer_state, rule_step_growth, rule_leak, rule_cache_growth, rule_non_allocator,
-    rule_fragmentation,
-    rule_allocator_retries, rule_census_mismatch, rule_pressure,
+# ---- the registry: each backend's rules module (backends/<name>/rules.py) adds its own ----------
+Rule = Callable[[list[dict[str, Any]], dict[str, Any]], list[Explanation]]
+
+RULES: list[Rule] = [
+    rule_peak, rule_lazy_optimizer_state, rule_step_growth, rule_leak, rule_cache_growth, rule_fragmentation,
+    rule_census_mismatch, rule_pressure,
 ]
+SWAP_EXPLAINED_BY: set[str] = set()  # explanations that already tell the swap story (rule_swap stays quiet)
+
+
+@dataclass(frozen=True)
+class AllocatorWords:
+    """How one backend's allocator cache reads in the shared rules (cache growth, fragmentation)."""
+
+    backend: str  # the samples' "backend"
+    marker: str | None  # a sample key only this backend writes (for samples without "backend")
+    cache_limit_key: str | None  # the sample key of the cache's cap, where one exists
+    cache_growth: Callable[[int | None], str]  # the cap (or None) -> the sentence's end
+    fragmentation: Callable[[int | None], str]  # inactive split bytes (or None) -> the sentence's end
+
+
+ALLOCATOR_WORDS: list[AllocatorWords] = []
+_FALLBACK_WORDS: list[AllocatorWords] = []  # for a sample no backend claims
+
+
+def register(rule: Rule, after: Rule, explains_swap: tuple[str, ...] = ()) -> None:
+    """Add a backend's ``rule`` to the explanations, right after ``after`` (once).
+    ``explains_swap``: the rule ids of its explanations that make ``rule_swap`` redundant."""
+    if rule not in RULES:
+        RULES.insert(RULES.index(after) + 1, rule)
+    SWAP_EXPLAINED_BY.update(explains_swap)
+
+
+def register_allocator_words(words: AllocatorWords, fallback: bool = False) -> None:
+    """Add a backend's allocator wording; ``fallback``: also the words for unclaimed samples."""
+    if words not in ALLOCATOR_WORDS:
+        ALLOCATOR_WORDS.append(words)
+    if fallback and not _FALLBACK_WORDS:
+        _FALLBACK_WORDS.append(words)
+
+
+def allocator_words(s: dict[str, Any]) -> AllocatorWords:
+    """The wording of the backend that recorded ``s`` (its "backend", else a key only it writes)."""
+    _load_backend_rules()
+    for w in ALLOCATOR_WORDS:
+        if s.get("backend") == w.backend or (w.marker is not None and s.get(w.marker) is not None):
+            return w
+    return _FALLBACK_WORDS[0]
+
+
+def _load_backend_rules() -> None:
+    """Import each backend's rules module (torch- and mlx-free); each registers itself."""
+    import importlib
+
+    from finetune.backends import BACKENDS
+
+    for name in BACKENDS:
+        importlib.import_module(f"finetune.backends.{name}.rules")
 
 
 def explain(samples: list[dict[str, Any]], context: dict[str, Any] | None = None) -> list[Explanation]:
@@ -548,10 +463,9 @@ def explain(samples: list[dict[str, Any]], context: dict[str, Any] | None = None
     samples = [s for s in samples if s]
     if not samples:
         return []
+    _load_backend_rules()
     out: list[Explanation] = []
     for rule in RULES:
         out.extend(rule(samples, ctx))
-    mlx = rule_mlx_peak_over_ram(samples, ctx)
-    out.extend(mlx)
-    out.extend(rule_swap(samples, ctx, skip=bool(mlx and mlx[0]["rule"] == "mlx_peak_over_ram")))
+    out.extend(rule_swap(samples, ctx, skip=any(e["rule"] in SWAP_EXPLAINED_BY for e in out)))
     return out

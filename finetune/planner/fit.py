@@ -34,7 +34,7 @@ def chunk_lever_ok(cfg: Any, s: Setup) -> bool:
     refusals the runtimes give a user who sets it."""
     compiled = bool(_get(_get(cfg, "train"), "compile", False))
     return (not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1)
-            and not (s.backend == "cuda" and compiled))
+            and not (compiled and not capabilities(s.backend).chunked_loss_with_compile))
 
 def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
@@ -66,7 +66,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
     caps = capabilities(s.backend)
     if s.optim in ("adamw", "adam") and "adamw_8bit" in caps.optimizers:
         trial("optim=adamw_8bit", optim="adamw_8bit")
-        if s.device == "cuda" and "paged_adamw_8bit" in caps.optimizers:
+        if s.device == caps.gpu_device and "paged_adamw_8bit" in caps.optimizers:
             trial("optim=paged_adamw_8bit", optim="paged_adamw_8bit")
     qlora = memory_model(s.backend).qlora_lever(arch, s) if "qlora" in caps.methods else None
     if qlora is not None:
@@ -87,7 +87,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
         if best:
             p = _core(arch, _setup_with(s, lora_layers=tuple(range(arch.layers - best, arch.layers))))
             out.append({"change": f"method.lora.num_layers={best}", "peak_bytes": p["max_device_peak_bytes"]})
-    if s.device == "cuda" and s.world_size == 1:
+    if s.device == caps.gpu_device and s.world_size == 1:
         # more GPUs: device_map=auto splits the layers over them (a model whose weights alone
         # exceed one device, e.g. an MoE's experts, fits no other way)
         for n in (2, 3, 4, 5, 6, 8, 12, 16):

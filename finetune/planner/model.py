@@ -177,11 +177,10 @@ def _packed_setup(setup: Setup, cfg: Any, state: Any, seq_len: int | None) -> No
     ``tokens_per_micro``; the row's block mask is a [1, 1, T, T] bool on cuda (transformers
     builds it from position_ids for sdpa and eager). The head runs on target rows unless the
     cuda loss is compiled or sharded (backends/cuda/runtime.py _loss_sum)."""
-    from finetune.state import tokens_per_micro
-
     t = _get(cfg, "train")
-    if setup.backend == "cuda" and (bool(_get(t, "compile", False)) or
-                                    (setup.strategy == "fsdp" and setup.world_size > 1)):
+    caps = capabilities(setup.backend)
+    if not caps.chunked_loss_with_compile and (bool(_get(t, "compile", False)) or
+                                               (setup.strategy == "fsdp" and setup.world_size > 1)):
         setup.target_head = False
     tokens = state.tokens_per_micro if state is not None else tokens_per_micro(cfg)
     if not tokens:
@@ -192,7 +191,7 @@ def _packed_setup(setup: Setup, cfg: Any, state: Any, seq_len: int | None) -> No
     # micro-batches per step: the step's samples at the widest over the packed width (at
     # least 2 wherever they do not fit one: gradients then accumulate)
     setup.grad_accum = max(1, -(-effective * int(_get(t, "seq_len", 256)) // tokens))
-    setup.padding_mask = setup.backend == "cuda"
+    setup.padding_mask = caps.packed_block_mask
 
 
 def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
@@ -265,7 +264,8 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
         ckpt=state.grad_checkpointing if state is not None else bool(_get(t, "grad_checkpointing", False)), attn=attn,
         momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
         budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
-        pre_quant=pre_quant if backend == "mlx" else None, world_size=world_size, strategy=strategy,
+        pre_quant=pre_quant if capabilities(backend).pre_quantized else None, world_size=world_size,
+        strategy=strategy,
         loss_chunk=state.loss_chunk if state is not None else int(_get(t, "loss_chunk", 0) or 0),
         padding_mask=bool(_get(model_cfg, "trust_remote_code", False)),
     )

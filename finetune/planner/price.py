@@ -113,8 +113,8 @@ def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
     """Price one setup: categories, steady state, peak, per device."""
     tensors = inventory(arch, s)
     total, trainable = _count(tensors)
-    on_gpu = s.device == "cuda"
     mm = memory_model(s.backend)
+    on_gpu = s.device == capabilities(s.backend).gpu_device
     # What one rank holds (whole replicas, or FSDP's shards) and what its collectives add.
     held = mm.rank_tensors(tensors, s)
     buffers = mm.collective_buffers(tensors, s)

@@ -103,8 +103,9 @@ def format_table(plan: dict[str, Any]) -> str:
         lines += _rank_table(pr, plan.get("budget_bytes"))
     lines.append(f"  {'budget':32s}{_gib(plan.get('budget_bytes'))}  ({plan.get('budget_source')})")
     if plan.get("budget_bytes") is None:
-        where = "per GPU" if plan["device"] == "cuda" else "of this device"
-        lines.append(f"  fits is unknown: {'no CUDA device is visible here' if plan['device'] == 'cuda' else 'the device size is unknown'}; "
+        gpu = plan["device"] == capabilities(plan["backend"]).gpu_device
+        where = "per GPU" if gpu else "of this device"
+        lines.append(f"  fits is unknown: {'no CUDA device is visible here' if gpu else 'the device size is unknown'}; "
                      f"set memory.budget (bytes {where}), e.g. memory.budget=48GiB")
     rec = plan.get("recommendation")
     if rec:
