@@ -33,7 +33,12 @@ import torch
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.cuda.capabilities import CAPABILITIES
 
-from finetune.config import UserError
+from finetune.errors import UserError
+from finetune import precision as precision_mod, quiet
+from finetune.accounting.probes import NvmlProbe
+from finetune.model_source import stored_dtype, stored_quantization
+from finetune.planner.describe import EXPERTS, lora_keys
+from finetune.planner.model import attention, model_desc
 
 log = logging.getLogger("finetune")
 
@@ -75,7 +80,6 @@ def _measure_cuda_contexts(indices: list[int]) -> dict[int, int | None]:
     out: dict[int, int | None] = dict.fromkeys(indices)
     if torch.cuda.is_initialized():
         return out
-    from finetune.accounting.probes import NvmlProbe
 
     nvml = NvmlProbe()
     for i in indices:
@@ -285,15 +289,28 @@ class CudaBackend:
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
         """Load ``model_dir`` with transformers, apply method/precision/checkpointing, build the
-        optimizer. Raises UserError for a choice this backend cannot run here."""
-        from transformers import AutoModelForCausalLM
+        optimizer. Raises UserError for a choice this backend cannot run here.
 
+        The stages, in order (each refuses what it cannot run before the next one starts)."""
+        self._check_choices(cfg, model_dir)
+        device = self._place(cfg, model_dir)
+        torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
+        self._load(cfg, model_dir, device)
+        self._adapt(cfg)
+        self.model.train()  # dropout on; transformers checkpoints only in training mode
+        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+        if self.comm.world_size > 1:
+            self._distribute(cfg)
+        self._setup_loss(cfg)
+        trainable = self._setup_optimizer(cfg)
+        return self._model_info(cfg, model_dir, trainable)
+
+    def _check_choices(self, cfg: Any, model_dir: Path) -> None:
+        """Validation: method, optimizer and precision this backend runs, packing with the
+        model's own code, and a checkpoint transformers can load."""
         m, o, prec = cfg.method, cfg.optim, cfg.precision.name
         _choose("method", m.name, METHODS)
         _choose("optim", o.name, OPTIMIZERS)
-        from finetune import precision as precision_mod
-        from finetune.model_source import stored_dtype, stored_quantization
-
         _choose("precision", prec, tuple(CAPABILITIES.precisions))
         self.cfg, self.model_dir = cfg, Path(model_dir)
         mn = cfg.optim.max_grad_norm
@@ -306,26 +323,34 @@ class CudaBackend:
         if stored_quantization(cfg.model, model_dir):
             raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
                             "cannot load; use backend=mlx, or the unquantized checkpoint with method=qlora")
+
+    def _place(self, cfg: Any, model_dir: Path) -> torch.device:
+        """Dtypes (the ones the planner priced, finetune/precision.py) and the device; on a GPU
+        the CUDA context is measured before anything else touches CUDA in this process."""
+        prec = cfg.precision.name
         stored, _ = stored_dtype(cfg.model, model_dir)
-        # the same dtypes the planner priced (finetune/precision.py)
-        self.dtypes = precision_mod.resolve("cuda", prec, m.name, stored)
+        self.dtypes = precision_mod.resolve("cuda", prec, cfg.method.name, stored)
         device = _resolve_device(cfg.backend.device, self.comm.local_rank)
         if device.type == "cuda":  # before anything else touches CUDA in this process
             split_later = cfg.backend.device_map == "auto"
             self._contexts = _measure_cuda_contexts(list(range(torch.cuda.device_count())) if split_later
                                                     else [device.index or 0])
-        weight_dtype = _TORCH_DTYPES[self.dtypes.weights]
+        self.weight_dtype = _TORCH_DTYPES[self.dtypes.weights]
         self.autocast_dtype = _TORCH_DTYPES[self.dtypes.autocast] if self.dtypes.autocast else None
         self._check_precision("bf16-true" if prec == "auto" and self.dtypes.weights == "bfloat16" else prec, device)
-        torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
+        return device
 
+    def _load(self, cfg: Any, model_dir: Path, device: torch.device) -> None:
+        """The base model through ``from_pretrained`` on ``device`` (or split over the GPUs),
+        4-bit quantized there for qlora."""
+        from transformers import AutoModelForCausalLM
+
+        m = cfg.method
         _check_architecture(model_dir, bool(cfg.model.trust_remote_code))
-        from finetune.planner.model import attention, model_desc
-
         self.desc = model_desc(cfg.model, model_dir)
         wanted = str(cfg.backend.attn_implementation)
         attention(self.desc, wanted)  # refuses, in one line, an attention this model does not run
-        kwargs: dict[str, Any] = {"dtype": weight_dtype,
+        kwargs: dict[str, Any] = {"dtype": self.weight_dtype,
                                   # auto: transformers' own choice for the model
                                   "attn_implementation": None if wanted == "auto" else wanted,
                                   # the repository's own Python runs only when the user said so
@@ -336,8 +361,7 @@ class CudaBackend:
         split = cfg.backend.device_map == "auto" and device.type == "cuda"
         kwargs["device_map"] = "auto" if split else {"": str(device)}
         if m.name == "qlora":
-            kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or weight_dtype)
-        from finetune import quiet
+            kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or self.weight_dtype)
 
         quiet.no_loading_bar()
         try:
@@ -357,15 +381,18 @@ class CudaBackend:
             for mod in hf.modules():
                 if hasattr(mod, "support_avx512bf16_for_cpu"):
                     mod.support_avx512bf16_for_cpu = False
+
+    def _adapt(self, cfg: Any) -> None:
+        """method=full trains every weight; the others wrap the model in PEFT adapters."""
+        m = cfg.method
         if m.name == "full":
-            hf.requires_grad_(True)
-            self.model = hf
+            self.hf.requires_grad_(True)
+            self.model = self.hf
         else:
-            self.model = self._add_adapters(hf, m, prec, self.desc)
-        self.model.train()  # dropout on; transformers checkpoints only in training mode
-        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
-        if self.comm.world_size > 1:
-            self._distribute(cfg)
+            self.model = self._add_adapters(self.hf, m, cfg.precision.name, self.desc)
+
+    def _setup_loss(self, cfg: Any) -> None:
+        """train.loss_chunk (refused under FSDP shards) and train.compile's compiled loss."""
         self._loss_chunk = int(getattr(cfg.train, "loss_chunk", 0) or 0)
         if self._loss_chunk and self.sharded:
             raise UserError("train.loss_chunk calls the output head outside FSDP's forward, where its weights are "
@@ -373,16 +400,22 @@ class CudaBackend:
         if getattr(cfg.train, "compile", False):
             self._compiled_loss = _compile_loss(self.device, self._loss_chunk, self.strategy)
 
+    def _setup_optimizer(self, cfg: Any) -> list[torch.nn.Parameter]:
+        """The optimizer over the trainable parameters (returned), and fp16's grad scaler."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = _build_optimizer(o, trainable)
+        self.optimizer = _build_optimizer(cfg.optim, trainable)
         if self.autocast_dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(self.device.type)
+        return trainable
+
+    def _model_info(self, cfg: Any, model_dir: Path, trainable: list[torch.nn.Parameter]) -> ModelInfo:
+        m, prec = cfg.method, cfg.precision.name
         devices = sorted({str(p.device) for p in self.model.parameters()})
         return ModelInfo(
             params_total=sum(_logical_numel(p) for p in self.model.parameters()),
             params_trainable=sum(p.numel() for p in trainable),
             device=str(self.device),
-            dtype=m.quant_type if m.name == "qlora" else _dtype_name(weight_dtype),
+            dtype=m.quant_type if m.name == "qlora" else _dtype_name(self.weight_dtype),
             model_path=str(Path(model_dir).resolve()),
             extra={"devices": devices, "precision": prec, "dtypes": self.dtypes.__dict__,
                    "optimizer": type(self.optimizer).__name__,
@@ -446,8 +479,6 @@ class CudaBackend:
         ``method.lora.keys`` (what the planner counted): modules by name, and the stacked expert
         parameters of an MoE model through ``target_parameters`` when ``experts`` is asked for."""
         from peft import LoraConfig, get_peft_model
-
-        from finetune.planner.describe import EXPERTS, lora_keys
 
         lc = m.lora
         n_layers = hf.config.num_hidden_layers
@@ -858,5 +889,18 @@ class CudaBackend:
             return {}
         return {"per_process_memory_fraction": fractions, "budget_bytes": int(budget_bytes)}
 
+    def set_cache_limit(self, limit_bytes: int) -> int:
+        """torch's caching allocator has no cap on its cached blocks (``Capabilities.cache_limit``
+        is False, so the governor never calls this)."""
+        raise NotImplementedError("torch's caching allocator has no cache limit to set")
 
-BACKEND = CudaBackend  # what finetune.backends.get_backend instantiates
+    def generate(self, model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+                 seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
+        """``mode=generate`` with the library's own generation (backends/cuda/generate.py)."""
+        from finetune.backends.cuda.generate import generate
+
+        return generate(model_dir, adapter, prompt, max_new_tokens, temperature, seed,
+                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+
+
+BACKEND = CudaBackend  # what finetune.backends.runtimes.get_backend instantiates

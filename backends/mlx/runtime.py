@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import pickle
-import re
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,11 +27,20 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.mlx import distributed
 from finetune.backends.mlx.capabilities import CAPABILITIES
+from finetune.backends.mlx.distributed import sum_over_ranks
 from mlx import nn
-from mlx.utils import tree_flatten, tree_map, tree_map_with_path, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from finetune.config import UserError, check_backend_support
+from finetune.config import check_backend_support
+from finetune.errors import UserError
+from finetune import precision as precision_mod
+from finetune.backends.mlx.generate import generate
+from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
+from finetune.model_source import stored_dtype, stored_quantization
+from finetune.planner.describe import EXPERTS, lora_keys
+from finetune.planner.model import model_desc
 
 log = logging.getLogger("finetune")
 
@@ -104,108 +109,6 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[Any], optim.Optimizer]] = {
 }
 
 
-# ---- several processes (mlx.launch) --------------------------------------------------------
-# What each mx.distributed backend's launcher leaves in the environment (mlx's
-# _distributed_utils/launch.py): ring writes the hosts' "ip:port" lists to a temporary file
-# named by MLX_HOSTFILE (an empty file under -n 1: one process) and sets MLX_RANK; jaccl
-# (Thunderbolt RDMA, macOS 26.2+) sets MLX_IBV_DEVICES and MLX_JACCL_COORDINATOR; mpirun
-# sets OMPI_COMM_WORLD_SIZE.
-_FIXES = {
-    "ring": "check that every host in the hostfile reaches the others at the IPs listed, that the ports are "
-            "free (mlx.launch -p PORT picks others) and that every rank runs the same command",
-    "jaccl": "check the hostfile's rdma devices (mlx.distributed_config --backend jaccl) and that rank 0's IP "
-             "is reachable from every host",
-    "mpi": "check that mpirun reaches every host and that MLX finds libmpi (mlx.launch --backend mpi)",
-}
-
-
-def launcher_backend(env: dict[str, str] | None = None) -> str | None:
-    """The mx.distributed backend whose launcher started this process with more than one rank,
-    or None (no launcher, or ``mlx.launch -n 1``)."""
-    env = os.environ if env is None else env
-    if env.get("MLX_IBV_DEVICES") and "MLX_RANK" in env:
-        return "jaccl"
-    hostfile = env.get("MLX_HOSTFILE")
-    if hostfile and "MLX_RANK" in env:
-        try:
-            one_process = not Path(hostfile).read_text().strip()  # -n 1: mlx.launch writes ""
-        except OSError:
-            one_process = False  # let init fail on it, with the fix named
-        return None if one_process else "ring"
-    if int(env.get("OMPI_COMM_WORLD_SIZE") or 1) > 1:
-        return "mpi"
-    return None
-
-
-class MlxComm(Comm):
-    """The ranks of an ``mx.distributed`` group. Values cross as raw bytes (float64 packed into
-    uint8 and all-gathered, then reduced here in rank order), so a reduction is exact and gives
-    the same number on every rank, where mlx's own all_sum would round through float32."""
-
-    def __init__(self, group: Any, kind: str) -> None:
-        self.group = group
-        self.rank, self.world_size = int(group.rank()), int(group.size())
-        self.kind = kind
-        self.hosts: list[str] = self.all_gather_object(socket.gethostname())
-        self.local_rank = self.hosts[: self.rank].count(self.hosts[self.rank])
-        n_hosts = len(dict.fromkeys(self.hosts))
-        self.description = f"mx.distributed {kind}: {self.world_size} processes on {n_hosts} host(s)"
-
-    def _gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data`` (the same length on every rank), at index = rank."""
-        out = mx.distributed.all_gather(mx.array(np.frombuffer(data, np.uint8)), group=self.group)
-        rows = np.asarray(out).reshape(self.world_size, len(data))
-        return [r.tobytes() for r in rows]
-
-    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        if op not in ("sum", "max"):
-            raise ValueError(f"all_reduce op={op!r}; choose sum or max")
-        if not values:
-            return []
-        rows = [np.frombuffer(b, np.float64) for b in self._gather_bytes(np.asarray(values, np.float64).tobytes())]
-        acc = rows[0].copy()
-        for r in rows[1:]:  # rank order: the same float sum on every rank
-            acc = acc + r if op == "sum" else np.maximum(acc, r)
-        return [float(v) for v in acc]
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        data = pickle.dumps(obj)
-        lengths = [int(np.frombuffer(b, np.int64)[0]) for b in self._gather_bytes(np.int64(len(data)).tobytes())]
-        padded = self._gather_bytes(data + bytes(max(lengths) - len(data)))
-        return [pickle.loads(b[:n]) for b, n in zip(padded, lengths)]
-
-    def barrier(self) -> None:
-        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=self.group))
-
-    def close(self) -> None:
-        """mx.distributed has no call to leave a group: its sockets close with the process."""
-
-
-def sum_over_ranks(tree: Any, group: Any, chunk_bytes: int = 32 * 2**20) -> Any:
-    """``tree`` summed elementwise over the ranks of ``group``: consecutive arrays of one dtype
-    are flattened into chunks of about ``chunk_bytes`` (one all_sum per chunk, as mlx's
-    ``nn.average_gradients``, which mlx-lm's trainer uses), but summed, not averaged: the loop
-    scales every rank's loss by 1 / label tokens of the whole step, so the sum is the
-    one-process gradient."""
-    flat = tree_flatten(tree)
-    out: list[tuple[str, mx.array]] = []
-    i = 0
-    while i < len(flat):
-        j, size, dtype = i, 0, flat[i][1].dtype
-        while j < len(flat) and flat[j][1].dtype == dtype and (j == i or size + flat[j][1].nbytes <= chunk_bytes):
-            size += flat[j][1].nbytes
-            j += 1
-        chunk = flat[i:j]
-        if len(chunk) == 1:
-            out.append((chunk[0][0], mx.distributed.all_sum(chunk[0][1], group=group)))
-        else:
-            big = mx.distributed.all_sum(mx.concatenate([v.reshape(-1) for _, v in chunk]), group=group)
-            cuts = np.cumsum([v.size for _, v in chunk])[:-1].tolist()
-            out += [(k, part.reshape(v.shape)) for (k, v), part in zip(chunk, mx.split(big, cuts))]
-        i = j
-    return tree_unflatten(out)
-
-
 class MlxBackend:
     """One model, its adapters and its optimizer on MLX. See ``backends.base.Backend``."""
 
@@ -232,58 +135,73 @@ class MlxBackend:
     def connect(self, cfg: Any) -> Comm:
         """Join ``mx.distributed`` when ``mlx.launch`` (or mpirun) started this process as one of
         several ranks; otherwise stay one process (``Comm()``) and change nothing."""
-        kind = launcher_backend()
-        if kind is None:
-            self.comm = Comm()
-            return self.comm
-        try:
-            group = mx.distributed.init(strict=True, backend=kind)
-        except (RuntimeError, ValueError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            # the ring says "(error: 98)": add the errno's words (address in use, refused)
-            first = re.sub(r"\(error: (\d+)\)", lambda m: f"(error {m[1]}: {os.strerror(int(m[1]))})", first)
-            raise UserError(f"rank {os.environ.get('MLX_RANK', '?')}: mx.distributed.init(backend={kind}) failed "
-                            f"({first[:200]}); {_FIXES[kind]}") from None
-        self.comm = MlxComm(group, kind) if group.size() > 1 else Comm()
+        self.comm = distributed.join()
         return self.comm
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
-        from mlx_lm.tuner.utils import linear_to_lora_layers
-        from mlx_lm.utils import load
+        """Load ``model_dir`` with mlx-lm, cast, quantize, apply the method and checkpointing,
+        build the optimizer and the step. The stages, in order: each refuses what it cannot run
+        before the next one starts."""
+        self._check_choices(cfg, model_dir)
+        self._load(cfg, model_dir)
+        self._cast(cfg, model_dir)  # before quantizing, so the quantization scales get the dtype
+        self._quantize(cfg, model_dir)
+        self._adapt(cfg, model_dir)
+        if cfg.precision.name == "bf16-true":
+            self.model.set_dtype(mx.bfloat16)  # floating params only: packed quant weights stay uint32
+        mx.eval(self.model.parameters())
+        if self.comm.world_size > 1:
+            self._broadcast_trainable()
+        self.model.train()
+        self.optimizer = self._make_optimizer(cfg.optim)
+        self._setup_step(cfg)
+        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+        if _metal():  # MLX has no getter for the wired limit: read it once by a swap
+            self._wired_limit = mx.set_wired_limit(0)
+            mx.set_wired_limit(self._wired_limit)
+        return self._model_info(cfg)
 
-        method, prec, oname = cfg.method.name, cfg.precision.name, cfg.optim.name
+    def _check_choices(self, cfg: Any, model_dir: Path) -> None:
+        """Validation (the choices this backend runs, an architecture mlx-lm has), then seeding:
+        LoRA init draws from the global key."""
         check_backend_support("mlx", cfg)
-        self.cfg, self.model_dir, self.method = cfg, Path(model_dir), method
+        self.cfg, self.model_dir, self.method = cfg, Path(model_dir), cfg.method.name
         mn = cfg.optim.max_grad_norm
         self._max_norm = None if mn is None else float(mn)  # read once, not every step
         self.seed = int(cfg.train.seed)
         mx.random.seed(self.seed)  # LoRA init draws from the global key
-        from finetune.model_source import stored_quantization
-
         _check_architecture(model_dir)
-        trust = bool(cfg.model.trust_remote_code)  # the tokenizer's own code runs only when set
-        from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
 
+    def _load(self, cfg: Any, model_dir: Path) -> None:
+        """The base model and tokenizer through ``mlx_lm.load`` (a pre-quantized checkpoint
+        comes back with its quantized layers)."""
+        from mlx_lm.utils import load
+
+        trust = bool(cfg.model.trust_remote_code)  # the tokenizer's own code runs only when set
         # transformers-5 keys (rope_parameters, ...) in mlx-lm's words; refuses before any weights
         hf_keys = mlx_model_config(model_dir, seq_len=int(cfg.train.seq_len))
         model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
                                                         tokenizer_config={"trust_remote_code": trust},
                                                         trust_remote_code=trust)
         self.model = model
+
+    def _cast(self, cfg: Any, model_dir: Path) -> None:
+        """The weights' dtype the planner priced (finetune/precision.py)."""
+        prec, method = cfg.precision.name, cfg.method.name
         if prec == "32-true":
             # mlx_lm.load keeps a checkpoint's stored dtype (often bf16 on the hub); 32-true
             # means fp32 weights, and the planner counts them so. Before quantizing, so the
             # quantization scales are fp32 too. precision=auto keeps what was stored.
-            model.set_dtype(mx.float32)
+            self.model.set_dtype(mx.float32)
         elif prec == "auto" and method == "full":
-            from finetune import precision as precision_mod
-            from finetune.model_source import stored_dtype
-
             # the planner's rule (finetune/precision.py): an fp16 checkpoint trains in bf16
             if precision_mod.resolve("mlx", prec, method, stored_dtype(cfg.model, model_dir)[0]).weights == "bfloat16":
-                model.set_dtype(mx.bfloat16)
-        self._block_classes = [type(layer) for layer in model.layers]
+                self.model.set_dtype(mx.bfloat16)
+        self._block_classes = [type(layer) for layer in self.model.layers]
+
+    def _quantize(self, cfg: Any, model_dir: Path) -> None:
+        """A pre-quantized checkpoint stays as stored; method=qlora quantizes the base here."""
         self.quant: dict[str, int] | None = None
         stored_q = stored_quantization(cfg.model, model_dir)
         self.pre_quantized = stored_q is not None
@@ -292,60 +210,58 @@ class MlxBackend:
             # mlx_lm.load rebuilt its QuantizedLinear layers; LoRA trains on top of them, and
             # method=qlora has nothing more to quantize.
             self.quant = {"bits": stored_q["bits"], "group_size": stored_q["group_size"]}
-        elif method == "qlora":
+        elif cfg.method.name == "qlora":
             self.quant = {"bits": int(cfg.method.quant_bits), "group_size": int(cfg.method.quant_group_size)}
             g = self.quant["group_size"]
             # As mlx_lm.utils.quantize_model: layers whose input width the group does not
             # divide stay in full precision.
-            nn.quantize(model, g, self.quant["bits"],
+            nn.quantize(self.model, g, self.quant["bits"],
                         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % g == 0)
+
+    def _adapt(self, cfg: Any, model_dir: Path) -> None:
+        """method=full trains every weight; the others freeze the base and add mlx-lm's LoRA or
+        DoRA layers on the keys the model description resolves."""
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        model, method = self.model, cfg.method.name
         self.lora: dict[str, Any] | None = None
         if method == "full":
             model.unfreeze()
-        else:
-            lc = cfg.method.lora
-            n = int(lc.num_layers)
-            from finetune.planner.describe import lora_keys
-            from finetune.planner.model import model_desc
+            return
+        lc = cfg.method.lora
+        n = int(lc.num_layers)
+        # the keys the model description resolves (null: the model's default ones), as the
+        # planner counted them; DictConfig.keys is the mapping method, so index
+        keys = lora_keys(model_desc(cfg.model, model_dir), lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
+        if n > len(model.layers):
+            raise UserError(f"method.lora.num_layers={n} but the model has {len(model.layers)} layers")
+        self.lora_layers = n
+        self.lora = {"rank": int(lc.rank), "scale": float(lc.alpha) / int(lc.rank),
+                     "dropout": float(lc.dropout), "keys": self._block_keys(keys)}
+        model.freeze()
+        linear_to_lora_layers(model, n, self.lora, use_dora=(method == "dora"))
 
-            # the keys the model description resolves (null: the model's default ones), as the
-            # planner counted them; DictConfig.keys is the mapping method, so index
-            keys = lora_keys(model_desc(cfg.model, model_dir), lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
-            if n > len(model.layers):
-                raise UserError(f"method.lora.num_layers={n} but the model has {len(model.layers)} layers")
-            self.lora_layers = n
-            self.lora = {"rank": int(lc.rank), "scale": float(lc.alpha) / int(lc.rank),
-                         "dropout": float(lc.dropout), "keys": self._block_keys(keys)}
-            model.freeze()
-            linear_to_lora_layers(model, n, self.lora, use_dora=(method == "dora"))
-        if prec == "bf16-true":
-            model.set_dtype(mx.bfloat16)  # floating params only: packed quant weights stay uint32
-        mx.eval(model.parameters())
-        if self.comm.world_size > 1:
-            self._broadcast_trainable()
-        model.train()
-        self.optimizer = self._make_optimizer(cfg.optim)
+    def _setup_step(self, cfg: Any) -> None:
+        """The step's loss (train.loss_chunk) and gradient function, and train.compile."""
         self._loss_chunk = int(getattr(cfg.train, "loss_chunk", 0) or 0)
-        self._vg = nn.value_and_grad(model, self._loss)
+        self._vg = nn.value_and_grad(self.model, self._loss)
         self._compile = bool(getattr(cfg.train, "compile", False))
         self._compiled = {}
         if self._compile and cfg.train.packing:
             raise UserError("train.compile with train.packing on backend=mlx: every packed micro-batch has its own "
                             "length and sample boundaries, so mx.compile would trace each one anew; set one of them off")
-        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
-        if _metal():  # MLX has no getter for the wired limit: read it once by a swap
-            self._wired_limit = mx.set_wired_limit(0)
-            mx.set_wired_limit(self._wired_limit)
-        first = tree_flatten(model.parameters())[0][1]  # the embedding: the base's dtype
+
+    def _model_info(self, cfg: Any) -> ModelInfo:
+        first = tree_flatten(self.model.parameters())[0][1]  # the embedding: the base's dtype
         dtype = f"int{self.quant['bits']}" if self.quant else _dtype_name(first.dtype)
         return ModelInfo(
             params_total=self._params_total(),
-            params_trainable=sum(v.size for _, v in tree_flatten(model.trainable_parameters())),
+            params_trainable=sum(v.size for _, v in tree_flatten(self.model.trainable_parameters())),
             device="mlx:gpu" if mx.default_device().type == mx.DeviceType.gpu else "mlx:cpu",
             dtype=dtype,
             model_path=str(self.model_dir.resolve()),
             extra={"lora": self.lora, "quantization": self.quant and {"mode": "affine", **self.quant},
-                   "adam_bias_correction": oname in ("adam", "adamw")},
+                   "adam_bias_correction": cfg.optim.name in ("adam", "adamw")},
         )
 
     def _broadcast_trainable(self) -> None:
@@ -726,5 +642,11 @@ class MlxBackend:
         self._limits = None
         return prev
 
+    def generate(self, model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+                 seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
+        """``mode=generate`` with the library's own generation (backends/mlx/generate.py)."""
+        return generate(model_dir, adapter, prompt, max_new_tokens, temperature, seed,
+                        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
 
-BACKEND = MlxBackend  # what finetune.backends.get_backend instantiates
+
+BACKEND = MlxBackend  # what finetune.backends.runtimes.get_backend instantiates
