@@ -179,6 +179,15 @@ class OutOfMemory(Exception):
     micro-batch."""
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank learns from one ``Comm.agree``."""
+
+    raised: tuple[bool, ...]  # per flag, in order: whether any rank raised it
+    ranks: tuple[int, ...]  # the ranks whose ``per_rank`` flag was set, ascending
+    total: float  # ``total`` summed over ranks
+
+
 class Comm:
     """The ranks of one run, as the loop sees them: framework-free collectives on small values.
 
@@ -199,6 +208,19 @@ class Comm:
         """Elementwise ``op`` ("sum" | "max") of ``values`` over ranks (float64; the same
         length on every rank)."""
         return [float(v) for v in values]
+
+    def agree(self, *flags: bool, per_rank: bool | None = None, total: float = 0.0) -> Agreement:
+        """What the ranks decide together, in one all-reduce: for each of ``flags``, whether any
+        rank raised it (stop, a failed write); with ``per_rank``, which ranks raised that one
+        (out of memory); ``total`` summed over ranks (the step's loss). Every rank passes the
+        same flags, and ``per_rank`` on every rank or on none."""
+        slots = [0.0] * self.world_size if per_rank is not None else []
+        if per_rank:
+            slots[self.rank] = 1.0
+        got = self.all_reduce([*slots, *(1.0 if f else 0.0 for f in flags), total])
+        n = len(slots)
+        return Agreement(raised=tuple(v > 0 for v in got[n:n + len(flags)]),
+                         ranks=tuple(r for r in range(n) if got[r] > 0), total=got[-1])
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, at index = rank, on every rank."""
