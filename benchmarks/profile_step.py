@@ -134,7 +134,7 @@ def classify(frames: list[tuple[str, str, int]]) -> str:
 
     if has("Trainer.evaluate"):
         return "evaluation|every train.eval_every steps"
-    if has("Trainer.save_checkpoint"):
+    if has("Checkpointer.save"):
         return "checkpoint|train.save_every"
     if has("Trainer._calibrate"):
         return "ours|planner calibration (step 1)"

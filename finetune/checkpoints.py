@@ -1,5 +1,7 @@
-"""Checkpoint discovery in one place: where a run's checkpoints live, which is the latest,
-which to prune. The loop saves and resumes through these; the supervisor reads the latest.
+"""Checkpoint discovery and the run dir's files, in one place, without a model: where a run's
+checkpoints live, which is the latest, which to prune; making, claiming and cleaning a run dir.
+The checkpointer (finetune/checkpointing.py) saves and resumes through these; the CLI and the
+supervisor read them before anything loads.
 
 A checkpoint is ``<run_dir>/checkpoints/step_<7 digits>/`` holding ``backend/`` and
 ``trainer_state.json``. It is written by ``finetune.io.atomic_dir`` under a dotted temporary
@@ -9,10 +11,14 @@ name, so a half-written one never matches ``step_*`` and is never found here.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
+from finetune.errors import UserError
+from finetune.io import DirBusy, lock_dir
 
 STATE_FILE = "trainer_state.json"
 KEEP = 2  # default train.keep_checkpoints: the newest, and one in case it is damaged
@@ -124,9 +130,6 @@ def remove_dead_temporaries(run_dir: Path) -> list[Path]:
 def lock_run_dir(run_dir: Path) -> Any:
     """Take ``run_dir``'s lock (finetune.io.lock_dir) for this run, or refuse in one line: the
     CLI's guard (before Hydra writes into the dir) and the loop's claim both ask here."""
-    from finetune.config import UserError
-    from finetune.io import DirBusy, lock_dir
-
     try:
         return lock_dir(run_dir)
     except DirBusy:
@@ -136,3 +139,68 @@ def lock_run_dir(run_dir: Path) -> Any:
         raise UserError(f"run dir {run_dir}: its lock file cannot be made ({e.strerror or e}); set "
                         "hydra.run.dir= to a writable directory") from None
 
+
+def take_over(run_dir: Path, lock: Any, clear: bool) -> None:
+    """Once every check has passed, the run's results go into ``run_dir``: mark the lock begun
+    (this process holds it), remove what killed writers left (``remove_dead_temporaries``)
+    and, with ``clear`` (a fresh run under train.overwrite=true), the earlier run's results."""
+    if lock is not None:
+        lock.begun = True
+        gone = remove_dead_temporaries(run_dir)  # a killed writer's, this run holding the lock
+        if gone:
+            print(f"removed {len(gone)} temporary file(s) a killed run left in {run_dir}: "
+                  f"{', '.join(p.name for p in gone)}", file=sys.stderr)
+    if clear:
+        clear_results(run_dir)  # the earlier run's results (the claim refused them otherwise)
+
+
+def drop_rank_run_dir(run_dir: Path, created: bool) -> None:
+    """Under several ranks, rank 0's run dir is the run's: remove this rank's own ``run_dir``
+    when this process ``created`` it or it holds only what Hydra wrote (.hydra/, its log)."""
+    if created or all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def make_run_dir(run_dir: Path) -> bool:
+    """Make ``run_dir`` if needed and check it takes a file; return whether this call made it
+    (a run dir this process made is removed again if the run fails on a bad input before
+    writing anything a user could take for a result: ``remove_if_no_result``)."""
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_test.{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"run dir {run_dir} cannot be created or written ({e.strerror or e}); "
+                        "set hydra.run.dir= to a writable directory") from None
+    return created
+
+
+def check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """UserError unless a resume finds a checkpoint in ``run_dir`` and a new run lands on no
+    other run's checkpoints or result (``overwrite``: the run replaces them once it begins)."""
+    d = run_dir
+    if resume and not list_checkpoints(d):
+        raise UserError(f"train.resume=true but {d}/checkpoints holds no checkpoint; point hydra.run.dir "
+                        "at the run to continue, or set train.save_every")
+    held = [] if resume or overwrite else results_in(d)
+    if held:
+        again = "continue it with train.resume=true, " if list_checkpoints(d) else ""
+        raise UserError(f"run dir {d} holds another run ({', '.join(held)}); {again}choose a new "
+                        "hydra.run.dir, or replace it with train.overwrite=true")
+
+
+def remove_if_no_result(run_dir: Path, created: bool) -> None:
+    """After a bad input: remove the run dir this process ``created`` when it holds no result
+    (summary.json, adapter/, a checkpoint, a non-empty metrics.jsonl: a run that trained or
+    adapted before it stopped keeps its record), so nothing half-made looks like a run."""
+    d = run_dir
+    if not created or not d.is_dir():
+        return
+    if results_in(d):
+        return
+    m = d / "metrics.jsonl"
+    if m.is_file() and m.stat().st_size > 0:  # steps ran or the governor acted: the record of why it stopped
+        return
+    shutil.rmtree(d, ignore_errors=True)

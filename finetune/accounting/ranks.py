@@ -69,6 +69,17 @@ def explanations(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def merge_into(summary: dict[str, Any], reports: Sequence[dict[str, Any]], world_size: int, strategy: str) -> None:
+    """Rank 0's summary with every rank's ``rank_report``: summary["ranks"],
+    summary["memory"]["per_rank"] (rows and Overall) and explanations that name their rank."""
+    merged = merge(reports)
+    summary["world_size"] = world_size
+    summary["strategy"] = strategy
+    summary["ranks"] = merged["ranks"]
+    summary["memory"]["per_rank"] = merged
+    summary["memory"]["explanations"] = explanations(reports)
+
+
 def render_rank_table(merged: dict[str, Any]) -> str:
     """A row per rank, then Overall (sum), min and max; a column only where some rank measured it."""
     ranks, ov = merged["ranks"], merged["overall"]
@@ -98,3 +109,28 @@ def render_rank_table(merged: dict[str, Any]) -> str:
     out.append("Overall: sums over ranks (NVML once per physical device, swap once per host); peaks of different "
                "ranks need not coincide, so summed peaks bound the simultaneous total from above")
     return "\n".join(out)
+
+
+# what the governor decides on under several ranks (every rank's figure, merged: the largest)
+GOVERNOR_KEYS = ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "peak_allocated", "allocated",
+                 "reserved", "swap_used", "psi_some_avg10", "inactive_split")
+
+
+def governor_view(sample: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The part of one rank's sample the governor reads, as the ranks gather it."""
+    if sample is None:
+        return None
+    return {**{k: sample.get(k) for k in GOVERNOR_KEYS}, "system_fresh": sample.get("system_fresh", True)}
+
+
+def merge_governor_views(views: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Every rank's ``governor_view`` as one sample: the largest of each figure (None where no
+    rank knows it), fresh only when every rank's reading is; None when no rank sampled."""
+    got = [g for g in views if g is not None]
+    if not got:
+        return None
+    merged: dict[str, Any] = {"system_fresh": all(g["system_fresh"] for g in got)}
+    for k in GOVERNOR_KEYS:
+        vals = [g[k] for g in got if g.get(k) is not None]
+        merged[k] = max(vals) if vals else None
+    return merged
