@@ -45,9 +45,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetune.accounting.cost import SamplingCost
 from finetune.accounting.probes import NvmlProbe, SystemProbe
 from finetune.accounting.rules import explain as explain_samples
 from finetune.accounting.units import fmt_bytes, fmt_delta
+from finetune.accounting.report import device_title, render_table, write_plot
+from finetune.backends import capabilities
 
 CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
                "quant_buffers")
@@ -121,8 +124,6 @@ class Accountant:
         # whether the device has a driver view (NVML) to read beside the allocator: the
         # backend's capabilities say so (a stand-in backend in tests has none)
         try:
-            from finetune.backends import capabilities
-
             self._caps_nvml = capabilities(self.backend_name).nvml
         except Exception:
             self._caps_nvml = False
@@ -136,7 +137,6 @@ class Accountant:
         # steps): start_step then resets the peak counters without reading them first
         self._clean_after: int | None = None
         self.device_index = device_index
-        self.census_budget = float(census_budget)
         self.rank = rank
         self.max_samples = max(100, int(max_samples))
         self.thinned = 0  # samples dropped from the timeline by thinning
@@ -144,15 +144,9 @@ class Accountant:
         # dicts, and raw records of inner-phase samples not yet built (see sample())
         self._timeline: list[dict[str, Any]] = []
         self._pending_from: int | None = None  # index of the first raw record, if any
-        self.sampling_seconds = 0.0  # perf_counter time inside sample()/start_step()/summary reads
-        self.census_seconds = 0.0
-        self.backend_seconds = 0.0  # of sampling_seconds: inside backend.memory/census/reset_peak
-        self.census_calls = 0
-        self.io_budget = float(io_budget)
-        self.io_seconds = 0.0  # of sampling_seconds: fresh process/system readings
-        self.io_reads = 0
-        self._io_cost = 0.0  # what the last fresh reading cost
         self._t0 = time.perf_counter()
+        # what sampling costs, and whether a census or a fresh system reading is due
+        self.cost = SamplingCost(self._t0, census_budget=census_budget, io_budget=io_budget)
         self._sys = SystemProbe()
         self._nvml = NvmlProbe()
         first = self._sys.read()
@@ -169,9 +163,6 @@ class Accountant:
         self._dev_peak: dict[int, dict[str, int | None]] = {}
         self._nvml_last: dict[int, dict[str, Any]] = {}  # device index -> its last NVML figures
         self._census_cache: dict[str, tuple[int, dict[str, int | None], int | None]] = {}
-        self._census_cost = math.inf
-        self._warm_t: float | None = None  # when step 3's first sample began: census budget clock
-        self._warm_census_s = 0.0
         # torch on CPU: memory() reports no allocator figure; once steps 0-2 showed that, the
         # device will not change mid-run, so it is not asked again (its call can cost 100s of us)
         self._no_allocator: bool | None = None
@@ -216,8 +207,8 @@ class Accountant:
             self._reset_step, self._ever_reset = step, True
         finally:
             t3 = time.perf_counter()
-            self.sampling_seconds += t3 - t0
-            self.backend_seconds += (t1 - t0) + (t3 - t2)
+            self.cost.sampling_seconds += t3 - t0
+            self.cost.backend_seconds += (t1 - t0) + (t3 - t2)
 
     @property
     def samples(self) -> list[dict[str, Any]]:
@@ -230,6 +221,21 @@ class Accountant:
     @samples.setter
     def samples(self, value: list[dict[str, Any]]) -> None:
         self._timeline, self._pending_from = list(value), None
+
+    @property
+    def sampling_seconds(self) -> float:
+        """Seconds spent sampling so far (``cost``: every clock of it)."""
+        return self.cost.sampling_seconds
+
+    @property
+    def io_seconds(self) -> float:
+        """Of sampling_seconds: fresh process/system and NVML readings."""
+        return self.cost.io_seconds
+
+    @property
+    def io_reads(self) -> int:
+        """Fresh process/system readings taken so far."""
+        return self.cost.io_reads
 
     def sample(self, step: int, phase: str) -> dict[str, Any] | None:
         """Take a sample at ``phase`` of ``step`` and append it to the timeline.
@@ -262,14 +268,11 @@ class Accountant:
         scope = "step" if self._reset_step == step else ("since_reset" if self._ever_reset else "since_load")
         self._fold_peaks(mem, step, phase)
         census = self._census(step, phase)
-        fresh = not inner and (step in _ALWAYS_SAMPLED
-                               or self.io_seconds + self._io_cost <= self.io_budget * (t0 - self._t0))
+        fresh = not inner and (step in _ALWAYS_SAMPLED or self.cost.io_due(t0))
         if fresh:
             t_io = time.perf_counter()
             sysr = self._sys.read(fresh=True)
-            self._io_cost = time.perf_counter() - t_io  # NVML adds its part in _devices
-            self.io_seconds += self._io_cost
-            self.io_reads += 1
+            self.cost.io_read(time.perf_counter() - t_io)  # NVML adds its part in _devices
         else:
             sysr = self._sys.read(fresh=False)
         raw = [len(self._timeline), step, phase, micro, t0 - self._t0, mem, scope, self._run_peak["allocated"],
@@ -278,7 +281,7 @@ class Accountant:
                                                      and mem.get("allocated") is not None):
             dt = time.perf_counter() - t0
             raw[-1] = dt
-            self.sampling_seconds += dt
+            self.cost.sampling_seconds += dt
             if self._pending_from is None:
                 self._pending_from = len(self._timeline)
             self._timeline.append(raw)  # type: ignore[arg-type]
@@ -297,7 +300,7 @@ class Accountant:
             self._base, self._base_census, self._base_metrics, self._derived = s, census, None, None
         dt = time.perf_counter() - t0
         s["sample_seconds"] = dt
-        self.sampling_seconds += dt
+        self.cost.sampling_seconds += dt
         self._timeline.append(s)
         if len(self._timeline) > self.max_samples:
             self._thin()
@@ -313,7 +316,7 @@ class Accountant:
                 s["sample_seconds"] = tl[i][-1] + (time.perf_counter() - t1)  # type: ignore[index]
                 tl[i] = s
         self._pending_from = None
-        self.sampling_seconds += time.perf_counter() - t0
+        self.cost.sampling_seconds += time.perf_counter() - t0
         if len(tl) > self.max_samples:
             self._thin()
 
@@ -374,7 +377,7 @@ class Accountant:
             mem = self.backend.memory() or {}
         except Exception as e:  # a report must not stop training: this sample says what failed
             mem = {"memory_error": f"{type(e).__name__}: {e}"}
-        self.backend_seconds += time.perf_counter() - t0
+        self.cost.backend_seconds += time.perf_counter() - t0
         silent = all(mem.get(k) is None for k in ("allocated", "reserved", "peak_allocated")) and not mem.get("devices")
         if not silent:
             self._no_allocator = False
@@ -403,23 +406,13 @@ class Accountant:
         """(step taken, bytes by category, sum of the allocator-held categories or None)."""
         cached = self._census_cache.get(phase)
         t0 = time.perf_counter()
-        if step > 2 and self._warm_t is None:
-            self._warm_t = t0
-        fresh = (cached is None or step in _ALWAYS_SAMPLED
-                 or (self._warm_t is not None
-                     and self._warm_census_s + self._census_cost <= self.census_budget * (t0 - self._warm_t)))
-        if not fresh:
+        if not self.cost.census_due(step, t0, always=cached is None or step in _ALWAYS_SAMPLED):
             return cached
         try:
             raw = self.backend.census() or {}
         except Exception:  # a census is a report; a backend mid-change must not stop training
             return cached
-        self._census_cost = time.perf_counter() - t0
-        self.census_seconds += self._census_cost
-        self.backend_seconds += self._census_cost
-        if self._warm_t is not None:
-            self._warm_census_s += self._census_cost
-        self.census_calls += 1
+        self.cost.census_taken(time.perf_counter() - t0)
         cats = {k: _int(v) for k, v in raw.items()}
         held = [cats.get(k) for k in ALLOCATOR_HELD]
         got = (step, cats, None if None in held else sum(held))  # type: ignore[arg-type]
@@ -468,9 +461,7 @@ class Accountant:
             if use_nvml and (fresh or last is None):
                 t_nv = time.perf_counter()
                 nv = self._nvml.read(idx, d.get("pci_bus_id"), processes=True, uuid=d.get("uuid"))
-                dt = time.perf_counter() - t_nv
-                self.io_seconds += dt
-                self._io_cost += dt
+                self.cost.nvml_read(time.perf_counter() - t_nv)
                 if r["device_total"] is None:
                     r["device_total"] = nv.get("device_total")
                 r["device_used"] = nv.get("device_used")
@@ -569,7 +560,7 @@ class Accountant:
         t0 = time.perf_counter()
         self._end_peak_rss = self._sys.read(fresh=True)["peak_rss"]
         t1 = time.perf_counter()
-        self.sampling_seconds += t1 - t0
+        self.cost.sampling_seconds += t1 - t0
         if self._no_allocator:
             return
         try:
@@ -578,8 +569,8 @@ class Accountant:
         except Exception:
             pass
         dt = time.perf_counter() - t1
-        self.sampling_seconds += dt
-        self.backend_seconds += dt
+        self.cost.sampling_seconds += dt
+        self.cost.backend_seconds += dt
 
     def summary(self, step_seconds_total: float) -> dict[str, Any]:
         """The ``memory`` section of summary.json.
@@ -593,7 +584,6 @@ class Accountant:
         last = ss[-1] if ss else {}
         first_opt = next((s for s in ss if s["phase"] == "optimizer"), None)
         n = len(ss)
-        per = [s["sample_seconds"] for s in ss]
 
         def peak_of(key: str) -> int | None:
             return _max(*[_int(s.get(key)) for s in ss]) if ss else None
@@ -628,29 +618,11 @@ class Accountant:
             "system_total_bytes": self._sys.system_total,
             "nvml": {"used": self._nvml.ok, "error": self._nvml.error},
             "explanations": self.explain(),
-            "accounting": {
-                "sampling_seconds": self.sampling_seconds,
-                "backend_seconds": self.backend_seconds,
-                "own_seconds": self.sampling_seconds - self.backend_seconds,
-                "census_seconds": self.census_seconds,
-                "census_calls": self.census_calls,
-                "io_seconds": self.io_seconds,
-                "io_reads": self.io_reads,
-                "io_budget": self.io_budget,
-                "samples": n,
-                "per_sample_us_mean": (sum(per) / n * 1e6) if n else None,
-                "per_sample_us_max": (max(per) * 1e6) if n else None,
-                "step_seconds_total": step_seconds_total,
-                "fraction_of_step_time": (self.sampling_seconds / step_seconds_total) if step_seconds_total > 0 else None,
-                "own_fraction_of_step_time": ((self.sampling_seconds - self.backend_seconds) / step_seconds_total
-                                              if step_seconds_total > 0 else None),
-            },
+            "accounting": self.cost.report([s["sample_seconds"] for s in ss], step_seconds_total),
         }
 
     def table(self) -> str:
         """End-of-run table: Device rows and an Overall row, allocator and NVML side by side."""
-        from finetune.accounting.report import device_title, render_table
-
         return render_table(self.samples, self._run_peak, self._dev_peak, sampling_seconds=self.sampling_seconds,
                             device=device_title(self.backend_name, self.samples, self.rank, self._world()))
 
@@ -661,8 +633,6 @@ class Accountant:
     def write_plot(self, path: str | Path, budget: int | None = None) -> None:
         """Write memory.png: the census as stacked areas under the measured lines, the budget
         as a line and each governor action (``run_facts["adaptations"]``) at its step."""
-        from finetune.accounting.report import device_title, write_plot
-
         peak = self._run_peak["allocated"]
         write_plot(self.samples, path, title=f"{device_title(self.backend_name, self.samples, self.rank, self._world())}: memory, "
                    f"{len(self.samples)} samples" + (f", run peak allocated {fmt_bytes(peak)}" if peak is not None else ""),
