@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from finetune.config import UserError
 
@@ -184,28 +184,44 @@ def _need(c: dict[str, Any], key: str, source: str) -> Any:
     return v
 
 
-def describe(hf: dict[str, Any], source: str) -> ModelDesc:
-    """The description of the model ``hf`` (a config.json dict) defines.
+Others = list[tuple[str, tuple[int, ...], str, float, int]]
 
-    Raises UserError for a config too incomplete to describe.
-    """
-    c = _text(hf)
-    mt = str(c.get("model_type") or "")
-    notes: list[str] = []
-    if mt not in FAMILIES:
-        notes.append(f"model_type={mt or '?'} is not a family finetune describes exactly "
-                     f"({', '.join(sorted(FAMILIES))}): priced as a Llama-style decoder from its sizes (approximate)")
-    c = {**FAMILIES.get(mt, {"tie_word_embeddings": False}), **{k: v for k, v in c.items() if v is not None}}
+
+class _Sizes(NamedTuple):
+    """The sizes config.json gives (a family's defaults filled in)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int  # 0 where config.json leaves it out
+
+    @property
+    def q_out(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_out(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _sizes(c: dict[str, Any], source: str) -> _Sizes:
+    """Raises UserError where config.json lacks a size nothing can stand in for."""
     h = int(_need(c, "hidden_size", source))
     L = int(_need(c, "num_hidden_layers", source))
     heads = int(_need(c, "num_attention_heads", source))
     kv = int(c.get("num_key_value_heads") or heads)
     hd = int(c.get("head_dim") or h // heads)
     V = int(_need(c, "vocab_size", source))
-    f = int(c.get("intermediate_size") or 0)
-    q_out, kv_out = heads * hd, kv * hd
+    return _Sizes(h, L, heads, kv, hd, V, int(c.get("intermediate_size") or 0))
 
-    # attention
+
+def _attention(c: dict[str, Any], mt: str, z: _Sizes) -> tuple[list[Linear], Others, bool, bool]:
+    """A block's attention: its projections, its q/k norms and sinks, whether q/k/v are one
+    fused projection and whether q and k are normed."""
+    h, q_out, kv_out = z.hidden, z.q_out, z.kv_out
     bias_all = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("attention_bias", False))
     qkv_bias = True if mt == "qwen2" else bias_all
     o_bias = False if mt == "qwen2" else bias_all
@@ -219,17 +235,20 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
                  Linear("k_proj", "self_attn.k_proj", h, kv_out, qkv_bias, "attention", STAGE_ATTN_IN),
                  Linear("v_proj", "self_attn.v_proj", h, kv_out, qkv_bias, "attention", STAGE_ATTN_IN)]
     attn.append(Linear("o_proj", "self_attn.o_proj", q_out, h, o_bias, "attention", STAGE_ATTN_OUT))
-    attn_others: list[tuple[str, tuple[int, ...], str, float, int]] = []
+    others: Others = []
     qk_norm = mt in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
     if qk_norm:
         # Qwen3/Gemma3: RMSNorm over head_dim; OLMo2: over the whole projection
-        qn, kn = ((q_out,), (kv_out,)) if mt == "olmo2" else ((hd,), (hd,))
-        attn_others += [("self_attn.q_norm.weight", qn, "norm", 1.5, q_out),
-                        ("self_attn.k_norm.weight", kn, "norm", 1.5, kv_out)]
+        qn, kn = ((q_out,), (kv_out,)) if mt == "olmo2" else ((z.head_dim,), (z.head_dim,))
+        others += [("self_attn.q_norm.weight", qn, "norm", 1.5, q_out),
+                   ("self_attn.k_norm.weight", kn, "norm", 1.5, kv_out)]
     if mt == "gpt_oss":
-        attn_others.append(("self_attn.sinks", (heads,), "sinks", 1.5, 0))  # GptOssAttention.sinks: one per head
+        others.append(("self_attn.sinks", (z.heads,), "sinks", 1.5, 0))  # GptOssAttention.sinks: one per head
+    return attn, others, fused, qk_norm
 
-    # norms of a block
+
+def _block_norms(mt: str, h: int) -> Others:
+    """The norms of a block (and a LayerNorm's biases), each at the stage where it runs."""
     names = {"gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                         "post_feedforward_layernorm"),
              "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
@@ -242,53 +261,57 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
     sandwich = mt in ("gemma2", "gemma3_text", "olmo2")
     where = {"input_layernorm": 0.0, "post_attention_layernorm": 2.5 if sandwich else 3.0,
              "pre_feedforward_layernorm": 3.0, "post_feedforward_layernorm": 5.5}
-    norms: list[tuple[str, tuple[int, ...], str, float, int]] = []
+    norms: Others = []
     for n in norm_names:
         norms.append((f"{n}.weight", (h,), "norm", where[n], h))
         if layer_norm:
             norms.append((f"{n}.bias", (h,), "bias", where[n], h))
+    return norms
 
-    # MLP, dense or experts
+
+def _dense_mlp(mt: str, h: int, width: int, bias: bool) -> tuple[list[Linear], Others]:
+    if mt == "starcoder2":  # Starcoder2MLP: c_fc, gelu, c_proj (both with use_bias)
+        return [Linear("c_fc", "mlp.c_fc", h, width, bias, "mlp", STAGE_MLP_IN),
+                Linear("c_proj", "mlp.c_proj", width, h, bias, "mlp", STAGE_MLP_OUT)], []
+    if mt == "phi3":  # Phi3MLP: one gate_up_proj of 2 x intermediate
+        return [Linear("gate_up_proj", "mlp.gate_up_proj", h, 2 * width, bias, "mlp", STAGE_MLP_IN),
+                Linear("down_proj", "mlp.down_proj", width, h, bias, "mlp", STAGE_MLP_OUT)], []
+    return [Linear("gate_proj", "mlp.gate_proj", h, width, bias, "mlp", STAGE_MLP_IN),
+            Linear("up_proj", "mlp.up_proj", h, width, bias, "mlp", STAGE_MLP_IN),
+            Linear("down_proj", "mlp.down_proj", width, h, bias, "mlp", STAGE_MLP_OUT)], []
+
+
+def _moe_mlp(mt: str, h: int, width: int, experts: int) -> tuple[list[Linear], Others]:
+    """transformers 5: the router, then every expert's gate and up fused into one stacked
+    [E, 2 x width, h] parameter and the down projections in [E, h, width] (gpt-oss stores them
+    transposed, [E, h, 2 x width] and [E, width, h]: same counts)."""
+    router = "router" if mt == "gpt_oss" else "gate"
+    lins = [Linear(router, f"mlp.{router}", h, experts, mt == "gpt_oss", "router", STAGE_MLP_IN),
+            Linear("experts", "mlp.experts.gate_up_proj", h, 2 * width, False, "expert", STAGE_MLP_IN, experts),
+            Linear("experts", "mlp.experts.down_proj", width, h, False, "expert", STAGE_MLP_OUT, experts)]
+    others: Others = []
+    if mt == "gpt_oss":  # GptOssExperts: gate_up_proj_bias [E, 2 x width], down_proj_bias [E, h]
+        others = [("mlp.experts.gate_up_proj_bias", (experts, 2 * width), "bias", 4.0, 0),
+                  ("mlp.experts.down_proj_bias", (experts, h), "bias", 5.0, 0)]
+    return lins, others
+
+
+def _experts(c: dict[str, Any], mt: str) -> tuple[int, int]:
+    """(experts, top-k) of a described MoE family; (0, 0) for a dense model."""
     experts = int(c.get("num_local_experts") or c.get("num_experts") or 0) if mt in ("mixtral", "qwen3_moe",
                                                                                      "gpt_oss") else 0
     top_k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0) if experts else 0
-    mlp_bias = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("mlp_bias", False))
-    gated = mt != "starcoder2"
+    return experts, top_k
 
-    Others = list[tuple[str, tuple[int, ...], str, float, int]]
 
-    def dense(width: int) -> tuple[list[Linear], Others]:
-        if mt == "starcoder2":  # Starcoder2MLP: c_fc, gelu, c_proj (both with use_bias)
-            return [Linear("c_fc", "mlp.c_fc", h, width, mlp_bias, "mlp", STAGE_MLP_IN),
-                    Linear("c_proj", "mlp.c_proj", width, h, mlp_bias, "mlp", STAGE_MLP_OUT)], []
-        if mt == "phi3":  # Phi3MLP: one gate_up_proj of 2 x intermediate
-            return [Linear("gate_up_proj", "mlp.gate_up_proj", h, 2 * width, mlp_bias, "mlp", STAGE_MLP_IN),
-                    Linear("down_proj", "mlp.down_proj", width, h, mlp_bias, "mlp", STAGE_MLP_OUT)], []
-        return [Linear("gate_proj", "mlp.gate_proj", h, width, mlp_bias, "mlp", STAGE_MLP_IN),
-                Linear("up_proj", "mlp.up_proj", h, width, mlp_bias, "mlp", STAGE_MLP_IN),
-                Linear("down_proj", "mlp.down_proj", width, h, mlp_bias, "mlp", STAGE_MLP_OUT)], []
-
-    def moe(width: int) -> tuple[list[Linear], Others]:
-        # transformers 5: the router, then every expert's gate and up fused into one stacked
-        # [E, 2 x width, h] parameter and the down projections in [E, h, width]
-        # (gpt-oss stores them transposed, [E, h, 2 x width] and [E, width, h]: same counts)
-        router = "router" if mt == "gpt_oss" else "gate"
-        lins = [Linear(router, f"mlp.{router}", h, experts, mt == "gpt_oss", "router", STAGE_MLP_IN),
-                Linear("experts", "mlp.experts.gate_up_proj", h, 2 * width, False, "expert", STAGE_MLP_IN, experts),
-                Linear("experts", "mlp.experts.down_proj", width, h, False, "expert", STAGE_MLP_OUT, experts)]
-        others: Others = []
-        if mt == "gpt_oss":  # GptOssExperts: gate_up_proj_bias [E, 2 x width], down_proj_bias [E, h]
-            others = [("mlp.experts.gate_up_proj_bias", (experts, 2 * width), "bias", 4.0, 0),
-                      ("mlp.experts.down_proj_bias", (experts, h), "bias", 5.0, 0)]
-        return lins, others
-
-    sliding_window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+def _layer_kinds(c: dict[str, Any], mt: str, layers: int, experts: int,
+                 sliding_window: Any) -> list[tuple[bool, bool]]:
+    """(runs experts, sliding-window attention) of each layer, in order."""
     layer_types = c.get("layer_types") if isinstance(c.get("layer_types"), list) else None
-    blocks: list[Block] = []
-    cache: dict[tuple[bool, bool], Block] = {}
     mlp_only = set(c.get("mlp_only_layers") or [])
     step = int(c.get("decoder_sparse_step") or 1)
-    for i in range(L):
+    kinds: list[tuple[bool, bool]] = []
+    for i in range(layers):
         is_moe = bool(experts) and (mt != "qwen3_moe" or (i not in mlp_only and (i + 1) % step == 0))
         if layer_types and i < len(layer_types):
             sliding = layer_types[i] == "sliding_attention" and bool(sliding_window)
@@ -296,13 +319,40 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
             sliding = i % 2 == 0 and bool(sliding_window)  # Gemma2: every other layer, from the first
         else:
             sliding = bool(sliding_window)
-        key = (is_moe, sliding)
+        kinds.append((is_moe, sliding))
+    return kinds
+
+
+def describe(hf: dict[str, Any], source: str) -> ModelDesc:
+    """The description of the model ``hf`` (a config.json dict) defines.
+
+    Raises UserError for a config too incomplete to describe.
+    """
+    c = _text(hf)
+    mt = str(c.get("model_type") or "")
+    notes: list[str] = []
+    if mt not in FAMILIES:
+        notes.append(f"model_type={mt or '?'} is not a family finetune describes exactly "
+                     f"({', '.join(sorted(FAMILIES))}): priced as a Llama-style decoder from its sizes (approximate)")
+    c = {**FAMILIES.get(mt, {"tie_word_embeddings": False}), **{k: v for k, v in c.items() if v is not None}}
+    z = _sizes(c, source)
+    h, f = z.hidden, z.intermediate
+    attn, attn_others, fused, qk_norm = _attention(c, mt, z)
+    norms = _block_norms(mt, h)
+    layer_norm = mt == "starcoder2"  # nn.LayerNorm with bias
+    experts, top_k = _experts(c, mt)
+    mlp_bias = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("mlp_bias", False))
+    sliding_window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
+    blocks: list[Block] = []
+    cache: dict[tuple[bool, bool], Block] = {}  # one Block per kind of layer, shared
+    for key in _layer_kinds(c, mt, z.layers, experts, sliding_window):
+        is_moe, sliding = key
         if key not in cache:
             width = (int(c.get("moe_intermediate_size") or f) if mt == "qwen3_moe" else f) if is_moe else f
             if width <= 0:
                 raise UserError(f"{source}: config.json has no intermediate_size; "
                                 "point model.path at a complete model directory")
-            mlp, mlp_others = (moe if is_moe else dense)(width)
+            mlp, mlp_others = _moe_mlp(mt, h, width, experts) if is_moe else _dense_mlp(mt, h, width, mlp_bias)
             cache[key] = Block(tuple(attn + mlp), tuple(attn_others + norms + mlp_others), is_moe, sliding)
         blocks.append(cache[key])
 
@@ -315,9 +365,10 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         raise UserError(f"{source}: model_type={mt} is a mixture of experts finetune cannot describe; "
                         f"use a described family ({', '.join(sorted(FAMILIES))}) or backend=cuda mode=train without a plan")
     return ModelDesc(
-        model_type=mt, hidden=h, layers=L, heads=heads, kv_heads=kv, head_dim=hd, vocab=V,
-        tie=bool(c.get("tie_word_embeddings")), blocks=tuple(blocks), top=tuple(top), experts=experts, top_k=top_k,
-        gated_mlp=gated, mlp_act=str(c.get("hidden_act") or c.get("hidden_activation") or "silu"),
+        model_type=mt, hidden=h, layers=z.layers, heads=z.heads, kv_heads=z.kv_heads, head_dim=z.head_dim,
+        vocab=z.vocab, tie=bool(c.get("tie_word_embeddings")), blocks=tuple(blocks), top=tuple(top),
+        experts=experts, top_k=top_k, gated_mlp=mt != "starcoder2",
+        mlp_act=str(c.get("hidden_act") or c.get("hidden_activation") or "silu"),
         norm="layer" if layer_norm else "rms", qk_norm=qk_norm,
         attn_softcap=c.get("attn_logit_softcapping") if mt == "gemma2" else None,
         final_softcap=c.get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
