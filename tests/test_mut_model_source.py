@@ -51,3 +51,31 @@ def test_safetensors_layout_edges(tmp_path: Path) -> None:
     assert safetensors_damage(empty) is None
     trailing = _st(tmp_path / "trailing.safetensors", {"__metadata__": {"format": "pt"}}, bytes(3))
     assert safetensors_damage(trailing) == "3 bytes after its last tensor"
+
+
+def _http_error(cls, status: int, message: str):
+    import httpx
+
+    req = httpx.Request("GET", "https://huggingface.co/org/model/resolve/main/config.json")
+    return cls(message, response=httpx.Response(status, request=req))
+
+
+def test_each_hub_failure_online_is_worded_for_its_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants, errors
+
+    from finetune import model_source
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    said = {cls.__name__: model_source._hub_failure(_http_error(cls, status, "refused"), "v2")
+            for cls, status in ((errors.GatedRepoError, 403), (errors.RevisionNotFoundError, 404),
+                                (errors.RepositoryNotFoundError, 404), (errors.RemoteEntryNotFoundError, 404))}
+    assert said == {
+        "GatedRepoError": "the repository is gated (accept its licence on the hub and set HF_TOKEN)",
+        "RevisionNotFoundError": "the hub has no revision v2",
+        "RepositoryNotFoundError": "the hub has no such repository (or it is private: set HF_TOKEN)",
+        "RemoteEntryNotFoundError": "the repository has no config.json",
+    }
+    assert model_source._hub_failure(ConnectionError("Name or service not known\nmore"), None) == (
+        "the hub is unreachable (Name or service not known)")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert model_source._hub_failure(ConnectionError("x"), None) == "the hub is unreachable (offline: HF_HUB_OFFLINE=1)"

@@ -510,13 +510,22 @@ def short_diff(before: str, after: str) -> str:
     return "\n".join(ln.rstrip() for ln in lines)
 
 
+QUICK_SKIP = ("test_dist_", "test_compile", "test_gpu_bench_smoke", "test_slurm")
+
+
 def run_mapped(workdir: Path, tmap: TestMap, trees: dict[str, ast.AST], m: dict, args: argparse.Namespace) -> dict:
     """One mutant against its mapped test files; the result record (not yet written)."""
     mod = m["module"]
     if mod not in trees:
         trees[mod] = ast.parse((workdir / mod).read_text())
-    files = tmap.for_mutant(mod, enclosing_span(trees[mod], m["line"]))
     quick = getattr(args, "quick", 0)
+    # the quick pass takes the tests that ran the mutated lines themselves (not the whole
+    # function around them), leaving out the multi-process files, which rarely are the ones
+    # to notice and cost minutes each
+    files = (tmap.for_mutant(mod, (m["line"], m["end_line"])) if quick
+             else tmap.for_mutant(mod, enclosing_span(trees[mod], m["line"])))
+    if quick:
+        files = [t for t in files if not any(h in t for h in QUICK_SKIP)]
     if quick and not files:
         return {"job_id": m["job_id"], "phase": "quick", "tests": [], "seconds": 0, "diff": "", "outcome": "deferred",
                 "time": time.strftime("%H:%M:%S")}
@@ -569,7 +578,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     done = load_results(session)
     order = [m for i, m in enumerate(meta["order"]) if i % workers == worker - 1]
     if args.quick:
-        todo = [m for m in order if m["job_id"] not in done]
+        eq = load_equivalents()
+        todo = [m for m in order if m["job_id"] not in done and not is_equivalent(m, eq)]
         print(f"session {args.session}: quick pass over {len(todo)} mutants (worker {worker}/{workers}, mapped "
               f"tests up to {args.quick:.0f} s each)", flush=True)
         try:
@@ -594,7 +604,9 @@ def cmd_run(args: argparse.Namespace) -> None:
         deferred: set[str] = set()
         while True:
             tmap = tmap if tmap.complete else TestMap(meta["sha"])
-            todo = [m for m in order if m["job_id"] not in done and m["job_id"] not in deferred]
+            eq = load_equivalents()
+            todo = [m for m in order if m["job_id"] not in done and m["job_id"] not in deferred
+                    and not is_equivalent(m, eq)]
             if not todo:
                 if not deferred:
                     break
@@ -651,6 +663,18 @@ def cmd_recheck(args: argparse.Namespace) -> None:
     files = args.tests or sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests").glob("test_mut_*.py"))
     for f in files:
         shutil.copy2(REPO / f, workdir / f)
+    # names that moved since the session's commit, for test files written after the move
+    for f in (HERE / "compat").rglob("*.py"):
+        target = workdir / f.relative_to(HERE / "compat")
+        if not target.exists():
+            shutil.copy2(f, target)
+    if "tests/test_plan_golden.py" in files:
+        # the golden plans are the unmutated session commit's own output: written there, before
+        # any mutant, by the same script and configurations as this checkout's
+        (workdir / "tests/data/plans").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / "scripts/golden_plans.py", workdir / "scripts/golden_plans.py")
+        shutil.copy2(REPO / "tests/data/plans/configs.txt", workdir / "tests/data/plans/configs.txt")
+        subprocess.run([sys.executable, "scripts/golden_plans.py", "--drop-unknown"], cwd=workdir, env=test_env(workdir), check=True)
     tmap = TestMap(meta["sha"])
     junit = workdir / "recheck-baseline.xml"
     rc, _tail, secs = run_bounded(pytest_cmd(workdir, files, [], False) + [f"--junitxml={junit}"], workdir,
@@ -665,6 +689,8 @@ def cmd_recheck(args: argparse.Namespace) -> None:
     for m in meta["order"]:
         rec = done.get(m["job_id"])
         if final_outcome(m, rec, eq) not in ("survived", "full-suite queue") + (("pending",) if args.pending else ()):
+            continue
+        if args.modules and not any(x in m["module"] for x in args.modules):
             continue
         mine = [f for f in files if args.tests or Path(f).stem.removeprefix("test_mut_") in m["module"]]
         if not mine:
@@ -696,10 +722,12 @@ def is_equivalent(m: dict, equivalents: list[tuple[str, int, str]]) -> bool:
 
 
 def final_outcome(m: dict, rec: dict | None, equivalents: list) -> str:
+    if rec is not None and rec["outcome"] in ("killed", "timeout"):
+        return rec["outcome"]
+    if is_equivalent(m, equivalents):  # reviewed: no need to run it
+        return "equivalent"
     if rec is None or rec["outcome"] == "deferred":
         return "pending"
-    if rec["outcome"] in ("killed", "timeout"):
-        return rec["outcome"]
     if rec["outcome"] == "no-mutation":
         return "equivalent"
     if is_equivalent(m, equivalents):
@@ -719,7 +747,7 @@ def cmd_status(args: argparse.Namespace) -> None:
         table[m["module"]][out] += 1
         if out in ("survived", "full-suite queue"):
             survivors.append((m, done[m["job_id"]], out))
-        elif m["job_id"] in done:  # the quick pass let it through: a survivor candidate
+        elif m["job_id"] in done and done[m["job_id"]]["outcome"] == "deferred":  # the quick pass let it through: a survivor candidate
             survivors.append((m, done[m["job_id"]], "deferred by the quick pass"))
     cols = ("made",) + OUTCOMES
     head = f"{'module':40s}" + "".join(f"{c:>10s}" for c in ("made", "killed", "survived", "timeout", "equiv",
@@ -784,6 +812,7 @@ def main() -> None:
     p.add_argument("--tests", nargs="*", help="test files (default: tests/test_mut_*.py, each against "
                                               "the survivors of the module its name names)")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--modules", nargs="*", help="only mutants of modules whose path contains one of these")
     p.add_argument("--pending", action="store_true", help="also mutants not run yet: a kill is recorded, "
                                                           "a survivor left for `run`")
     p = sub.add_parser("status", help="made/killed/survived/timeout/equivalent per module")
