@@ -506,133 +506,198 @@ def qlora_lever(arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
 ATTENTION_LABEL = None  # the plan shows backend.attn_implementation
 
 
+@dataclasses.dataclass
+class _Kept:
+    """What one decoder layer keeps for backward, tallied by kind (bytes) as its forward runs."""
+
+    arch: ModelDesc
+    s: Setup
+    block: Block
+    lowest: bool  # the lowest layer that needs gradients: a stage before ``start`` keeps nothing
+    start: int  # the stage where gradients start in this layer (0 in any layer above the lowest)
+    parts: dict[str, int] = dataclasses.field(default_factory=lambda: {
+        "norms": 0, "linear_inputs": 0, "weight_casts": 0, "adapters": 0, "attention": 0, "mlp": 0})
+
+    @property
+    def n(self) -> int:
+        """Positions of one micro-batch."""
+        return self.s.batch * self.s.seq_len
+
+    @property
+    def k(self) -> int:
+        """Experts each token runs in this block (1: dense)."""
+        return max(self.arch.top_k, 1) if self.block.moe else 1
+
+    @property
+    def st(self) -> int:
+        """Bytes per element of the residual stream (fp32 under autocast, else the weights' dtype)."""
+        return 4 if self.s.autocast else self.s.wd
+
+    @property
+    def full(self) -> bool:
+        return self.s.method == "full"
+
+    def keep(self, stage: float) -> bool:
+        return stage >= self.start
+
+
+def _norm_kept(kept: _Kept, stage: float, width: int) -> None:
+    """RMSNorm (modeling_qwen2.py Qwen2RMSNorm.forward): hidden.to(float32) and rsqrt(variance);
+    with a trainable weight also hidden.to(input_dtype). A norm at the very stage gradients
+    start keeps nothing unless its own weight trains."""
+    n = kept.n
+    if kept.keep(stage) and (stage > kept.start or kept.full or not kept.lowest):
+        kept.parts["norms"] += n * width * 4 + n * 4
+        if kept.full:
+            kept.parts["norms"] += n * width * kept.st
+
+
+def _full_linear_kept(kept: _Kept, lin: Linear, tokens: int, src_bytes: int) -> bool:
+    """A trained Linear's saved input (full fine-tuning); True where it is the shared source
+    tensor itself. Under autocast the bf16/fp16 cast of the input (autocast casts activations
+    per call, no cache) and the cast weight."""
+    parts, ac = kept.parts, kept.s.autocast
+    shared = False
+    if ac and src_bytes != 2:
+        parts["linear_inputs"] += tokens * lin.in_f * 2  # autocast's cast of the input, per call
+    elif lin.experts > 1:
+        parts["linear_inputs"] += tokens * lin.in_f * src_bytes  # each expert's gathered tokens
+    else:
+        shared = True
+    if ac:
+        parts["weight_casts"] += lin.numel * 2
+    return shared
+
+
+def _adapter_kept(kept: _Kept, lin: Linear, tokens: int, src_bytes: int) -> bool:
+    """An adapted Linear's PEFT tensors (lora.Linear.forward: x cast to the adapter dtype
+    (_cast_input_dtype), lora_A keeps it, lora_B keeps lora_A's output [n, r]; DoRA
+    (lora/dora.py DoraLinearLayer.forward) also keeps base_result and lora_B's output, both
+    [n, out], for the magnitude's grad); True where lora_A keeps the shared source tensor itself."""
+    s, parts, ac, ad = kept.s, kept.parts, kept.s.autocast, kept.s.ad
+    shared = False
+    if s.dropout > 0:
+        parts["adapters"] += tokens * lin.in_f * (1 + ad)  # dropout mask + its output (lora_A's input)
+    elif ac and ad != 2:
+        parts["adapters"] += tokens * lin.in_f * 2  # autocast cast of x (fp32) for lora_A
+    elif src_bytes != ad or lin.experts > 1:
+        parts["adapters"] += tokens * lin.in_f * ad  # _cast_input_dtype copy kept by lora_A
+    else:
+        shared = True
+    parts["adapters"] += tokens * s.rank * (2 if ac else ad)  # lora_A output kept by lora_B
+    if ac:
+        parts["weight_casts"] += s.rank * (lin.in_f + lin.out_f) * 2 * lin.experts
+    if s.method == "dora":
+        parts["adapters"] += tokens * lin.out_f * (s.a + (2 if ac else ad))
+    return shared
+
+
+def _inputs_kept(kept: _Kept, lins: tuple[Linear, ...], width: int, src_bytes: int, src_already_kept: bool) -> None:
+    """Saved inputs of Linears reading one source tensor of dtype ``src_bytes``: a Linear keeps
+    its input if its weight trains; under autocast a frozen one keeps its cast weight for the
+    input's grad; bitsandbytes MatMul4Bit keeps only the packed weight."""
+    lins = tuple(lin for lin in lins if lin.kind != "router")
+    if not lins or not kept.keep(lins[0].stage):
+        return
+    s = kept.s
+    grad_in = lins[0].stage > kept.start or not kept.lowest or kept.full  # does the source itself need a grad?
+    shared = False
+    for lin in lins:
+        tokens = kept.n * (kept.k if lin.experts > 1 else 1)
+        if kept.full:
+            shared = _full_linear_kept(kept, lin, tokens, src_bytes) or shared
+            continue
+        if lin.key in s.keys:
+            shared = _adapter_kept(kept, lin, tokens, src_bytes) or shared
+        if s.autocast and s.method != "qlora" and grad_in:
+            kept.parts["weight_casts"] += lin.numel * 2  # cast weight kept for the input's grad
+    if shared and not src_already_kept:
+        kept.parts["linear_inputs"] += kept.n * width * src_bytes
+
+
+def _attention_kept(kept: _Kept) -> None:
+    """The attention's own tensors: sdpa (flash/efficient) keeps q, k, v, out and the fp32
+    logsumexp [B, H, T]; eager (eager_attention_forward) keeps q, repeat_kv'd k and v, the fp32
+    softmax, its cast, and the contiguous output; Gemma-2's soft-capping (scores / cap, tanh,
+    * cap) keeps the tanh output too."""
+    arch, s = kept.arch, kept.s
+    n, a = kept.n, s.a
+    qd, kv = arch.q_out, arch.kv_out
+    if s.attn == "eager":
+        groups = arch.heads // arch.kv_heads
+        kv_kept = n * (qd if groups > 1 else kv) * a
+        scores = s.batch * arch.heads * s.seq_len ** 2
+        probs = scores * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
+        if arch.attn_softcap:
+            probs += scores * a  # tanh's output, kept for its backward
+        kept.parts["attention"] += n * qd * a + 2 * kv_kept + probs
+    else:
+        kept.parts["attention"] += n * (2 * qd + 2 * kv) * a + s.batch * arch.heads * s.seq_len * 4
+
+
+def _attention_output_kept(kept: _Kept) -> None:
+    """The output projection's saved input: eager's contiguous copy of the attention output;
+    sdpa's output, already kept wherever attention itself needs grads."""
+    out_proj = kept.block.group(STAGE_ATTN_OUT)
+    qd, a = kept.arch.q_out, kept.s.a
+    if kept.s.attn == "eager":
+        if kept.full or any(lin.key in kept.s.keys for lin in out_proj):
+            kept.parts["linear_inputs"] += kept.n * qd * a  # attn_output.transpose(1, 2).contiguous()
+        _inputs_kept(kept, out_proj, qd, a, True)
+    else:
+        _inputs_kept(kept, out_proj, qd, a, kept.keep(STAGE_ATTN_IN))
+
+
+def _mlp_kept(kept: _Kept) -> None:
+    """The MLP's activations: silu keeps gate, the product keeps silu(gate) and up; a plain
+    MLP's gelu keeps its input. MoE (integrations/moe.py, any experts implementation): each
+    token runs top-k experts, so the MLP terms count n x k tokens at an expert's width; the fp32
+    router softmax [n, E], the routing weights and indices, and each expert output kept for its
+    routing weight's grad. Approximated: the dispatch's own index copies are not counted."""
+    arch, block = kept.arch, kept.block
+    n, k, a, w, h = kept.n, kept.k, kept.s.a, block.mlp_width, arch.hidden
+    if block.moe:
+        E = arch.experts
+        kept.parts["mlp"] += 3 * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
+    elif arch.gated_mlp:
+        kept.parts["mlp"] += 3 * n * w * a
+    else:
+        kept.parts["mlp"] += n * w * a  # the activation keeps its input
+
+
 def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> tuple[int, dict[str, int]]:
     """Bytes autograd keeps for backward in one decoder layer (transformers 5, PEFT, torch),
-    for the block the model description gives (``block``; the first layer's by default).
+    for the block the model description gives (``block``; the first layer's by default), by
+    kind: norms, Linear inputs, autocast's weight casts, adapters, attention, MLP.
 
     Derived from the saved tensors of each op (torch autograd saves only what the backward of
-    inputs that require grad needs; checked against torch.autograd.graph.saved_tensors_hooks):
-    - RMSNorm (modeling_qwen2.py Qwen2RMSNorm.forward): hidden.to(float32) and rsqrt(variance);
-      with a trainable weight also hidden.to(input_dtype). Every norm of the block is counted
-      where it runs (Gemma's and OLMo2's post-norms, q/k norms over their projections).
-    - Linear: its input if the weight trains; under autocast the bf16/fp16 cast of the input
-      (autocast casts activations per call, no cache) and the cast weight (kept for the input's
-      grad even when frozen). bitsandbytes MatMul4Bit keeps only the packed weight.
-    - PEFT lora.Linear.forward: x cast to the adapter dtype (_cast_input_dtype), lora_A keeps
-      it, lora_B keeps lora_A's output [n, r]; DoRA (lora/dora.py DoraLinearLayer.forward) also
-      keeps base_result and lora_B's output (both [n, out]) for the magnitude's grad.
-    - attention: sdpa (flash/efficient) keeps q, k, v, out and the fp32 logsumexp [B, H, T];
-      eager (eager_attention_forward) keeps q, repeat_kv'd k and v, the fp32 softmax, its
-      cast, and the contiguous output; Gemma-2's soft-capping (scores / cap, tanh, * cap) keeps
-      the tanh output too.
-    - MLP: silu keeps gate, the product keeps silu(gate) and up; a plain MLP's gelu keeps its
-      input; down_proj's input if it trains.
-    - MoE (integrations/moe.py, any experts implementation): each token runs top-k experts, so
-      the MLP terms count n x k tokens at an expert's width; the fp32 router softmax [n, E],
-      the routing weights and indices, and each expert output kept for its routing weight's
-      grad. Approximated: the dispatch's own index copies are not counted.
+    inputs that require grad needs; checked against torch.autograd.graph.saved_tensors_hooks);
+    each piece's docstring names the ops it counts. Every norm of the block is counted where it
+    runs (Gemma's and OLMo2's post-norms, q/k norms over their projections).
     """
     block = block or arch.blocks[0]
-    n = s.batch * s.seq_len
-    h, qd, kv = arch.hidden, arch.q_out, arch.kv_out
-    st, a, ad, ac = (4 if s.autocast else s.wd), s.a, s.ad, s.autocast
-    full = s.method == "full"
-    quant = s.method == "qlora"
-    start = _first_stage(arch, s) if lowest else 0
-    k = max(arch.top_k, 1) if block.moe else 1
-    parts: dict[str, int] = {"norms": 0, "linear_inputs": 0, "weight_casts": 0, "adapters": 0,
-                             "attention": 0, "mlp": 0}
-
-    def keep(stage: float) -> bool:
-        return stage >= start
-
-    def norm(stage: float, width: int) -> None:
-        if keep(stage) and (stage > start or full or not lowest):
-            parts["norms"] += n * width * 4 + n * 4
-            if full:
-                parts["norms"] += n * width * st
-
-    def inputs(lins: tuple[Linear, ...], width: int, src_bytes: int, src_already_kept: bool) -> None:
-        """Saved inputs of Linears reading one source tensor of dtype ``src_bytes``."""
-        lins = tuple(lin for lin in lins if lin.kind != "router")
-        if not lins or not keep(lins[0].stage):
-            return
-        stage = lins[0].stage
-        grad_in = stage > start or not lowest or full  # does the source itself need a grad?
-        shared = False
-        for lin in lins:
-            in_f, out_f, tokens = lin.in_f, lin.out_f, n * (k if lin.experts > 1 else 1)
-            if full:
-                if ac and src_bytes != 2:
-                    parts["linear_inputs"] += tokens * in_f * 2  # autocast's cast of the input, per call
-                elif lin.experts > 1:
-                    parts["linear_inputs"] += tokens * in_f * src_bytes  # each expert's gathered tokens
-                else:
-                    shared = True
-                if ac:
-                    parts["weight_casts"] += lin.numel * 2
-                continue
-            if lin.key in s.keys:
-                if s.dropout > 0:
-                    parts["adapters"] += tokens * in_f * (1 + ad)  # dropout mask + its output (lora_A's input)
-                elif ac and ad != 2:
-                    parts["adapters"] += tokens * in_f * 2  # autocast cast of x (fp32) for lora_A
-                elif src_bytes != ad or lin.experts > 1:
-                    parts["adapters"] += tokens * in_f * ad  # _cast_input_dtype copy kept by lora_A
-                else:
-                    shared = True
-                parts["adapters"] += tokens * s.rank * (2 if ac else ad)  # lora_A output kept by lora_B
-                if ac:
-                    parts["weight_casts"] += s.rank * (in_f + out_f) * 2 * lin.experts
-                if s.method == "dora":
-                    parts["adapters"] += tokens * out_f * (a + (2 if ac else ad))
-            if ac and not quant and grad_in:
-                parts["weight_casts"] += lin.numel * 2  # cast weight kept for the input's grad
-        if shared and not src_already_kept:
-            parts["linear_inputs"] += n * width * src_bytes
-
+    kept = _Kept(arch, s, block, lowest, _first_stage(arch, s) if lowest else 0)
+    h = arch.hidden
     norms = block.norms()
     for stage, width in norms:
         if stage < STAGE_ATTN_IN:
-            norm(stage, width)
-    inputs(block.group(STAGE_ATTN_IN), h, st, False)
+            _norm_kept(kept, stage, width)
+    _inputs_kept(kept, block.group(STAGE_ATTN_IN), h, kept.st, False)
     for stage, width in norms:
         if STAGE_ATTN_IN < stage < STAGE_ATTN_OUT:  # q/k norms
-            norm(stage, width)
-    if keep(STAGE_ATTN_IN):
-        if s.attn == "eager":
-            groups = arch.heads // arch.kv_heads
-            kv_kept = n * (qd if groups > 1 else kv) * a
-            scores = s.batch * arch.heads * s.seq_len ** 2
-            probs = scores * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
-            if arch.attn_softcap:
-                probs += scores * a  # tanh's output, kept for its backward
-            parts["attention"] += n * qd * a + 2 * kv_kept + probs
-        else:
-            parts["attention"] += n * (2 * qd + 2 * kv) * a + s.batch * arch.heads * s.seq_len * 4
-    out_proj = block.group(STAGE_ATTN_OUT)
-    if keep(STAGE_ATTN_OUT):
-        if s.attn == "eager":
-            if full or any(lin.key in s.keys for lin in out_proj):
-                parts["linear_inputs"] += n * qd * a  # attn_output.transpose(1, 2).contiguous()
-            inputs(out_proj, qd, a, True)
-        else:
-            inputs(out_proj, qd, a, keep(STAGE_ATTN_IN))  # sdpa keeps its output when attention needs grads
+            _norm_kept(kept, stage, width)
+    if kept.keep(STAGE_ATTN_IN):
+        _attention_kept(kept)
+    if kept.keep(STAGE_ATTN_OUT):
+        _attention_output_kept(kept)
     for stage, width in norms:
         if STAGE_ATTN_OUT < stage <= STAGE_NORM2:
-            norm(stage, width)
-    inputs(block.group(STAGE_MLP_IN), h, st, False)
-    w = block.mlp_width
-    if keep(STAGE_MLP_IN):
-        if block.moe:
-            E = arch.experts
-            parts["mlp"] += 3 * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
-        elif arch.gated_mlp:
-            parts["mlp"] += 3 * n * w * a
-        else:
-            parts["mlp"] += n * w * a  # the activation keeps its input
-    inputs(block.group(STAGE_MLP_OUT), w, a, False)
+            _norm_kept(kept, stage, width)
+    _inputs_kept(kept, block.group(STAGE_MLP_IN), h, kept.st, False)
+    if kept.keep(STAGE_MLP_IN):
+        _mlp_kept(kept)
+    _inputs_kept(kept, block.group(STAGE_MLP_OUT), block.mlp_width, s.a, False)
     for stage, width in norms:
         if stage > STAGE_MLP_OUT:
-            norm(stage, width)
-    return sum(parts.values()), parts
+            _norm_kept(kept, stage, width)
+    return sum(kept.parts.values()), kept.parts
