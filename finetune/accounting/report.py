@@ -218,6 +218,138 @@ def write_plot(samples: list[dict[str, Any]], path: str | Path, title: str = "me
     save_png(draw_plot(samples, title, budget, events, phase_every), path)
 
 
+def _allocator_panel(ax: Any, samples: list[dict[str, Any]], budget: int | None) -> list[str]:
+    """The top panel: the census as stacked areas under the allocator's and NVML's lines, and
+    the budget where it is near the figures. Returns the legend's notes on what it cannot show."""
+    n = len(samples)
+    notes: list[str] = []
+    vals: list[float] = []
+    for key, *_ in LINES:
+        vals += [s[key] for s in samples if s.get(key) is not None]
+    stack_keys = [k for k in CENSUS_ORDER if any((s.get("census") or {}).get(k) for s in samples)]
+    stacks = [[max(0, (s.get("census") or {}).get(k) or 0) for s in samples] for k in stack_keys]
+    if stacks:
+        vals.append(max(sum(col) for col in zip(*stacks)))
+    top = max(vals) if vals else 0
+    # the budget joins the scale only when it is near the figures: a 24 GiB budget over a
+    # 300 MiB run would flatten everything, so it is then named instead of drawn
+    draw_budget = budget is not None and (not top or budget <= 3 * top)
+    scale, unit = unit_for(max(top, budget if draw_budget and budget else 0))
+    if stacks and n:
+        ax.stackplot(list(range(n)), *[[v / scale for v in row] for row in stacks],
+                     labels=[f"census: {k.replace('_', ' ')}" for k in stack_keys],
+                     colors=[CENSUS_COLORS[k] for k in stack_keys], alpha=0.9)
+    _lines(ax, samples, LINES, scale)
+    if budget is not None and draw_budget:
+        ax.axhline(budget / scale, color="#d62728", lw=1.2, ls="-", alpha=0.7, label=f"memory budget {fb(budget)}")
+    elif budget is not None:
+        notes.append(f"memory budget {fb(budget)}: above the chart's scale, not drawn")
+    if not any(s.get("allocated") is not None for s in samples):
+        notes.append("no allocator figures on this device: the census (what the tensors hold) only"
+                     if stacks else "no allocator figures on this device")
+    _ylabel(ax, "allocator / device", unit)
+    return notes
+
+
+def _host_panel(hax: Any, samples: list[dict[str, Any]]) -> None:
+    """The middle panel: host memory (RSS, peak RSS, swap growth, process swap) in its own unit."""
+    hvals = [s[k] for k, *_ in HOST_LINES for s in samples if s.get(k) is not None]
+    hscale, hunit = unit_for(max(hvals) if hvals else 0)
+    _lines(hax, samples, HOST_LINES, hscale)
+    _ylabel(hax, "host", hunit)
+
+
+def _step_starts(samples: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(sample index, step) of the first sample of each step."""
+    firsts: list[tuple[int, int]] = []
+    for i, s in enumerate(samples):
+        if i == 0 or s["step"] != samples[i - 1]["step"]:
+            firsts.append((i, s["step"]))
+    return firsts
+
+
+def _mark_events(ax: Any, hax: Any, events: list[dict[str, Any]] | None, firsts: list[tuple[int, int]],
+                 n: int) -> tuple[bool, list[tuple[Any, str]]]:
+    """Governor actions: a numbered dashed line each at its step's first sample; the numbers
+    above the chart (one where several crowd together), the words in the legend. Returns
+    whether any number was drawn and the legend's (handle, label) of each action."""
+    from matplotlib.lines import Line2D
+
+    marks: dict[float, list[int]] = {}
+    event_handles = []
+    for k, ev in enumerate(events or [], start=1):
+        at = next((i for i, st in firsts if st >= ev.get("step", 0)), None)
+        if at is None:
+            continue
+        x = at - 0.5 if at else 0
+        for a in (ax, hax):
+            a.axvline(x, color="#d62728", lw=1.0, ls="--", alpha=0.8, zorder=3)
+        marks.setdefault(x, []).append(k)
+        event_handles.append((Line2D([], [], color="#d62728", ls="--", lw=1.0),
+                              _wrap(f"{k}: step {ev.get('step')}, {_event_label(ev)} ({ev.get('trigger')})")))
+    placed: list[float] = []
+    for x, ks in sorted(marks.items()):
+        if any(abs(x - p) < max(n, 1) / 40 for p in placed):
+            continue  # too close to the last number: its legend entry still names the step
+        placed.append(x)
+        ax.annotate(",".join(map(str, ks)), (x, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="#d62728")
+    return bool(marks), event_handles
+
+
+def _step_axis(ax: Any, hax: Any, strip: Any, samples: list[dict[str, Any]], firsts: list[tuple[int, int]]) -> None:
+    """The shared x axis: step labels (at most about 15) under the phase strip, a bar per
+    sample coloured by its phase."""
+    n = len(samples)
+    every = max(1, len(firsts) // 15)
+    ticks = firsts[::every]
+    for a in (ax, hax):
+        a.set_xticks([i for i, _ in ticks])
+        a.set_xticklabels([])
+    strip.set_xticks([i for i, _ in ticks])
+    strip.set_xticklabels(["load" if st == 0 else str(st) for _, st in ticks], fontsize=8)
+    strip.set_xlabel("step (each step's samples in phase order; strip: phase of each sample)")
+    strip.bar(list(range(n)), [1] * n, width=1.0, color=[PHASE_COLORS.get(s["phase"], "#dddddd") for s in samples])
+    strip.set_xlim(ax.get_xlim())
+    strip.set_yticks([])
+
+
+def _main_legend(ax: Any, samples: list[dict[str, Any]], notes: list[str],
+                 event_handles: list[tuple[Any, str]], phase_every: int) -> None:
+    """The top panel's legend, beside the chart: its lines and areas, the phases present, each
+    governor action, then the notes (what the chart cannot show, a sparse phase band)."""
+    from matplotlib.patches import Patch
+
+    handles, labels = ax.get_legend_handles_labels()
+    present = {s["phase"] for s in samples}
+    for ph, col in PHASE_COLORS.items():
+        if ph in present:
+            handles.append(Patch(color=col))
+            labels.append(f"phase: {ph}")
+    last_step = max((s["step"] for s in samples), default=0)
+    if phase_every > 1 and last_step > 2 and {"forward", "backward"} & present:
+        notes.append(f"forward/backward sampled on steps 1, 2 and every {phase_every}th step after "
+                     "(memory.phase_every); the other steps show their optimizer phase only")
+    for h, label in event_handles:
+        handles.append(h)
+        labels.append(label)
+    for note in notes:
+        handles.append(Patch(color="none"))
+        labels.append(_wrap("note: " + note))
+    if handles:
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
+def _host_legend(hax: Any, samples: list[dict[str, Any]]) -> None:
+    """The host panel's legend; a line that stays at zero says so."""
+    hh, hl = hax.get_legend_handles_labels()
+    if hh:
+        hl = [_legend_label(lab, [s.get(key) or 0 for s in samples if s.get(key) is not None])
+              for lab, (key, *_) in zip(hl, [spec for spec in HOST_LINES
+                                             if any(s.get(spec[0]) is not None for s in samples)])]
+        hax.legend(hh, hl, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+
+
 def draw_plot(samples: list[dict[str, Any]], title: str = "memory", budget: int | None = None,
               events: list[dict[str, Any]] | None = None, phase_every: int = 1) -> Any:
     """The memory.png figure (11 x 7 in at 110 dpi), a PNG timeline. Top: the census as stacked areas (allocator-held categories,
@@ -242,114 +374,28 @@ def draw_plot(samples: list[dict[str, Any]], title: str = "memory", budget: int 
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
     n = len(samples)
-    xs = list(range(n))
     fig = Figure(figsize=(11, 7), dpi=110)
     FigureCanvasAgg(fig)
     gs = fig.add_gridspec(3, 1, height_ratios=[10, 4, 0.8], hspace=0.12)
     ax, hax, strip = fig.add_subplot(gs[0]), fig.add_subplot(gs[1]), fig.add_subplot(gs[2])
-    notes: list[str] = []
-    vals: list[float] = []
-    for key, *_ in LINES:
-        vals += [s[key] for s in samples if s.get(key) is not None]
-    stack_keys = [k for k in CENSUS_ORDER if any((s.get("census") or {}).get(k) for s in samples)]
-    stacks = [[max(0, (s.get("census") or {}).get(k) or 0) for s in samples] for k in stack_keys]
-    if stacks:
-        vals.append(max(sum(col) for col in zip(*stacks)))
-    top = max(vals) if vals else 0
-    # the budget joins the scale only when it is near the figures: a 24 GiB budget over a
-    # 300 MiB run would flatten everything, so it is then named instead of drawn
-    draw_budget = budget is not None and (not top or budget <= 3 * top)
-    scale, unit = unit_for(max(top, budget if draw_budget and budget else 0))
-    if stacks and n:
-        ax.stackplot(xs, *[[v / scale for v in row] for row in stacks],
-                     labels=[f"census: {k.replace('_', ' ')}" for k in stack_keys],
-                     colors=[CENSUS_COLORS[k] for k in stack_keys], alpha=0.9)
-    _lines(ax, samples, LINES, scale)
-    if budget is not None and draw_budget:
-        ax.axhline(budget / scale, color="#d62728", lw=1.2, ls="-", alpha=0.7, label=f"memory budget {fb(budget)}")
-    elif budget is not None:
-        notes.append(f"memory budget {fb(budget)}: above the chart's scale, not drawn")
-    if not any(s.get("allocated") is not None for s in samples):
-        notes.append("no allocator figures on this device: the census (what the tensors hold) only"
-                     if stacks else "no allocator figures on this device")
-    _ylabel(ax, "allocator / device", unit)
-    hvals = [s[k] for k, *_ in HOST_LINES for s in samples if s.get(k) is not None]
-    hscale, hunit = unit_for(max(hvals) if hvals else 0)
-    _lines(hax, samples, HOST_LINES, hscale)
-    _ylabel(hax, "host", hunit)
+    notes = _allocator_panel(ax, samples, budget)
+    _host_panel(hax, samples)
     for a in (ax, hax):
         a.set_ylim(bottom=0)
         a.set_xlim(-0.5, max(n - 0.5, 0.5))
         a.grid(alpha=0.3)
-    # step boundaries and labels: first sample of each step
-    firsts: list[tuple[int, int]] = []
-    for i, s in enumerate(samples):
-        if i == 0 or s["step"] != samples[i - 1]["step"]:
-            firsts.append((i, s["step"]))
-    if len(firsts) <= 60:
+    firsts = _step_starts(samples)
+    if len(firsts) <= 60:  # step boundaries, where they stay apart
         for i, _ in firsts[1:]:
             for a in (ax, hax):
                 a.axvline(i - 0.5, color="#bbbbbb", lw=0.6, zorder=0)
-    # governor actions: a numbered dashed line each; numbers above the chart, words in the legend
-    marks: dict[float, list[int]] = {}
-    event_handles = []
-    for k, ev in enumerate(events or [], start=1):
-        at = next((i for i, st in firsts if st >= ev.get("step", 0)), None)
-        if at is None:
-            continue
-        x = at - 0.5 if at else 0
-        for a in (ax, hax):
-            a.axvline(x, color="#d62728", lw=1.0, ls="--", alpha=0.8, zorder=3)
-        marks.setdefault(x, []).append(k)
-        event_handles.append((Line2D([], [], color="#d62728", ls="--", lw=1.0),
-                              _wrap(f"{k}: step {ev.get('step')}, {_event_label(ev)} ({ev.get('trigger')})")))
-    placed: list[float] = []
-    for x, ks in sorted(marks.items()):
-        if any(abs(x - p) < max(n, 1) / 40 for p in placed):
-            continue  # too close to the last number: its legend entry still names the step
-        placed.append(x)
-        ax.annotate(",".join(map(str, ks)), (x, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
-                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="#d62728")
-    ax.set_title(title, pad=14 if marks else 6)
-    every = max(1, len(firsts) // 15)
-    ticks = firsts[::every]
-    for a in (ax, hax):
-        a.set_xticks([i for i, _ in ticks])
-        a.set_xticklabels([])
-    strip.set_xticks([i for i, _ in ticks])
-    strip.set_xticklabels(["load" if st == 0 else str(st) for _, st in ticks], fontsize=8)
-    strip.set_xlabel("step (each step's samples in phase order; strip: phase of each sample)")
-    strip.bar(xs, [1] * n, width=1.0, color=[PHASE_COLORS.get(s["phase"], "#dddddd") for s in samples])
-    strip.set_xlim(ax.get_xlim())
-    strip.set_yticks([])
-    handles, labels = ax.get_legend_handles_labels()
-    present = {s["phase"] for s in samples}
-    for ph, col in PHASE_COLORS.items():
-        if ph in present:
-            handles.append(Patch(color=col))
-            labels.append(f"phase: {ph}")
-    last_step = max((s["step"] for s in samples), default=0)
-    if phase_every > 1 and last_step > 2 and {"forward", "backward"} & present:
-        notes.append(f"forward/backward sampled on steps 1, 2 and every {phase_every}th step after "
-                     "(memory.phase_every); the other steps show their optimizer phase only")
-    for h, label in event_handles:
-        handles.append(h)
-        labels.append(label)
-    for note in notes:
-        handles.append(Patch(color="none"))
-        labels.append(_wrap("note: " + note))
-    if handles:
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    hh, hl = hax.get_legend_handles_labels()
-    if hh:
-        hl = [_legend_label(lab, [s.get(key) or 0 for s in samples if s.get(key) is not None])
-              for lab, (key, *_) in zip(hl, [spec for spec in HOST_LINES
-                                             if any(s.get(spec[0]) is not None for s in samples)])]
-        hax.legend(hh, hl, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    numbered, event_handles = _mark_events(ax, hax, events, firsts, n)
+    ax.set_title(title, pad=14 if numbered else 6)
+    _step_axis(ax, hax, strip, samples, firsts)
+    _main_legend(ax, samples, notes, event_handles, phase_every)
+    _host_legend(hax, samples)
     fig.subplots_adjust(left=0.09, right=0.70, top=0.93, bottom=0.08)
     return fig
 
