@@ -747,7 +747,7 @@ def cmd_status(args: argparse.Namespace) -> None:
         table[m["module"]][out] += 1
         if out in ("survived", "full-suite queue"):
             survivors.append((m, done[m["job_id"]], out))
-        elif m["job_id"] in done and done[m["job_id"]]["outcome"] == "deferred":  # the quick pass let it through: a survivor candidate
+        elif out == "pending" and m["job_id"] in done:  # the quick pass let it through: a survivor candidate
             survivors.append((m, done[m["job_id"]], "deferred by the quick pass"))
     cols = ("made",) + OUTCOMES
     head = f"{'module':40s}" + "".join(f"{c:>10s}" for c in ("made", "killed", "survived", "timeout", "equiv",
