@@ -321,15 +321,10 @@ def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     save_png(draw_chart(rs), path)
 
 
-def draw_chart(rs: list[dict[str, Any]]) -> Any:
-    """The sweep_memory.png figure: a bar per job. Top: the census at the first optimizer step
-    stacked, the allocator's measured peak as a marker (the plan's where no allocator is measured), the budget as a
-    line; pruned jobs as a hatched bar at their planned peak. Bottom: the process's peak RSS
-    (what the OS saw). Each panel has its own unit; readable from 2 to 30 jobs."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
+def _device_panel(ax: Any, rs: list[dict[str, Any]]) -> None:
+    """The top panel, in one unit for the tallest figure: the census at the first optimizer
+    step stacked per job, a pruned job's planned peak hatched, each job's peak as a marker, the
+    budget as a line where it is near the figures (else named in the legend), and the title."""
     from finetune.accounting.report import unit_for
 
     n = len(rs)
@@ -346,10 +341,6 @@ def draw_chart(rs: list[dict[str, Any]]) -> Any:
     budget = budgets.pop() if len(budgets) == 1 else None
     draw_budget = budget is not None and top and budget <= 3 * top
     scale, unit = unit_for(max(top, budget if draw_budget else 0))
-    width = min(max(8.0, 2.5 + 0.55 * n), 24.0)
-    fig = Figure(figsize=(width, 6.4), dpi=110)
-    FigureCanvasAgg(fig)
-    ax, hax = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
     bottoms = [0.0] * n
     for _, label, color, vals in stacks:
         ax.bar(xs, [v / scale for v in vals], bottom=bottoms, color=color, label=label, width=0.7,
@@ -359,14 +350,7 @@ def draw_chart(rs: list[dict[str, Any]]) -> Any:
     if pruned:
         ax.bar(pruned, [rs[i]["planned_peak_bytes"] / scale for i in pruned], width=0.7, fill=False, hatch="//",
                edgecolor="#d62728", label="pruned by plan (its planned peak)")
-    marker = dict(marker="_", s=min(900, 9000 / max(n, 1)), lw=2.5, zorder=4)
-    if alloc:
-        ax.scatter([i for i, _ in alloc], [v / scale for _, v in alloc], color="black",
-                   label="measured peak (allocator)", **marker)
-    plan_only = [(i, v) for i, v in planned if ran[i] and i not in {j for j, _ in alloc}]
-    if plan_only:
-        ax.scatter([i for i, _ in plan_only], [v / scale for _, v in plan_only], color="#1f77b4",
-                   label="planned peak (no allocator measured)", **marker)
+    _peak_markers(ax, ran, alloc, planned, scale)
     if draw_budget:
         ax.axhline(budget / scale, color="#d62728", lw=1.2, label=f"memory budget {budget / GIB:.2f} GiB")
     elif budget is not None:  # named in the legend: a text inside or beside the chart could cover data
@@ -377,15 +361,40 @@ def draw_chart(rs: list[dict[str, Any]]) -> Any:
     where = ", ".join(f"{b} {'backend ' if b == 'cuda' else ''}on {'GPU' if alloc else 'CPU'}" for b in backends)
     ax.set_title(f"sweep memory, {where or 'no job ran'}: {n} job(s)\n"
                  "census at the first optimizer step, peaks per job", fontsize=10)
+
+
+def _peak_markers(ax: Any, ran: list[bool], alloc: list[tuple[int, int]], planned: list[tuple[int, int]],
+                  scale: float) -> None:
+    """Each job's peak as a bar-wide marker: the allocator's measured peak, else (no allocator
+    measured) the plan's."""
+    marker = dict(marker="_", s=min(900, 9000 / max(len(ran), 1)), lw=2.5, zorder=4)
+    if alloc:
+        ax.scatter([i for i, _ in alloc], [v / scale for _, v in alloc], color="black",
+                   label="measured peak (allocator)", **marker)
+    plan_only = [(i, v) for i, v in planned if ran[i] and i not in {j for j, _ in alloc}]
+    if plan_only:
+        ax.scatter([i for i, _ in plan_only], [v / scale for _, v in plan_only], color="#1f77b4",
+                   label="planned peak (no allocator measured)", **marker)
+
+
+def _rss_panel(hax: Any, rs: list[dict[str, Any]]) -> None:
+    """The bottom panel: each job's process peak RSS (what the OS saw), in its own unit."""
+    from finetune.accounting.report import unit_for
+
     rss = [(r.get("peak_rss_bytes") or 0) for r in rs]
     hscale, hunit = unit_for(max(rss + [0]))
-    hax.bar(xs, [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
+    hax.bar(list(range(len(rs))), [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
     hax.set_ylabel(f"{hunit}\n(process)", fontsize=9)
-    labels = [short_label(r["job"]) for r in rs]
-    labels = [x if len(x) <= 32 else x[:31] + "…" for x in labels]
-    rotate = n > 2 or max((len(x) for x in labels), default=0) > 14
+
+
+def _job_axis(ax: Any, hax: Any, rs: list[dict[str, Any]], labels: list[str], rotate: bool) -> None:
+    """The shared job axis and both legends: a tick per job, labelled under the bottom panel
+    (slanted for a few jobs, upright for many); failed jobs named in the top legend."""
+    from matplotlib.patches import Patch
+
+    n = len(rs)
     for a in (ax, hax):
-        a.set_xticks(xs)
+        a.set_xticks(list(range(n)))
         a.set_xlim(-0.6, n - 0.4)
         a.set_ylim(bottom=0)
         a.grid(axis="y", alpha=0.3)
@@ -400,6 +409,28 @@ def draw_chart(rs: list[dict[str, Any]]) -> Any:
     angle = (90 if n > 4 else 35) if rotate else 0
     hax.set_xticklabels(labels, rotation=angle, ha="right" if angle == 35 else "center",
                         fontsize=7 if n > 12 else 8)
+
+
+def draw_chart(rs: list[dict[str, Any]]) -> Any:
+    """The sweep_memory.png figure: a bar per job. Top: the census at the first optimizer step
+    stacked, the allocator's measured peak as a marker (the plan's where no allocator is measured), the budget as a
+    line; pruned jobs as a hatched bar at their planned peak. Bottom: the process's peak RSS
+    (what the OS saw). Each panel has its own unit; readable from 2 to 30 jobs."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = len(rs)
+    width = min(max(8.0, 2.5 + 0.55 * n), 24.0)
+    fig = Figure(figsize=(width, 6.4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax, hax = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2, sharex=None)
+    _device_panel(ax, rs)
+    _rss_panel(hax, rs)
+    labels = [short_label(r["job"]) for r in rs]
+    labels = [x if len(x) <= 32 else x[:31] + "…" for x in labels]
+    rotate = n > 2 or max((len(x) for x in labels), default=0) > 14
+    _job_axis(ax, hax, rs, labels, rotate)
+    # room for the legends on the right and the job labels below
     right = 1.0 - 2.6 / width
     longest = max((len(x) for x in labels), default=0)
     bottom = min(0.34, 0.08 + 0.0105 * longest) if rotate else 0.1
