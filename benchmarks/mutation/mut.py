@@ -713,7 +713,7 @@ def load_equivalents() -> list[tuple[str, int, str]]:
         for ln in EQUIVALENTS.read_text().splitlines():
             if ln.strip() and not ln.startswith("#"):
                 mod, line, mutation, _reason = [p.strip() for p in ln.split("|", 3)]
-                out.append((mod, int(line), mutation.split()[0]))
+                out.append((mod, int(line), mutation.split(":")[0].split()[0]))
     return out
 
 
