@@ -194,6 +194,43 @@ def _packed_setup(setup: Setup, cfg: Any, state: Any, seq_len: int | None) -> No
     setup.padding_mask = caps.packed_block_mask
 
 
+def _dtypes(backend: str, precision: str, method: str, stored: str, dtype_source: str,
+            notes: list[str]) -> Any:
+    """The dtypes both runtimes load with (finetune/precision.py), noting what precision=auto
+    chose from the checkpoint's stored dtype."""
+    from finetune import precision as prec_mod
+
+    dt = prec_mod.resolve(backend, precision, method, stored)
+    if dt.note:
+        notes.append(dt.note)
+    if precision == "auto":
+        notes.append(f"precision=auto: the checkpoint stores {stored} ({dtype_source}); weights {dt.weights}"
+                     + (f", adapters {dt.adapters}" if method in ("lora", "dora", "qlora") else ""))
+    return dt
+
+
+def _adapted_layers(method: str, n: int, layers: int, notes: list[str]) -> tuple[int, ...]:
+    """Indices of the layers that carry adapters (every layer for full fine-tuning):
+    ``method.lora.num_layers`` = ``n`` top layers, all of them for n <= 0 or n >= ``layers``."""
+    if method == "full" or n <= 0 or n >= layers:
+        # PEFT layers_to_transform=None and mlx-lm linear_to_lora_layers(model.layers[-max(n, 0):])
+        # both adapt every layer for n <= 0 (mlx: -1 -> layers[0:]).
+        if method != "full" and n > layers:
+            notes.append(f"method.lora.num_layers={n} exceeds the model's {layers} layers (mlx refuses it)")
+        return tuple(range(layers))
+    return tuple(range(layers - n, layers))
+
+
+def _pre_quantized_base(setup: Setup) -> None:
+    """A pre-quantized checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
+    QuantizedEmbedding); method=qlora quantizes nothing more."""
+    if setup.pre_quant:
+        setup.quant_bits, setup.quant_group = setup.pre_quant["bits"], setup.pre_quant["group_size"]
+        setup.notes.append(f"model is pre-quantized ({setup.pre_quant['bits']}-bit, group "
+                           f"{setup.pre_quant['group_size']}, from {setup.pre_quant['source']}): "
+                           "LoRA trains on the quantized base")
+
+
 def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
     """Resolve the config (and the machine, for backend=auto and the GPU count) into an
     architecture and a setup. ``state`` (a finetune.state.RunState) overrides the backend,
@@ -213,7 +250,6 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
     if method not in ("lora", "dora", "qlora", "full"):
         raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
     notes: list[str] = []
-    from finetune import precision as prec_mod
     from finetune.model_source import stored_dtype, stored_quantization
 
     check_backend_support(backend, cfg)  # the same refusal the backend gives at setup
@@ -225,29 +261,14 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
     device, n_devices, dev_notes = mm.resolve_device(cfg, str(_get(cfg, "mode", "train") or "train"), method)
     notes += dev_notes
     world_size, strategy = mm.ranks(cfg)  # the backend's refusals for a strategy come from here
-    # both runtimes load with these same dtypes (finetune/precision.py)
-    dt = prec_mod.resolve(backend, precision, method, stored)
+    dt = _dtypes(backend, precision, method, stored, dtype_source, notes)
     weight_dtype, adapter_dtype, compute_dtype = dt.weights, dt.adapters, dt.compute
     autocast = dt.autocast is not None
-    if dt.note:
-        notes.append(dt.note)
-    if precision == "auto":
-        notes.append(f"precision=auto: the checkpoint stores {stored} ({dtype_source}); weights {weight_dtype}"
-                     + (f", adapters {adapter_dtype}" if method in ("lora", "dora", "qlora") else ""))
     lc = _get(m, "lora")
     keys = lora_keys(arch, _get(lc, "keys"))
     if method != "full":
         mm.check_lora_keys(keys)  # what the backend's library cannot adapt, in one line
-    n = int(_get(lc, "num_layers", -1))
-    L = arch.layers
-    if method == "full" or n <= 0 or n >= L:
-        # PEFT layers_to_transform=None and mlx-lm linear_to_lora_layers(model.layers[-max(n, 0):])
-        # both adapt every layer for n <= 0 (mlx: -1 -> layers[0:]).
-        layers = tuple(range(L))
-        if method != "full" and n > L:
-            notes.append(f"method.lora.num_layers={n} exceeds the model's {L} layers (mlx refuses it)")
-    else:
-        layers = tuple(range(L - n, L))
+    layers = _adapted_layers(method, int(_get(lc, "num_layers", -1)), arch.layers, notes)
     T = int(seq_len) if seq_len else int(_get(t, "seq_len", 256))
     # transformers' attention choice; a backend with its own attention (mlx) names it in its memory model
     wanted = str(_get(_get(cfg, "backend"), "attn_implementation", None) or "auto")
@@ -270,12 +291,7 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
         padding_mask=bool(_get(model_cfg, "trust_remote_code", False)),
     )
     _packed_setup(setup, cfg, state, seq_len)
-    if setup.pre_quant:
-        # the checkpoint's own quantization, as mlx_lm.load rebuilds it (QuantizedLinear /
-        # QuantizedEmbedding); method=qlora quantizes nothing more
-        setup.quant_bits, setup.quant_group = setup.pre_quant["bits"], setup.pre_quant["group_size"]
-        notes.append(f"model is pre-quantized ({setup.pre_quant['bits']}-bit, group {setup.pre_quant['group_size']}, "
-                     f"from {setup.pre_quant['source']}): LoRA trains on the quantized base")
+    _pre_quantized_base(setup)
     return arch, setup
 
 
