@@ -109,18 +109,11 @@ def params_total(cfg: Any) -> int:
 _MODULE_KEYS = ("weights", "quant", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged", "round")
 
 
-def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
-    """Price one setup: categories, steady state, peak, per device."""
-    tensors = inventory(arch, s)
-    total, trainable = _count(tensors)
-    mm = memory_model(s.backend)
-    on_gpu = s.device == capabilities(s.backend).gpu_device
-    # What one rank holds (whole replicas, or FSDP's shards) and what its collectives add.
-    held = mm.rank_tensors(tensors, s)
-    buffers = mm.collective_buffers(tensors, s)
-    # Group bytes by module so a split model's share can be priced per device.
+def _bytes_by_module(held: list[Tensor], s: Setup, mm: Any, on_gpu: bool) -> dict[str, dict[str, int]]:
+    """Bytes of one rank's tensors grouped by module (``_MODULE_KEYS`` each), so a split
+    model's share can be priced per device: weights (quantization constants included),
+    trainable weights, their gradients and optimizer state, and the allocator's rounding."""
     by_module: dict[str, dict[str, int]] = {}
-    trainable_t = [t for t in held if t.trainable]
     for t in held:
         mod = by_module.setdefault(_module_of(t), dict.fromkeys(
             _MODULE_KEYS, 0))
@@ -136,6 +129,33 @@ def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
             mod["optimizer_state"] += st
             mod["optimizer_state_paged"] += paged
             mod["round"] += 2 * mm.rounding_bytes(w, s)
+    return by_module
+
+
+def _across_devices(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole model's figures: the one device's, or the devices' sums with the phase of the
+    device that peaks highest."""
+    if len(devices) == 1:
+        return devices[0]
+    tot = {k: sum(dv["bytes"][k] for dv in devices) for k in devices[0]["bytes"]}
+    worst = max(devices, key=lambda dv: dv["peak_bytes"])
+    return {"bytes": tot,
+            "steady_state_allocated_bytes": sum(dv["steady_state_allocated_bytes"] for dv in devices),
+            "peak_allocated_bytes": sum(dv["peak_allocated_bytes"] for dv in devices),
+            "peak_bytes": sum(dv["peak_bytes"] for dv in devices), "peak_phase": worst["peak_phase"]}
+
+
+def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
+    """Price one setup: categories, steady state, peak, per device."""
+    tensors = inventory(arch, s)
+    total, trainable = _count(tensors)
+    mm = memory_model(s.backend)
+    on_gpu = s.device == capabilities(s.backend).gpu_device
+    # What one rank holds (whole replicas, or FSDP's shards) and what its collectives add.
+    held = mm.rank_tensors(tensors, s)
+    buffers = mm.collective_buffers(tensors, s)
+    by_module = _bytes_by_module(held, s, mm, on_gpu)
+    trainable_t = [t for t in held if t.trainable]
     qmaps = mm.optimizer_shared_bytes(s, trainable_t)
     _, logits, act_detail = activations(arch, s)
     opt_tr = mm.optimizer_transient(s, trainable_t)
@@ -167,15 +187,7 @@ def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
         if last:
             dev_act += act_detail["head"]
         devices.append(_price(s, agg, dev_act, dev_logits, opt_tr if agg["grads"] else 0, d, mods, buffers))
-    tot = {k: sum(dv["bytes"][k] for dv in devices) for k in devices[0]["bytes"]}
-    if n_dev == 1:
-        summary = devices[0]
-    else:
-        worst = max(devices, key=lambda dv: dv["peak_bytes"])
-        summary = {"bytes": tot,
-                   "steady_state_allocated_bytes": sum(dv["steady_state_allocated_bytes"] for dv in devices),
-                   "peak_allocated_bytes": sum(dv["peak_allocated_bytes"] for dv in devices),
-                   "peak_bytes": sum(dv["peak_bytes"] for dv in devices), "peak_phase": worst["peak_phase"]}
+    summary = _across_devices(devices)
     return {
         "params_total": total, "params_trainable": trainable,
         "bytes": summary["bytes"],
