@@ -2,40 +2,76 @@
 Protocol in ``base`` (imports its framework), its capabilities and its memory model (neither
 imports a framework). Installed as ``finetune.backends``.
 
-Only the chosen backend's runtime is imported, so the other platform's framework never is.
+This registry holds each backend's framework-free parts (``capabilities``, ``memory_model``),
+which the config checks and the planner import. Its runtime is loaded by ``finetune.backends.runtimes``
+``get_backend``, above the planner that the runtimes use: only the chosen backend's runtime is
+imported, so the other platform's framework never is.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import shutil
 import sys
 
-from finetune.backends.base import Backend, Batch, Capabilities, ModelInfo, OutOfMemory
+from finetune.backends.base import Backend, Batch, Capabilities, MemoryModel, ModelInfo, OutOfMemory
+from finetune.backends.cuda import capabilities as cuda_capabilities
+from finetune.backends.cuda import memory as cuda_memory
+from finetune.backends.mlx import capabilities as mlx_capabilities
+from finetune.backends.mlx import memory as mlx_memory
+from finetune.budget import DeviceMemory, apple_silicon
+from finetune.errors import UserError
 
-__all__ = ["BACKENDS", "Backend", "Batch", "Capabilities", "ModelInfo", "OutOfMemory", "capabilities", "get_backend",
-           "resolve_backend_name"]
+__all__ = ["BACKENDS", "Backend", "Batch", "Capabilities", "MemoryModel", "ModelInfo", "OutOfMemory", "capabilities",
+           "device_memory", "memory_model", "resolve_backend_name", "run_device"]
 
-BACKENDS = ("cuda", "mlx")  # a folder each; a third backend adds its name here
+BACKENDS = ("cuda", "mlx")  # a folder each; a third backend adds its name here, and its two parts below
+
+# Each backend's framework-free parts, imported with the registry (neither imports its framework).
+_CAPABILITIES: dict[str, Capabilities] = {"cuda": cuda_capabilities.CAPABILITIES, "mlx": mlx_capabilities.CAPABILITIES}
+_MEMORY_MODELS: dict[str, MemoryModel] = {"cuda": cuda_memory, "mlx": mlx_memory}  # type: ignore[dict-item]
 
 
 def capabilities(name: str) -> Capabilities:
     """What backend ``name`` runs (no framework imported). Raises UserError for an unknown name."""
-    from finetune.config import UserError
-
     if name not in BACKENDS:
         raise UserError(f"backend={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
-    return importlib.import_module(f"finetune.backends.{name}.capabilities").CAPABILITIES
+    return _CAPABILITIES[name]
 
+
+def memory_model(name: str) -> MemoryModel:
+    """Backend ``name``'s memory model, ``finetune.backends.<name>.memory`` (no framework imported:
+    the planner prices with it). Raises UserError for an unknown name."""
+    if name not in BACKENDS:
+        raise UserError(f"backend={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
+    return _MEMORY_MODELS[name]
+
+
+def run_device(backend: str, device: str = "auto") -> str:
+    """The device a run of ``backend`` would use ("cuda", "cpu", "mlx:gpu", "mlx:cpu"): the
+    backend's memory model says (its ``run_device``).
+
+    Args:
+        backend: "cuda" or "mlx".
+        device: the backend's ``backend.device`` ("auto", "cuda", "cuda:N", "cpu").
+    """
+    return memory_model(backend).run_device(device)
+
+
+def device_memory(backend: str, device: str) -> DeviceMemory:
+    """Memory of the device a run with this backend/device would use (its memory model's
+    ``device_memory``).
+
+    Args:
+        backend: "cuda" or "mlx".
+        device: "cuda" (a GPU), "cpu", "mlx:gpu" or "mlx:cpu".
+    """
+    return memory_model(backend).device_memory(device)
 
 def concrete_name(name: str) -> str:
     """``auto`` -> the backend a run here would use, without importing a framework: mlx on
     Apple Silicon, else cuda (on a GPU or on CPU). Raises UserError for an unknown name."""
-    from finetune.budget import apple_silicon
-    from finetune.config import UserError
-
     if name == "auto":
         return "mlx" if apple_silicon() else "cuda"
     if name not in BACKENDS:
@@ -65,18 +101,3 @@ def resolve_backend_name(name: str) -> tuple[str, str]:
     if _cuda_visible():
         return "cuda", "backend=auto chose cuda: a CUDA device is visible"
     return "cuda", "backend=auto chose cuda on CPU: no CUDA device and not Apple Silicon"
-
-
-def get_backend(name: str) -> Backend:
-    """Instantiate a backend by concrete name, importing only its module."""
-    from finetune.config import UserError
-
-    needs = {"cuda": ("torch", "backend=cuda needs torch: run `bash scripts/setup.sh` (or pip install '.[cuda]')"),
-             "mlx": ("mlx", "backend=mlx needs mlx: pip install '.[mlx]' (on Linux this brings mlx[cpu])")}
-    if name not in needs:
-        raise UserError(f"backend={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
-    module, fix = needs[name]
-    if importlib.util.find_spec(module) is None:
-        raise UserError(fix)
-    runtime = importlib.import_module(f"finetune.backends.{name}.runtime")
-    return runtime.BACKEND()

@@ -27,6 +27,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from finetune.budget import DeviceMemory
+from finetune.modeldesc import Linear, ModelDesc
+from finetune.planspec import Setup, Tensor
+
 PhaseHook = Callable[[str], None]
 """Called by a backend inside forward_backward with "forward" (after the forward pass, before
 backward) and "backward" (after backward), where the framework lets the two be separated."""
@@ -338,4 +342,119 @@ class Backend(Protocol):
         lever; ``train.loss_chunk``). Returns None when applied, else why this run's loss
         cannot be chunked (a compiled loss, FSDP shards, a model whose logits are not its head
         applied to its hidden states), leaving the loss as it was."""
+        ...
+
+
+class MemoryModel(Protocol):
+    """A backend's memory model (``finetune/backends/<name>/memory.py``, a module; the registry's
+    ``memory_model(name)`` loads it): what its framework holds for each tensor, optimizer state,
+    activation and device, torch/mlx-free so ``mode=plan`` stays light. The planner
+    (``finetune/planner``) prices the model description (``finetune.modeldesc``) and the
+    resolved ``Setup`` (``finetune.planspec``) with exactly these names; every figure is an int
+    of bytes."""
+
+    # what the plan shows as the attention implementation (None: the config's
+    # backend.attn_implementation, as transformers picks it)
+    ATTENTION_LABEL: str | None
+    # whether the step's backward workspace already holds the logits region (else the
+    # planner adds only what exceeds the logits)
+    WORKSPACE_WITH_LOGITS: bool
+
+    # ---- the device and the run's shape ----------------------------------------------------
+    def run_device(self, device: str = "auto") -> str:
+        """The device a run would use for ``backend.device`` ("cuda", "cpu", "mlx:gpu", ...)."""
+        ...
+
+    def device_memory(self, device: str) -> DeviceMemory:
+        """Memory of one device of the run."""
+        ...
+
+    def resolve_device(self, cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
+        """(device, devices the model is split over, notes), with the runtime's refusals."""
+        ...
+
+    def ranks(self, cfg: Any) -> tuple[int, str]:
+        """(data-parallel ranks, strategy) the plan is for, with the strategy's refusals."""
+        ...
+
+    # ---- what the backend's library refuses, before pricing --------------------------------
+    def pre_quantized(self, cfg: Any, quant: dict[str, Any] | None) -> None:
+        """Refuse a pre-quantized checkpoint the library cannot load (UserError)."""
+        ...
+
+    def check_lora_keys(self, keys: tuple[str, ...]) -> None:
+        """Refuse LoRA targets the library cannot adapt (UserError)."""
+        ...
+
+    def check_model(self, hf: dict[str, Any], seq_len: int) -> None:
+        """Refuse a family the library cannot load faithfully (UserError)."""
+        ...
+
+    # ---- weights and adapters --------------------------------------------------------------
+    def quant_of(self, s: Setup, role: str, in_f: int) -> str | None:
+        """How a weight of ``role`` with ``in_f`` inputs is quantized (None: not)."""
+        ...
+
+    def quant_label(self, s: Setup) -> str | None:
+        """plan.json's ``dtypes.quantized``."""
+        ...
+
+    def expert_adapters(self, lin: Linear, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name suffix, shape) of each adapter tensor on a stacked expert parameter."""
+        ...
+
+    def weight_bytes(self, t: Tensor, s: Setup) -> tuple[int, int]:
+        """(data bytes, quantization constants' bytes) of one parameter."""
+        ...
+
+    def rounding_bytes(self, nbytes: int, s: Setup) -> int:
+        """What the allocator adds to one allocation of ``nbytes``."""
+        ...
+
+    # ---- optimizer state, gradients, activations -------------------------------------------
+    def optimizer_state_bytes(self, optim: str, shape: tuple[int, ...], dtype_bytes: int, on_gpu: bool,
+                              momentum: float = 0.0, host_step: bool = False) -> tuple[int, int]:
+        """(allocator-held bytes, paged bytes) of one trainable tensor's optimizer state."""
+        ...
+
+    def optimizer_shared_bytes(self, s: Setup, trainable: list[Tensor]) -> int:
+        """Optimizer state shared by all tensors (e.g. quantization maps)."""
+        ...
+
+    def optimizer_transient(self, s: Setup, trainable: list[Tensor]) -> int:
+        """Bytes the optimizer step allocates and frees."""
+        ...
+
+    def grads_during_forward_backward(self, s: Setup, fb: int, grads: int, overlap: float) -> int:
+        """The forward+backward peak with gradients growing while activations are freed."""
+        ...
+
+    def activation_pieces(self, arch: ModelDesc, s: Setup, backward_layers: int) -> dict[str, Any]:
+        """The step's activations by piece (saved layers, head, workspace...)."""
+        ...
+
+    def packed_attention(self, s: Setup) -> str:
+        """The attention path that keeps packed samples apart, in words."""
+        ...
+
+    # ---- the device and several ranks ------------------------------------------------------
+    def device_overhead(self, s: Setup) -> int:
+        """Bytes the framework holds on the device outside its allocator (context, handles)."""
+        ...
+
+    def rank_tensors(self, tensors: list[Tensor], s: Setup) -> list[Tensor]:
+        """The inventory as one rank holds it (FSDP shards)."""
+        ...
+
+    def collective_buffers(self, tensors: list[Tensor], s: Setup) -> dict[str, dict[str, Any]]:
+        """The collectives' buffers per rank, by name."""
+        ...
+
+    # ---- what the plan says ----------------------------------------------------------------
+    def notes(self, s: Setup) -> list[str]:
+        """The backend's notes for the plan."""
+        ...
+
+    def qlora_lever(self, arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
+        """The Setup changes of trying method=qlora instead (None: not a lever here)."""
         ...

@@ -67,7 +67,7 @@ def _backend(args: argparse.Namespace):
     """The backend built by its own setup, as ``finetune backend=... train.loss_chunk=...`` would."""
     import warnings
 
-    from finetune.backends import get_backend
+    from finetune.backends.runtimes import get_backend
     from omegaconf import OmegaConf
 
     from finetune.config import Config

@@ -286,7 +286,7 @@ def analyse(raw: Path, rate: int, steps: int, top: int) -> list[str]:
 
 # ---- part 2: the framework's own split, in process ---------------------------------------------
 def phases_worker(backend: str, steps: int) -> dict[str, Any]:
-    from finetune.backends import get_backend
+    from finetune.backends.runtimes import get_backend
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 

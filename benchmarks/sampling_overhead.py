@@ -53,7 +53,7 @@ def interleaved(backend: str, steps: int) -> dict:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from finetune.backends import get_backend
+    from finetune.backends.runtimes import get_backend
     from finetune import data as data_mod
     from finetune.accounting import Accountant
     from finetune.config import Config

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from finetune.config import UserError
+from finetune.errors import UserError
 
 # Decimal units are powers of 1000, binary ones powers of 1024 (GB = 1e9 B, GiB = 2^30 B).
 UNITS = {
@@ -164,32 +164,6 @@ def system_ram() -> int | None:
         return int(psutil.virtual_memory().total)
     except Exception:
         return None
-
-
-def run_device(backend: str, device: str = "auto") -> str:
-    """The device a run of ``backend`` would use ("cuda", "cpu", "mlx:gpu", "mlx:cpu"): the
-    backend's memory model says (finetune/backends/<name>/memory.py ``run_device``).
-
-    Args:
-        backend: "cuda" or "mlx".
-        device: the backend's ``backend.device`` ("auto", "cuda", "cuda:N", "cpu").
-    """
-    from finetune.planner.model import memory_model
-
-    return memory_model(backend).run_device(device)
-
-
-def device_memory(backend: str, device: str) -> DeviceMemory:
-    """Memory of the device a run with this backend/device would use (its memory model's
-    ``device_memory``).
-
-    Args:
-        backend: "cuda" or "mlx".
-        device: "cuda" (a GPU), "cpu", "mlx:gpu" or "mlx:cpu".
-    """
-    from finetune.planner.model import memory_model
-
-    return memory_model(backend).device_memory(device)
 
 
 def host_memory() -> DeviceMemory:

@@ -13,8 +13,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from finetune.config import GROUPS, UserError, register_configs
+from finetune.config import GROUPS, register_configs
+from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
+from finetune import checkpoints, quiet, sweep
+from finetune.config import config_error_line, validate
+from finetune.generate import generate
+from finetune.loop import train
+from finetune.planner import run_plan
+from finetune.redact import redact_hydra_files
 
 CONFIG_MODULE = "finetune.conf"
 
@@ -50,16 +57,10 @@ def check_group_choices(argv: list[str]) -> None:
 def run(cfg: Any) -> dict[str, Any] | None:
     """Dispatch a composed config by mode. Tests and sweeps call this directly."""
     if cfg.mode == "plan":
-        from finetune.config import validate
-        from finetune.planner import run_plan
-
         validate(cfg)
         return run_plan(cfg)
     if cfg.mode == "generate":
-        from finetune.generate import generate
-
         return generate(cfg)
-    from finetune.loop import train
 
     return train(cfg)
 
@@ -106,8 +107,6 @@ class RunDirGuard:
     HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
     def __init__(self, run_dir: Path, subdir: str | None):
-        from finetune import checkpoints
-
         self.run_dir = run_dir
         self.hydra_dir = run_dir / subdir if subdir else None
         self.hydra_dir_existed = bool(self.hydra_dir and self.hydra_dir.is_dir())
@@ -186,9 +185,6 @@ def _task(cfg: Any) -> Any:
     global _TASK_STARTED
     _TASK_STARTED = True
     try:
-        from finetune import sweep
-        from finetune.redact import redact_hydra_files
-
         redact_hydra_files(cfg)  # .hydra/*.yaml: no token or key a user passed or planted
         if sweep.in_multirun():  # each job from its own baseline (a fresh process), pruned by plan
             return sweep.run_job(cfg, run)
@@ -207,8 +203,6 @@ def _one_line_config_errors() -> None:
     """Hydra prints a composition error (an unknown key, a string where a number belongs, a run
     dir it cannot create) over several lines and exits 1; print ours, one line, exit 2."""
     import hydra._internal.utils as hydra_utils
-
-    from finetune.config import config_error_line
 
     report = hydra_utils.run_and_report
 
@@ -243,7 +237,6 @@ def main() -> None:
         os.environ["HYDRA_FULL_ERROR"] = "1"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from finetune import quiet
 
     quiet.install(debug())  # the known third-party lines that tell a user nothing (--debug: all)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -258,7 +251,6 @@ def main() -> None:
     register_configs()
     _one_line_config_errors()
     _guard_run_dir()
-    from finetune import sweep  # also registers hydra.sweep.subdir's job_dirname resolver
 
     try:
         hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(_task)()

@@ -13,6 +13,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from finetune.errors import UserError
+from finetune.backends import BACKENDS, capabilities, concrete_name
+from finetune.budget import parse_budget
+
 GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger", "search")
 
 
@@ -260,8 +264,6 @@ def _value(cfg: Any, dotted: str) -> Any:
 def check_backend_support(backend: str, cfg: Any) -> None:
     """Raise UserError if ``backend`` cannot run a choice in ``cfg``, naming what it can run
     (and, where another backend runs it, why this one does not)."""
-    from finetune.backends import BACKENDS, capabilities
-
     caps = capabilities(backend)
     for dotted in BACKEND_KEYS:
         value = _value(cfg, dotted)
@@ -276,10 +278,6 @@ def check_backend_support(backend: str, cfg: Any) -> None:
             raise UserError(f"{group}={value} is not run by backend={backend} (backend={elsewhere[0]} runs it); "
                             f"{backend} supports: {', '.join(allowed)}")
         raise UserError(f"{dotted}={value} is not valid; choose one of: {', '.join(allowed)}")
-
-
-class UserError(Exception):
-    """A bad input: printed as one line naming the fix, exit code 2, no traceback."""
 
 
 def register_configs() -> None:
@@ -317,8 +315,6 @@ def compose(run_dir: Any, *overrides: str) -> Any:
 def validate(cfg: Any) -> None:
     """Check enumerated choices (the backend's against its capabilities) and ranges; raise
     UserError naming the fix."""
-    from finetune.backends import concrete_name
-
     for dotted, choices in VALID.items():
         node = _value(cfg, dotted)
         if node not in choices:
@@ -426,8 +422,6 @@ def check_ranges(cfg: Any) -> None:
         fail("method.lora.num_layers", n, ">= 1 or -1")
     budget = cfg.memory.budget
     if budget is not None:
-        from finetune.budget import parse_budget
-
         parse_budget(budget, 2**40)  # the size only checks a percentage's range here
 
 

@@ -46,8 +46,13 @@ import numpy as np
 
 from finetune import tokcache
 from finetune.backends.base import Batch, padded_length
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.tokcache import Damaged, Ragged, TokenWriter
+from finetune import synthetic
+from finetune.backends import capabilities, concrete_name, run_device
+from finetune.state import tokens_per_micro
+from finetune.synthetic import generate
+from finetune.tiny import cache_root
 
 log = logging.getLogger("finetune")
 
@@ -307,8 +312,6 @@ def iter_records(data_cfg: Any, seed: int) -> Iterator[dict[str, Any]]:
     """The configured source's records one at a time, each checked (``check_record``): a
     file of any size streams through in constant memory."""
     if data_cfg.name == "synthetic":
-        from finetune.synthetic import generate
-
         return iter(generate(data_cfg.num_samples, seed=seed))
     if data_cfg.name == "jsonl":
         _jsonl_path(data_cfg)  # a missing file is reported now, not at the first record
@@ -518,8 +521,6 @@ def _code_fingerprint(name: str) -> str:
     funcs: list[Any] = [check_record, _render, _encode, record_char_cap, _chunk_samples, _tokenize_into,
                         _jsonl_records, _line_records, _array_records, _open_data, _hf_records]
     if name == "synthetic":
-        from finetune import synthetic
-
         funcs.append(synthetic)
     try:
         text = "\n".join(inspect.getsource(f) for f in funcs)
@@ -637,8 +638,6 @@ def _remove_stale_temporaries(cache_dir: str | None) -> None:
     """Temporaries that killed writers left (a token cache entry being built, a tiny model
     being assembled) go when the next run starts: those of a dead process, or untouched for
     an hour when no process is named (tokcache.remove_stale_temporaries)."""
-    from finetune.tiny import cache_root
-
     for root in {tokcache.cache_dir(cache_dir), cache_root()}:
         for p in tokcache.remove_stale_temporaries(root):
             log.info("removed %s, left by a writer that is gone", p)
@@ -775,7 +774,6 @@ def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, di
                     "raise train.seq_len to keep them whole", tok.truncated, tok.records, cfg.train.seq_len, tok.longest)
     if tok.dropped_no_target:
         log.warning("%d samples had no target token within train.seq_len and were dropped", tok.dropped_no_target)
-    from finetune.state import tokens_per_micro
 
     cap, cut = tokens_per_micro(cfg), 0
     if cap:

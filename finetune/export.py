@@ -55,9 +55,12 @@ from typing import Any
 
 import numpy as np
 
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.io import atomic_dir, disk_errors
 from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
+from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
+from finetune.model_source import PICKLE_SUFFIXES
+from finetune.planner.describe import FAMILIES, describe
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -431,8 +434,6 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool, allow_pickle: b
 def _weight_files(d: Path) -> tuple[list[Path], list[Path]]:
     """(safetensors files, pickle weight files) of a model directory, as model_source's
     check_weights counts them (training_args.bin is not weights)."""
-    from finetune.model_source import PICKLE_SUFFIXES
-
     files = sorted(p for p in d.iterdir() if p.is_file())
     return ([p for p in files if p.name.endswith(".safetensors")],
             [p for p in files if p.name.endswith(PICKLE_SUFFIXES) and "training_args" not in p.name])
@@ -478,8 +479,6 @@ def _block_linears(base: Base) -> tuple[str, dict[str, str]] | None:
     the description does not know exactly. The names on disk are not always the modules'
     names: transformers 5 saves Mixtral's router as ``block_sparse_moe.gate`` (the name mlx-lm
     loads) while its module is ``mlp.gate``, a router that is no linear layer for PEFT."""
-    from finetune.planner.describe import FAMILIES, describe
-
     try:
         desc = describe(base.config, str(base.path / "config.json"))
     except UserError:
@@ -808,7 +807,6 @@ def _merge_mlx(base: Base, adapter_dir: Path, out: Path, trust_remote_code: bool
     from mlx_lm.utils import dequantize_model, load, save
 
     # mlx-lm reads model*.safetensors only; the tokenizer's own code runs only when trusted
-    from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
 
     hf_keys = mlx_model_config(base.path)  # transformers-5 keys in mlx-lm's words, for loading only
     model, tokenizer, config = load(str(base.path), adapter_path=str(adapter_dir), return_config=True,

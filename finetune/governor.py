@@ -15,7 +15,13 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from finetune.config import UserError
+from finetune import planner
+from finetune.accounting import fmt_bytes
+from finetune.backends import capabilities, device_memory, run_device
+from finetune.budget import parse_budget
+from finetune.errors import UserError
+from finetune.planner.fit import LOSS_CHUNK_LEVER
+from finetune.state import RunState
 
 log = logging.getLogger("finetune")
 
@@ -47,18 +53,13 @@ def _measured_peak(sample: dict[str, Any]) -> int | None:
 
 class Governor:
     def __init__(self, cfg: Any, backend_name: str, emit: Callable[[dict[str, Any]], None]):
-        from finetune.state import RunState
-
         self.cfg, self.backend_name, self.emit = cfg, backend_name, emit
         self.state = RunState.from_config(cfg, backend_name)  # the governor owns the run's live state
         self.adapt = bool(cfg.memory.adapt)
         self.backend: Any = None
-        from finetune.budget import device_memory, run_device
 
         total = device_memory(backend_name, run_device(backend_name, str(cfg.backend.device))).total_bytes
         if cfg.memory.budget is not None:
-            from finetune.planner import parse_budget
-
             self.budget_bytes = parse_budget(cfg.memory.budget, total)
         else:
             self.budget_bytes = total
@@ -91,8 +92,6 @@ class Governor:
     def _enable_loss_chunk(self, step: int, trigger: str, **detail: Any) -> bool:
         """Turn the chunked loss on in the backend (``LOSS_CHUNK_LEVER`` tokens); False where
         it is on already or the backend cannot chunk this run's loss (it says why once)."""
-        from finetune.planner.fit import LOSS_CHUNK_LEVER
-
         if self.state.loss_chunk or self.backend is None or self._chunk_refused:
             return False
         why = self.backend.set_loss_chunk(LOSS_CHUNK_LEVER)
@@ -155,9 +154,6 @@ class Governor:
         if not self.budget_bytes:
             return
         import sys
-
-        from finetune import planner
-        from finetune.accounting import fmt_bytes
 
         try:
             res = planner.fit_to_budget(self.cfg, self.budget_bytes, seq_len=seq_len, state=self.state)
@@ -275,8 +271,6 @@ class Governor:
             raise UserError(f"out of memory at step {step} with micro-batch {self.micro} and memory.adapt=false; "
                             "set memory.adapt=true or lower train.batch_size (raise train.grad_accum to keep the batch)")
         if not self._lower_micro(step, "oom", **detail):
-            from finetune.planner.fit import LOSS_CHUNK_LEVER
-
             wide = row_tokens is None or self.micro * (row_tokens - 1) > LOSS_CHUNK_LEVER
             if wide and self._enable_loss_chunk(step, "oom", **detail):
                 return

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.io import atomic_write_text
 from finetune.redact import redact_overrides, redact_text, redact_tree
 

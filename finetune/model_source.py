@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from finetune.config import UserError
+from finetune.errors import UserError
+from finetune.tiny import _arch, build_tiny, hf_config
 
 # What training needs from a hub repository; skips other formats (pytorch_model.bin twins,
 # gguf, onnx) that would multiply the download.
@@ -17,7 +18,6 @@ def resolve_model_dir(model_cfg: Any, seed: int = 0) -> Path:
     if model_cfg.path is None:
         if model_cfg.name != "tiny":
             raise UserError(f"model={model_cfg.name} has no model.path; set model.path=<hub id or local dir>")
-        from finetune.tiny import build_tiny
 
         return build_tiny(model_cfg, seed=seed)
     local = Path(str(model_cfg.path)).expanduser()
@@ -166,8 +166,6 @@ def model_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[d
     name = str(getattr(model_cfg, "name", "?"))
     if path is None:
         if name == "tiny":
-            from finetune.tiny import _arch, hf_config
-
             return hf_config(_arch(model_cfg)), "preset tiny (the config.json build_tiny writes)"
         facts = getattr(model_cfg, "config", None)
         if facts is None:

@@ -11,6 +11,7 @@ ones fp32 master weights with an autocast dtype (cuda only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from finetune.backends import capabilities
 
 # What each precision means per backend lives in its capabilities
 # (finetune/backends/<name>/capabilities.py ``precisions``: weight dtype or None = as stored,
@@ -29,8 +30,6 @@ class Dtypes:
 def resolve(backend: str, precision: str, method: str, stored: str) -> Dtypes:
     """Dtypes a run of ``backend`` with ``precision`` and ``method`` holds, for a checkpoint
     stored in ``stored`` (see ``finetune.model_source.stored_dtype``)."""
-    from finetune.backends import capabilities
-
     weights, autocast = capabilities(backend).precisions[precision]
     note = None
     if weights is None:

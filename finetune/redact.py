@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+from finetune.io import atomic_write_text
 
 MASK = "***"
 # ``(^|_)token($|_)`` so hf_token matches and max_new_tokens / tokens_per_sec do not
@@ -139,8 +140,6 @@ def redact_yaml_file(path: Path, secrets: list[str]) -> None:
     holds none."""
     import yaml
 
-    from finetune.io import atomic_write_text
-
     path = Path(path)
     if not path.is_file():
         return
@@ -201,8 +200,6 @@ def redact_dir(root: Path | str, secrets: list[str]) -> None:
     text files, vocabularies included, their ``secrets`` and URL passwords. Files that hold no
     secret are left byte for byte as they were."""
     import json
-
-    from finetune.io import atomic_write_text
 
     for f in sorted(p for p in Path(root).rglob("*") if p.is_file() and p.suffix in _TEXT_SUFFIXES):
         try:

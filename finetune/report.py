@@ -25,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from finetune.accounting.report import save_png, unit_for
+from finetune.config import GROUPS
+from finetune.io import atomic_write_text
+from finetune.redact import redact_overrides
 
 GIB = 1 << 30
 
@@ -88,8 +92,6 @@ def _overrides(run: Path) -> list[str]:
     if not f.is_file():
         return []
     import yaml
-
-    from finetune.redact import redact_overrides
 
     try:  # masked again here: a job name never shows a secret-named key's value
         return redact_overrides([str(o) for o in (yaml.safe_load(f.read_text()) or [])
@@ -200,8 +202,6 @@ def _natural(name: str) -> list[Any]:
 def short_label(job: str) -> str:
     """A chart label: group choices by their option (optim=adamw -> adamw), other keys by their
     last part (method.lora.rank=16 -> rank=16)."""
-    from finetune.config import GROUPS
-
     parts = []
     for tok in job.split(" "):
         key, eq, val = tok.partition("=")
@@ -263,8 +263,6 @@ def _gib(v: Any) -> str:
 def _unit(rs: list[dict[str, Any]], key: str) -> tuple[float, str]:
     """One unit per byte column, the largest its biggest value reaches (a tiny model's state
     is KiB, a 7B's GiB), so the column reads without a row of 0.000s."""
-    from finetune.accounting.report import unit_for
-
     return unit_for(max((abs(r[key]) for r in rs if r.get(key) is not None), default=0))
 
 
@@ -316,8 +314,6 @@ def markdown(rs: list[dict[str, Any]], notes: list[str]) -> str:
 
 def write_chart(rs: list[dict[str, Any]], path: Path) -> None:
     """Write ``draw_chart``'s figure to ``path`` (a temporary name, then renamed into place)."""
-    from finetune.accounting.report import save_png
-
     save_png(draw_chart(rs), path)
 
 
@@ -325,8 +321,6 @@ def _device_panel(ax: Any, rs: list[dict[str, Any]]) -> None:
     """The top panel, in one unit for the tallest figure: the census at the first optimizer
     step stacked per job, a pruned job's planned peak hatched, each job's peak as a marker, the
     budget as a line where it is near the figures (else named in the legend), and the title."""
-    from finetune.accounting.report import unit_for
-
     n = len(rs)
     xs = list(range(n))
     ran = [r["status"] == "ran" for r in rs]
@@ -379,8 +373,6 @@ def _peak_markers(ax: Any, ran: list[bool], alloc: list[tuple[int, int]], planne
 
 def _rss_panel(hax: Any, rs: list[dict[str, Any]]) -> None:
     """The bottom panel: each job's process peak RSS (what the OS saw), in its own unit."""
-    from finetune.accounting.report import unit_for
-
     rss = [(r.get("peak_rss_bytes") or 0) for r in rs]
     hscale, hunit = unit_for(max(rss + [0]))
     hax.bar(list(range(len(rs))), [v / hscale for v in rss], width=0.7, color="#17becf", label="process peak RSS")
@@ -441,8 +433,6 @@ def draw_chart(rs: list[dict[str, Any]]) -> Any:
 
 def report(root: Path, out_dir: Path | None = None, chart: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     """Build and write the report for ``root``; returns (rows, winner sentences)."""
-    from finetune.io import atomic_write_text
-
     rs = rows(root)
     notes = winners(rs)
     out = out_dir or root

@@ -27,6 +27,8 @@ from types import TracebackType
 from typing import Any
 
 from finetune.io import atomic_write_text
+from finetune import loggers as loggers_mod
+from finetune.errors import UserError
 
 log = logging.getLogger("finetune")
 
@@ -59,7 +61,6 @@ def read_lines(path: Path) -> list[str]:
                 print(f"{path}: dropped a torn last line ({len(ln.encode())} bytes, a write cut short); the lines "
                       "before it are whole", file=sys.stderr)
                 break
-            from finetune.config import UserError
 
             raise UserError(f"{path} line {i + 1} is damaged (not a metrics record); remove that line, then "
                             "resume again") from None
@@ -96,8 +97,6 @@ class RunLog:
     """
 
     def __init__(self, run_dir: str | Path, loggers: Any = None, config: dict[str, Any] | None = None):
-        from finetune import loggers as loggers_mod
-
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS
         self.config = config or {}
@@ -157,7 +156,6 @@ class RunLog:
                     lg.open(self.run_dir, start_step, self.config)
                     opened.append(lg)
             except Exception as e:  # a logger that cannot start is a setup error, said in one line
-                from finetune.config import UserError
 
                 for done in opened:
                     _quiet_close(done, "failed")

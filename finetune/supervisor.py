@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from finetune.checkpoints import latest_state
+from finetune.governor import smaller_divisor
+from finetune.runlog import append_event
 
 MAX_RESTARTS = 3
 ABORT = 134  # 128 + SIGABRT, as a shell reports an abort
@@ -33,9 +36,6 @@ def restart_event(run_dir: str | Path, rc: int) -> tuple[dict[str, Any], bool] |
     """The restart after a child died with exit ``rc``: the event to record and whether a
     checkpoint is there to resume from; None when the micro-batch is already 1."""
     from omegaconf import OmegaConf
-
-    from finetune.checkpoints import latest_state
-    from finetune.governor import smaller_divisor
 
     cfg = OmegaConf.load(Path(run_dir, ".hydra", "config.yaml"))
     eff = int(cfg.train.batch_size) * int(cfg.train.grad_accum)
@@ -55,8 +55,6 @@ def restart_event(run_dir: str | Path, rc: int) -> tuple[dict[str, Any], bool] |
 def supervise(argv: list[str]) -> int:
     """Run ``finetune ARGV`` in a child; restart it after an uncatchable death (see the module
     docstring), at most MAX_RESTARTS times. Returns the exit code for the caller."""
-    from finetune.runlog import append_event
-
     run_dir = argv_value(argv, "hydra.run.dir") or time.strftime("outputs/%Y-%m-%d/%H-%M-%S_supervised")
     args = [a for a in argv if not a.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "FINETUNE_SUPERVISED": "1"}

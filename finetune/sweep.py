@@ -48,6 +48,10 @@ from finetune.redact import (
     redact_overrides,
     redact_text,
 )
+from finetune import planner
+from finetune.errors import UserError
+from finetune.io import atomic_write_json
+from finetune.report import SweepReportCallback
 
 FRESH_ENV = "FINETUNE_FRESH_PROCESS"
 # set in every job submitit starts (local: its job id; SLURM: the executor), a process of its own
@@ -91,7 +95,6 @@ def prune_by_plan(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     precision, method...) peaks above it, write ``pruned.json`` and return its content; else None."""
     if cfg.memory.budget is None:
         return None
-    from finetune import planner
 
     p = planner.plan(cfg, recommend=False)
     if p["fits"] is not False:
@@ -99,7 +102,6 @@ def prune_by_plan(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     rec = {"pruned": "plan_over_budget", "planned_peak_bytes": p["max_device_peak_bytes"],
            "budget_bytes": p["budget_bytes"], "backend": p["backend"], "method": p["method"], "optim": p["optim"],
            "precision": p["precision"], "batch_size": p["batch_size"], "seq_len": p["seq_len"]}
-    from finetune.io import atomic_write_json
 
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_dir / "pruned.json", rec)
@@ -201,8 +203,6 @@ def record_failure(cfg: Any, num: Any, overrides: list[str], error: str, exit_co
     rec = {"failed": True, "job": num, "overrides": redact_overrides(overrides, secrets),
            "error": redact_text(error, secrets), "exit_code": exit_code, "log": str(log)}
     try:
-        from finetune.io import atomic_write_json
-
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run_dir / FAILED_FILE, rec)
     except OSError as e:
@@ -217,8 +217,6 @@ def run_job(cfg: Any, run: Any) -> Any:
     that fails is recorded (``record_failure``) and returns None (the worst value to a search);
     with ``fail_fast=true`` it ends the sweep (SweepStopped)."""
     from hydra.core.hydra_config import HydraConfig
-
-    from finetune.config import UserError
 
     objective = cfg.get("objective")
     if objective and objective not in OBJECTIVES:
@@ -296,8 +294,6 @@ def multirun_exit_code() -> int:
 
 def stopped(stop: SweepStopped) -> int:
     """``fail_fast=true`` ended the sweep: its report, then the one line; returns the exit code."""
-    from finetune.report import SweepReportCallback
-
     print(f"[sweep] fail_fast=true: stopped after job {stop.failure.get('job')} failed", file=sys.stderr)
     redact_multirun_yaml(stop.sweep_dir / "multirun.yaml", env_secrets())
     SweepReportCallback().write(stop.sweep_dir)

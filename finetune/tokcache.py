@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from finetune.io import _fsync_dir, fsync_tree
+from finetune.tiny import cache_root
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 HEADER_BYTES = 128  # an .npy v1.0 header for a 1-D array of any length up to 10**20 (numpy pads to 64)
@@ -50,7 +51,6 @@ def cache_dir(configured: str | None) -> Path:
     ``~/.cache/finetune/tokens``."""
     if configured:
         return Path(configured).expanduser()
-    from finetune.tiny import cache_root
 
     return cache_root() / "tokens"
 

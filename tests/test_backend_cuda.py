@@ -18,7 +18,8 @@ pytest.importorskip("bitsandbytes")
 
 from finetune.backends.base import Batch, OutOfMemory
 from finetune.backends.cuda.runtime import CudaBackend
-from finetune.config import Config, UserError
+from finetune.config import Config
+from finetune.errors import UserError
 from finetune.synthetic import generate
 from finetune.tiny import build_tiny
 

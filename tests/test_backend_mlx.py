@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 
 from finetune.backends.base import Backend, Batch, ModelInfo
 from finetune.backends.mlx.runtime import MlxBackend
-from finetune.config import Config, ModelConfig, UserError
+from finetune.config import Config, ModelConfig
+from finetune.errors import UserError
 from finetune.synthetic import generate
 from finetune.tiny import build_tiny
 

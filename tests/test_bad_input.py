@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from finetune.cli import run
-from finetune.config import RANGES, UserError, compose, validate
+from finetune.config import RANGES, compose, validate
+from finetune.errors import UserError
 
 from conftest import finetune_cmd, needs_mlx, needs_torch
 

@@ -14,7 +14,8 @@ from conftest import REPO, make_cfg
 
 from finetune import planner
 from finetune.backends import BACKENDS, capabilities
-from finetune.config import UserError, check_backend_support
+from finetune.config import check_backend_support
+from finetune.errors import UserError
 
 RUNTIME_NEEDS = {"cuda": "torch", "mlx": "mlx"}
 

@@ -18,7 +18,8 @@ import pytest
 from conftest import HAS_TORCH, finetune_cmd, needs_mlx
 from omegaconf import OmegaConf
 
-from finetune.config import Config, UserError
+from finetune.config import Config
+from finetune.errors import UserError
 from finetune.tiny import build_tiny
 
 STEPS = 4

@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune import data as data_mod
-from finetune.config import ModelConfig, UserError
+from finetune.config import ModelConfig
+from finetune.errors import UserError
 from finetune.tiny import build_tiny
 
 from conftest import make_cfg

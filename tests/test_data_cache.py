@@ -20,7 +20,8 @@ from transformers import AutoTokenizer
 
 from finetune import data as data_mod
 from finetune import tokcache
-from finetune.config import ModelConfig, UserError
+from finetune.config import ModelConfig
+from finetune.errors import UserError
 from finetune.tiny import build_tiny
 
 from conftest import GSM8K, REPO, make_cfg, needs_torch

@@ -25,7 +25,7 @@ from conftest import HAS_MLX, HAS_TORCH, make_cfg
 from families import FAMILIES, VOCAB, build_family
 
 from finetune import planner
-from finetune.config import UserError
+from finetune.errors import UserError
 
 pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
 

@@ -81,7 +81,7 @@ def _backend_model(name: str, seq_len: int = len(IDS)) -> Any:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_mlx_backend_logits_equal_transformers(name: str, reference: Any) -> None:
-    from finetune.config import UserError
+    from finetune.errors import UserError
 
     if name in REFUSED:
         with pytest.raises(UserError) as e:
@@ -97,7 +97,7 @@ def test_mlx_backend_logits_equal_transformers(name: str, reference: Any) -> Non
 def test_window_refusal_only_past_the_window(reference: Any) -> None:
     """gemma2 within its 8-token window is the same model in mlx-lm, so a run that never passes
     the window loads (and matches); the refusal is about the window, not the family."""
-    from finetune.config import UserError
+    from finetune.errors import UserError
 
     window = json.loads((build_family("gemma2") / "config.json").read_text())["sliding_window"]
     model = _backend_model("gemma2", seq_len=window)

@@ -15,7 +15,7 @@ from conftest import REPO, make_cfg, needs_mlx, needs_torch
 from test_model_source import META_PARAMS, RELEASED
 
 from finetune import planner
-from finetune.config import UserError
+from finetune.errors import UserError
 
 GIB = 1 << 30
 
@@ -150,9 +150,10 @@ sys.path.insert(0, {tests!r})
 import mlx.core as mx
 from families import build_family
 from test_planner import _fixed_batch
-from finetune.config import compose, UserError
+from finetune.config import compose
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune import planner
+from finetune.errors import UserError
 out = []
 for fam, B, T, keys in {cases!r}:
     d = build_family(fam)

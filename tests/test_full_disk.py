@@ -19,7 +19,7 @@ import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
 
 from finetune import checkpoints
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.loop import train
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=0", "optim.lr=1e-2", "train.eval_every=0",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import finetune.loop as loop_mod
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.governor import smaller_divisor
 from finetune.loop import train
 

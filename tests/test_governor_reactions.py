@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import finetune.loop as loop_mod
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.governor import (FRAGMENTED_FRACTION, FRAGMENTED_MIN_BYTES, PSI_SOME_AVG10, SWAP_GROWTH_BYTES,
                                Governor, smaller_divisor)
 from finetune.loop import Trainer, train

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
 
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.model_source import local_config, model_config, stored_dtype
 
 RELEASED = Path(__file__).resolve().parent / "data" / "released"

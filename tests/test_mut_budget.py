@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from finetune.budget import parse_budget
-from finetune.config import UserError
+from finetune.errors import UserError
 
 
 def test_a_bare_number_of_one_mib_or_more_counts_bytes() -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from finetune.config import UserError, check_ranges, compose
+from finetune.config import check_ranges, compose
+from finetune.errors import UserError
 
 # counts that must be at least 1: 1 is accepted, 0 refused
 AT_LEAST_ONE = ["backend.num_devices", "model.hidden_size", "model.num_layers", "model.num_heads",

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from finetune.config import UserError, compose
+from finetune.config import compose
+from finetune.errors import UserError
 from finetune.model_source import check_weights, safetensors_damage
 
 

@@ -19,7 +19,7 @@ from conftest import HAS_MLX, HAS_TORCH, REPO, make_cfg, needs_mlx, needs_torch
 
 from finetune import planner
 from finetune.budget import parse_budget
-from finetune.config import UserError
+from finetune.errors import UserError
 
 PRESETS = ("tiny", "qwen2-0.5b", "qwen2-7b", "qwen2-72b", "llama2-7b", "llama3-8b")
 ALL_KEYS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, make_cfg, needs_torch
 
 from finetune import planner
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.planner import DDP_BUCKET_BYTES
 from finetune.planner.model import DTYPE_BYTES, GRAD_ACTIVATION_OVERLAP
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from finetune import planner
-from finetune.config import UserError
+from finetune.errors import UserError
 
 
 def test_bnb4_bytes_by_hand():

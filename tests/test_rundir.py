@@ -16,7 +16,7 @@ import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
 
 from finetune import checkpoints
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.io import lock_dir
 from finetune.loop import data_identity, train
 

@@ -14,7 +14,7 @@ import pytest
 
 from finetune import checkpoints
 from finetune.cli import check_group_choices, group_values
-from finetune.config import UserError
+from finetune.errors import UserError
 from finetune.io import atomic_dir, atomic_write_json
 from finetune.loggers import Logger, scalars, summary_scalars
 from finetune.runlog import RunLog, append_event

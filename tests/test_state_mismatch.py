@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.config import UserError, compose
+from finetune.config import compose
+from finetune.errors import UserError
 from finetune.model_source import resolve_model_dir
 
 from conftest import needs_torch

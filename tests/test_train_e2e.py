@@ -113,7 +113,7 @@ def test_resume_equals_uninterrupted(cfg_factory, tmp_path, backend):
 def test_resume_needs_the_same_effective_batch_not_the_same_split(cfg_factory, tmp_path):
     """A checkpoint of micro-batch 4 x 1 resumes as 2 x 2 (the same 4 samples a step); as 2 x 1
     it is refused, naming the rule."""
-    from finetune.config import UserError
+    from finetune.errors import UserError
 
     common = ("backend=cuda", "train.progress=false", "data.num_samples=100", "train.eval_every=0",
               "train.save_every=1")

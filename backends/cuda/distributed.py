@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from finetune.backends.base import Comm
 from finetune.backends.cuda.memory import DDP_BUCKET_BYTES, FSDP_OPTIMIZERS
-from finetune.config import UserError
+from finetune.errors import UserError
 
 
 def launched_world() -> tuple[int, int, int] | None:

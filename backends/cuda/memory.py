@@ -13,8 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
-from finetune.config import UserError
-from finetune.planner.describe import (
+from finetune.errors import UserError
+from finetune.modeldesc import (
     STAGE_ATTN_IN,
     STAGE_ATTN_OUT,
     STAGE_MLP_IN,
@@ -24,7 +24,9 @@ from finetune.planner.describe import (
     Linear,
     ModelDesc,
 )
-from finetune.planner.model import MIB, Setup, Tensor, _first_stage, _get
+from finetune.planspec import MIB, Setup, Tensor, cfg_get
+from finetune.backends.cuda.capabilities import CAPABILITIES
+from finetune.budget import DeviceMemory, cuda_devices, host_memory
 
 # ---- constants ------------------------------------------------------------------------------------
 
@@ -70,23 +72,21 @@ def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str
     runtime would give. In ``mode=plan``, ``backend=cuda`` means a GPU whether or not this
     machine has one (``backend.device=cpu`` plans the CPU run); ``backend.num_devices`` plans a
     ``device_map=auto`` split over N GPUs this machine need not have."""
-    from finetune.budget import cuda_devices
-
-    b, m = _get(cfg, "backend"), _get(cfg, "method")
-    want_device = str(_get(b, "device", "auto"))
+    b, m = cfg_get(cfg, "backend"), cfg_get(cfg, "method")
+    want_device = str(cfg_get(b, "device", "auto"))
     count, _ = cuda_devices()
-    if mode == "plan" and str(_get(b, "name", "auto")) == "cuda" and want_device == "auto":
+    if mode == "plan" and str(cfg_get(b, "name", "auto")) == "cuda" and want_device == "auto":
         device = "cuda"
     else:
         device = run_device(want_device)
-    split = _get(b, "device_map") == "auto" and device == "cuda"
-    n_wanted = _get(b, "num_devices")
+    split = cfg_get(b, "device_map") == "auto" and device == "cuda"
+    n_wanted = cfg_get(b, "num_devices")
     n_devices = (int(n_wanted) if n_wanted else max(count, 1)) if split else 1
     notes = []
     if split and count == 0 and not n_wanted:
         notes.append("backend.device_map=auto: no GPU visible here, planned for 1 device "
                      "(set backend.num_devices=N to plan a split over N GPUs)")
-    bits, qtype = int(_get(m, "quant_bits", 4)), str(_get(m, "quant_type", "nf4"))
+    bits, qtype = int(cfg_get(m, "quant_bits", 4)), str(cfg_get(m, "quant_type", "nf4"))
     if method == "qlora" and (bits != 4 or qtype not in ("nf4", "fp4")):
         raise UserError("method=qlora on backend=cuda quantizes to 4 bits as nf4 or fp4; "
                         "set method.quant_bits=4 method.quant_type=nf4")
@@ -126,8 +126,6 @@ def run_device(device: str = "auto") -> str:
 
 def device_memory(device: str) -> Any:
     """Memory of one device of the run: a GPU's total from NVML, or the host's RAM."""
-    from finetune.budget import DeviceMemory, cuda_devices, host_memory
-
     if device.startswith("cuda"):
         count, total = cuda_devices()
         return DeviceMemory(total, max(count, 1), "nvml" if total else "unknown", False)
@@ -205,7 +203,6 @@ def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, 
         # numel < min_8bit_size (or 32-bit paged AdamW): fp32 state1/state2 whatever the param dtype.
         states = 2 * n * 4
         return (0, states) if paged else (states, 0)
-    from finetune.backends.cuda.capabilities import CAPABILITIES
 
     raise UserError(f"optim={optim} is not valid; choose one of: {', '.join(CAPABILITIES.optimizers)}")
 
@@ -334,13 +331,13 @@ def ranks(cfg: Any) -> tuple[int, str]:
     """(data-parallel ranks, strategy) the plan is for: ``backend.num_devices`` ranks with
     ``backend.strategy`` unless ``backend.device_map=auto`` (one process split over the GPUs,
     planned by ``resolve_device``); 1 rank otherwise. Refuses fsdp with device_map=auto."""
-    b = _get(cfg, "backend")
-    strategy = str(_get(b, "strategy", "ddp") or "ddp")
-    split = _get(b, "device_map") == "auto"
+    b = cfg_get(cfg, "backend")
+    strategy = str(cfg_get(b, "strategy", "ddp") or "ddp")
+    split = cfg_get(b, "device_map") == "auto"
     if strategy == "fsdp" and split:
         raise UserError("backend.strategy=fsdp shards the model over ranks and backend.device_map=auto splits one "
                         "process over GPUs; drop backend.device_map=auto (or use backend.strategy=ddp)")
-    n = _get(b, "num_devices")
+    n = cfg_get(b, "num_devices")
     return (int(n) if n and not split else 1), strategy
 
 
@@ -676,7 +673,7 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     runs (Gemma's and OLMo2's post-norms, q/k norms over their projections).
     """
     block = block or arch.blocks[0]
-    kept = _Kept(arch, s, block, lowest, _first_stage(arch, s) if lowest else 0)
+    kept = _Kept(arch, s, block, lowest, s.first_stage(arch) if lowest else 0)
     h = arch.hidden
     norms = block.norms()
     for stage, width in norms:

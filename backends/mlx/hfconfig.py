@@ -18,6 +18,7 @@ import json
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from finetune.errors import UserError
 
 # model_type -> the mlx_lm/models/<module>.py that builds it (mlx_lm.utils.MODEL_REMAPPING)
 _MODULE = {"mistral": "llama"}
@@ -159,8 +160,6 @@ def model_config(model_dir: Path | str, seq_len: int | None = None) -> dict[str,
     Raises:
         UserError: mlx-lm cannot run this checkpoint as it is described (see ``refusal``).
     """
-    from finetune.config import UserError
-
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return {}  # mlx-lm names the missing file itself

@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from finetune.config import UserError
-from finetune.planner.describe import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
-from finetune.planner.model import Setup, Tensor, _first_stage, _get
+from finetune.errors import UserError
+from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
+from finetune.planspec import Setup, Tensor, cfg_get
+from finetune.backends.mlx.capabilities import CAPABILITIES
+from finetune.backends.mlx.hfconfig import refusal
+from finetune.budget import DeviceMemory, apple_silicon, apple_working_set, host_memory
 
 # ---- constants ------------------------------------------------------------------------------------
 
@@ -89,8 +92,6 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
 def check_model(hf: dict[str, Any], seq_len: int) -> None:
     """Refuse, in one line, a checkpoint mlx-lm would load as a different model
     (backends/mlx/hfconfig.py refusal: the same check the runtime makes before loading)."""
-    from finetune.backends.mlx.hfconfig import refusal
-
     why = refusal(hf, seq_len)
     if why:
         raise UserError(why)
@@ -174,7 +175,6 @@ def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, 
         factored = len(shape) >= 2
         elems = (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if factored else n
         return elems * dtype_bytes, 0
-    from finetune.backends.mlx.capabilities import CAPABILITIES
 
     raise UserError(f"optim={optim} is not valid on backend=mlx; choose one of: {', '.join(CAPABILITIES.optimizers)}")
 
@@ -267,9 +267,9 @@ def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float)
 def ranks(cfg: Any) -> tuple[int, str]:
     """(ranks, strategy): ``backend.num_devices`` processes under mlx.launch (1 when null), data
     parallel (capabilities: ddp only; backend.device_map is a cuda key and means nothing here)."""
-    b = _get(cfg, "backend")
-    n = _get(b, "num_devices")
-    return (int(n) if n else 1), str(_get(b, "strategy", "ddp") or "ddp")
+    b = cfg_get(cfg, "backend")
+    n = cfg_get(b, "num_devices")
+    return (int(n) if n else 1), str(cfg_get(b, "strategy", "ddp") or "ddp")
 
 
 def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
@@ -360,7 +360,7 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     h, qd, kv = arch.hidden, arch.q_out, arch.kv_out
     a = s.wd
     full = s.method == "full"
-    start = _first_stage(arch, s) if lowest else 0
+    start = s.first_stage(arch) if lowest else 0
     k = max(arch.top_k, 1) if block.moe else 1
     parts = {"norms": 0, "linear_inputs": 0, "adapters": 0, "attention": 0, "mlp": 0}
     for stage, width in block.norms():

@@ -280,8 +280,6 @@ class MlxBackend:
         ``switch_mlp.gate_proj``, ``up_proj`` and ``down_proj``)."""
         from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-        from finetune.planner.describe import EXPERTS
-
         switch = (SwitchLinear, QuantizedSwitchLinear)
         linears: dict[str, bool] = {}  # path -> a stacked experts' matrix
         for layer in self.model.layers:

@@ -19,8 +19,11 @@ Every figure is an int of bytes. The mechanisms cite the libraries' code they mo
 function, versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50, accelerate
 1.15, mlx 0.32, mlx-lm 0.32). Where a number is calibrated rather than derived it says so.
 
-The package: ``model`` (architecture, setup, inventory), ``price`` (bytes per category, device
-and phase), ``fit`` (fitting a budget, levers), ``report`` (table, plan.json, plan_error). What a
+The package, each module on top of the next: ``report`` (table, plan.json, plan_error), ``fit``
+(``plan`` and fitting a budget, levers), ``price`` (bytes per category, device and phase),
+``model`` (the setup resolved, the inventory), ``describe`` (the model description from
+config.json). The types a memory model reads too sit below the backends: ``finetune.modeldesc``,
+``finetune.planspec``. What a
 framework holds is not here: each backend's memory model (``finetune/backends/<name>/memory.py``,
 torch/mlx-free) prices its weights, optimizer state, activations and overheads, so adding an
 optimizer or a precision to one backend touches that backend's folder only.
@@ -31,30 +34,27 @@ Public API: ``plan``, ``format_table``, ``run_plan``, ``trainable_params``, ``pa
 
 from __future__ import annotations
 
-from typing import Any
-
-from finetune.budget import parse_budget
-from finetune.planner.describe import ModelDesc, describe
-from finetune.planner.fit import FitResult, fit_to_budget
-from finetune.planner.model import (
-    GIB,
-    MIB,
-    SCHEMA_VERSION,
-    Setup,
-    Tensor,
-    inventory,
-    memory_model,
-    model_desc,
-    resolve,
+from finetune.backends import memory_model
+from finetune.backends.cuda.memory import (  # the backends' own constants and pricing functions, by their old names
+    BNB_QMAPS_BYTES,
+    CUDA_CONTEXT_BYTES,
+    DDP_BUCKET_BYTES,
+    bnb4_bytes,
 )
+from finetune.backends.mlx.memory import mlx_quant_bytes
+from finetune.budget import parse_budget
+from finetune.modeldesc import ModelDesc
+from finetune.planner.describe import describe
+from finetune.planner.fit import FitResult, fit_to_budget, plan
+from finetune.planner.model import SCHEMA_VERSION, inventory, model_desc, resolve
 from finetune.planner.price import (
     _split_layers,  # noqa: F401  (tests check the split directly)
     activations,
     params_total,
-    plan,
     trainable_params,
 )
 from finetune.planner.report import format_table, plan_error, run_plan
+from finetune.planspec import GIB, MIB, Setup, Tensor
 
 __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error",
            "run_plan", "trainable_params",
@@ -69,17 +69,3 @@ def optimizer_state_bytes(optim: str, backend: str, shape: tuple[int, ...], dtyp
     """(allocator-held bytes, paged bytes) of one trainable tensor's optimizer state on
     ``backend``: its memory model's ``optimizer_state_bytes``."""
     return memory_model(backend).optimizer_state_bytes(optim, shape, dtype_bytes, on_gpu, momentum, host_step)
-
-
-# The backends' own constants and pricing functions, re-exported for callers that name them here,
-# on first use: the memory models import finetune.planner.model, so importing them while this
-# package initialises would make `from finetune.backends.cuda.memory import ...` fail when it
-# is a process's first import of either (backends/cuda/distributed.py's is).
-_FROM_BACKENDS = {"BNB_QMAPS_BYTES": "cuda", "CUDA_CONTEXT_BYTES": "cuda", "DDP_BUCKET_BYTES": "cuda",
-                  "bnb4_bytes": "cuda", "mlx_quant_bytes": "mlx"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FROM_BACKENDS:
-        return getattr(memory_model(_FROM_BACKENDS[name]), name)
-    raise AttributeError(f"module 'finetune.planner' has no attribute {name!r}")

@@ -16,132 +16,10 @@ No torch, no mlx: ``mode=plan`` stays light.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from finetune.config import UserError
-
-# Forward order of the parts of a decoder block (the "stage" of a weight): a stage before the
-# first adapted weight of the lowest adapted layer computes nothing that needs a gradient, so
-# autograd (and mlx's vjp) keep nothing for it.
-STAGE_NORM1, STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_NORM2, STAGE_MLP_IN, STAGE_MLP_OUT = range(6)
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One matrix of a block: an ``nn.Linear`` (experts == 1) or a stacked expert parameter
-    ``[experts, out, in]`` (transformers 5's fused MoE experts).
-
-    ``key`` is the name a user gives in ``method.lora.keys`` (the module's own name, as PEFT's
-    ``target_modules`` matches it); ``path`` is where it sits inside the block.
-    """
-
-    key: str
-    path: str
-    in_f: int
-    out_f: int
-    bias: bool
-    kind: str  # attention | mlp | router | expert
-    stage: int
-    experts: int = 1
-
-    @property
-    def numel(self) -> int:
-        return self.experts * self.in_f * self.out_f
-
-
-@dataclass(frozen=True)
-class Block:
-    """One decoder layer: its matrices in forward order, its other weights (norms, sinks,
-    expert biases: path -> shape), and what its forward does."""
-
-    linears: tuple[Linear, ...]
-    # (path, shape, kind: norm | bias | sinks, stage it runs after, width of its input per token)
-    others: tuple[tuple[str, tuple[int, ...], str, float, int], ...]
-    moe: bool = False
-    sliding: bool = False
-
-    def norms(self) -> tuple[tuple[float, int], ...]:
-        """(stage, input width per token) of each norm of the block, in forward order."""
-        return tuple(sorted((st, w) for _, _, kind, st, w in self.others if kind == "norm"))
-
-    def group(self, stage: int) -> tuple[Linear, ...]:
-        return tuple(lin for lin in self.linears if lin.stage == stage)
-
-    def get(self, key: str) -> Linear | None:
-        return next((lin for lin in self.linears if lin.key == key), None)
-
-    @property
-    def mlp_width(self) -> int:
-        """The width of the MLP's hidden activation for one token (an expert's for MoE)."""
-        return max((lin.in_f for lin in self.group(STAGE_MLP_OUT)), default=0)
-
-
-@dataclass(frozen=True)
-class ModelDesc:
-    """What a checkpoint is, for pricing and for choosing what to adapt."""
-
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tie: bool
-    blocks: tuple[Block, ...]
-    # top-level weights besides embeddings and head: path -> shape (final norm and its bias)
-    top: tuple[tuple[str, tuple[int, ...], str, float, int], ...]
-    experts: int = 0  # 0: dense
-    top_k: int = 0
-    gated_mlp: bool = True
-    mlp_act: str = "silu"
-    norm: str = "rms"  # rms | layer (LayerNorm with bias)
-    qk_norm: bool = False
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    sliding_window: int | None = None
-    attn_default: str = "sdpa"  # what transformers picks when the user leaves it to it
-    fused_qkv: bool = False
-    source: str = ""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    # ---- the figures activations are priced with ---------------------------------------------
-    @property
-    def q_out(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_out(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def intermediate(self) -> int:
-        """The widest MLP activation per token: a dense MLP's width, or top-k experts' widths."""
-        return max(b.mlp_width * (self.top_k if b.moe else 1) for b in self.blocks)
-
-    def linear_keys(self) -> tuple[str, ...]:
-        """Every adaptable key of the blocks, in forward order."""
-        seen: dict[str, None] = {}
-        for b in self.blocks:
-            for lin in b.linears:
-                seen.setdefault(lin.key, None)
-        return tuple(seen)
-
-    def summary(self) -> dict[str, Any]:
-        """The plan.json ``model`` section's architecture facts."""
-        b0 = self.blocks[0]
-        q = b0.get("q_proj") or b0.get("qkv_proj")
-        return {"model_type": self.model_type, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate": self.intermediate,
-                "vocab": self.vocab, "tie": self.tie, "qkv_bias": bool(q and q.bias),
-                "o_bias": bool(b0.get("o_proj") and b0.get("o_proj").bias),  # type: ignore[union-attr]
-                "mlp_bias": any(lin.bias for lin in b0.linears if lin.kind == "mlp"),
-                "experts": self.experts, "top_k": self.top_k, "moe_layers": sum(b.moe for b in self.blocks),
-                "gated_mlp": self.gated_mlp, "fused_qkv": self.fused_qkv, "qk_norm": self.qk_norm,
-                "attn_softcap": self.attn_softcap, "final_softcap": self.final_softcap,
-                "sliding_window": self.sliding_window, "source": self.source}
-
+from finetune.errors import UserError
+from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
 
 # ---- building it from config.json --------------------------------------------------------------
 
@@ -433,14 +311,6 @@ def lora_keys(desc: ModelDesc, keys: Any) -> tuple[str, ...]:
         raise UserError(f"method.lora.keys is empty; choose from: {choices}")
     order = {k: i for i, k in enumerate((*valid, HEAD))}
     return tuple(sorted(out, key=order.__getitem__))
-
-
-def first_stage(desc: ModelDesc, keys: tuple[str, ...], full: bool) -> int:
-    """Stage of the block where gradients start in the lowest layer that needs them."""
-    if full:
-        return STAGE_NORM1
-    # the head alone (lm_head): no block computes anything that needs a gradient
-    return min((lin.stage for b in desc.blocks for lin in b.linears if lin.key in keys), default=STAGE_MLP_OUT + 1)
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -6,22 +6,20 @@ its memory model, ``finetune/backends/<name>/memory.py``, which ``memory_model``
 
 from __future__ import annotations
 
-import importlib
-import json
-import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from finetune.config import UserError, check_backend_support
-from finetune.planner.describe import HEAD, ModelDesc, describe, first_stage, lora_keys
+from finetune import precision as prec_mod
+from finetune.backends import capabilities, concrete_name, memory_model
+from finetune.config import check_backend_support
+from finetune.errors import UserError
+from finetune.model_source import model_config, stored_dtype, stored_quantization
+from finetune.modeldesc import ModelDesc
+from finetune.planner.describe import _EAGER_ONLY, HEAD, describe, lora_keys
+from finetune.planspec import DTYPE_BYTES, GIB, MIB, Setup, Tensor  # noqa: F401  (re-exported: the planner's names)
+from finetune.planspec import cfg_get as _get
+from finetune.state import tokens_per_micro
 
 SCHEMA_VERSION = 1
-GIB = 2**30
-MIB = 2**20
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Full fine-tuning: gradients grow while activations are freed, layer by layer, so the peak of
 # forward+backward is below activations + gradients. Measured (mlx) ~ max + half of min.
@@ -29,18 +27,6 @@ GRAD_ACTIVATION_OVERLAP = 0.5
 
 
 # ---- config access --------------------------------------------------------------------------
-
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    """Read ``key`` from a DictConfig, dict or dataclass; ``default`` only when it is absent.
-    (DictConfig.keys is a method, so a field named ``keys`` must be read as an item.)"""
-    if node is None:
-        return default
-    if hasattr(node, "__getitem__") and hasattr(node, "__contains__") and not isinstance(node, (list, tuple, str)):
-        try:
-            return node[key] if key in node else default
-        except Exception:  # a missing (???) or interpolation error value
-            return default
-    return getattr(node, key, default)
 
 def _seq(value: Any) -> list[Any]:
     if value is None:
@@ -56,101 +42,11 @@ def model_desc(model_cfg: Any, model_dir: Any = None) -> ModelDesc:
     """The description of the model ``model`` names: from ``model_dir`` (a loaded model's
     directory), a local ``model.path``, the hub's cached config of a hub id, or the preset's
     released config facts (finetune.model_source.model_config)."""
-    from finetune.model_source import model_config
-
     hf, source = model_config(model_cfg, model_dir)
     return describe(hf, source)
 
 
 # ---- the resolved setup -----------------------------------------------------------------------
-
-@dataclass
-class Setup:
-    """Everything plan() needs, resolved from the config and the machine."""
-
-    backend: str  # cuda | mlx
-    device: str  # cuda | cpu | mlx:gpu | mlx:cpu
-    n_devices: int  # GPUs the model is split over (device_map=auto), else 1
-    method: str
-    optim: str
-    precision: str
-    weight_dtype: str
-    adapter_dtype: str
-    compute_dtype: str
-    autocast: bool
-    rank: int
-    dropout: float
-    keys: tuple[str, ...]
-    lora_layers: tuple[int, ...]  # layer indices that carry adapters (all, for full)
-    quant_bits: int
-    quant_group: int
-    quant_type: str
-    double_quant: bool
-    batch: int
-    seq_len: int
-    grad_accum: int
-    ckpt: bool
-    attn: str  # sdpa | eager
-    momentum: float
-    clip: bool
-    budget_text: Any
-    notes: list[str] = field(default_factory=list)
-    dtype_source: str = ""  # where the stored dtype was read (precision=auto plans it)
-    pre_quant: dict[str, Any] | None = None  # an MLX pre-quantized checkpoint's bits and group size
-    # Data-parallel ranks of the run (backend.num_devices without device_map=auto; under a
-    # launcher the loop sets it to the world size) and how they share the model
-    # (backend.strategy: ddp replicates, fsdp shards). 1: one process.
-    world_size: int = 1
-    strategy: str = "ddp"
-    # train.loss_chunk: target tokens per chunk of head + cross-entropy (0: the whole logits)
-    loss_chunk: int = 0
-    # cuda: the runtime passes a [B, T] padding mask only for remote-code models (right-padded
-    # causal rows need none, backends/cuda/runtime.py), so only then is a [B, 1, T, T] one built
-    padding_mask: bool = False
-    # train.packing: one row of ``seq_len`` tokens per micro-batch (batch 1), samples masked
-    # from each other (cuda: transformers' [1, 1, T, T] block mask for sdpa/eager; mlx: the
-    # block-diagonal bool mask). False: ``batch`` rows of ``seq_len`` tokens.
-    packed: bool = False
-    # the share of positions that are targets (label tokens / tokens, from the data where
-    # known; 1.0: every position, the bound without data). The head and its logits run on
-    # target rows only (backends' target_head) unless ``target_head`` is False.
-    target_fraction: float = 1.0
-    target_head: bool = True
-
-    def head_rows(self, n: int, softcap: bool) -> int:
-        """Rows of the output head for ``n`` positions: the target rows where the head runs on
-        targets only; every position for a model whose logits are not its head applied to its
-        hidden states (soft-capping) or where the runtime computes them all (a compiled cuda
-        loss, FSDP shards)."""
-        if softcap or not self.target_head:
-            return n
-        return max(1, -(-int(n * self.target_fraction * 1_000_000) // 1_000_000))
-
-    @property
-    def wd(self) -> int:
-        return DTYPE_BYTES[self.weight_dtype]
-
-    @property
-    def ad(self) -> int:
-        return DTYPE_BYTES[self.adapter_dtype]
-
-    @property
-    def a(self) -> int:
-        return DTYPE_BYTES[self.compute_dtype]
-
-    @property
-    def adapters(self) -> bool:
-        return self.method in ("lora", "dora", "qlora")
-
-
-def memory_model(backend: str) -> ModuleType:
-    """The backend's torch/mlx-free memory model module (finetune.backends.<name>.memory)."""
-    from finetune.backends import BACKENDS
-
-    if backend not in BACKENDS:
-        raise UserError(f"backend={backend} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
-    return importlib.import_module(f"finetune.backends.{backend}.memory")
-
 
 ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2")
 
@@ -159,8 +55,6 @@ def attention(desc: ModelDesc, wanted: str) -> str:
     """The attention implementation the run uses: ``auto`` is transformers' own choice for the
     model (sdpa where its modeling code supports it, else eager; flash_attention_2 only when
     asked for). Refuses one the model does not support, in one line."""
-    from finetune.planner.describe import _EAGER_ONLY
-
     if wanted not in ATTENTION_CHOICES:
         raise UserError(f"backend.attn_implementation={wanted} is not valid; choose one of: {', '.join(ATTENTION_CHOICES)}")
     if wanted == "auto":
@@ -198,8 +92,6 @@ def _dtypes(backend: str, precision: str, method: str, stored: str, dtype_source
             notes: list[str]) -> Any:
     """The dtypes both runtimes load with (finetune/precision.py), noting what precision=auto
     chose from the checkpoint's stored dtype."""
-    from finetune import precision as prec_mod
-
     dt = prec_mod.resolve(backend, precision, method, stored)
     if dt.note:
         notes.append(dt.note)
@@ -236,13 +128,9 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
     architecture and a setup. ``state`` (a finetune.state.RunState) overrides the backend,
     micro-batch, accumulation, checkpointing and loss chunk with the run's live values. Raises UserError
     for a combination the backend would refuse."""
-    from finetune.model_source import model_config
-
     hf, hf_source = model_config(_get(cfg, "model"))
     arch = describe(hf, hf_source)
     b = _get(cfg, "backend")
-    from finetune.backends import concrete_name
-
     backend = state.backend if state is not None else concrete_name(str(_get(b, "name", "auto")))
     m, o, t = _get(cfg, "method"), _get(cfg, "optim"), _get(cfg, "train")
     method, optim = str(_get(m, "name", "lora")), str(_get(o, "name", "adamw"))
@@ -250,8 +138,6 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
     if method not in ("lora", "dora", "qlora", "full"):
         raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
     notes: list[str] = []
-    from finetune.model_source import stored_dtype, stored_quantization
-
     check_backend_support(backend, cfg)  # the same refusal the backend gives at setup
     model_cfg = _get(cfg, "model")
     stored, dtype_source = stored_dtype(model_cfg)
@@ -297,36 +183,6 @@ def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[Mo
 
 
 # ---- the parameter inventory -------------------------------------------------------------------
-
-@dataclass
-class Tensor:
-    """One parameter as the backend would hold it."""
-
-    name: str
-    shape: tuple[int, ...]  # logical shape ([out, in] for Linear weights, both backends)
-    layer: int | None  # decoder layer index; None for embeddings, final norm, lm_head
-    role: str  # embed | lm_head | norm | linear | bias | lora_A | lora_B | dora_m
-    trainable: bool
-    dtype_bytes: int
-    quant: str | None = None  # "bnb4" | "mlx" | None
-    shards: int = 1  # ranks it is sharded over on dim 0 (FSDP), 1 = whole on every rank
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        """The shape one rank holds: ceil(dim 0 / shards) rows (FSDP2 pads every rank's
-        shard to rank 0's, torch.chunk's first chunk)."""
-        if self.shards <= 1 or not self.shape:
-            return self.shape
-        return (-(-self.shape[0] // self.shards), *self.shape[1:])
-
-    @property
-    def local_numel(self) -> int:
-        return math.prod(self.local_shape)
-
 
 def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
     """Every parameter the backend would create, with what trains and how it is stored.
@@ -387,8 +243,3 @@ def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
         if s.method == "dora":
             out.append(Tensor("lm_head.magnitude", (V,), None, "dora_m", True, ad))
     return out
-
-
-def _first_stage(arch: ModelDesc, s: Setup) -> int:
-    """Stage of the block where gradients start in the lowest layer that needs them."""
-    return first_stage(arch, s.keys, s.method == "full")

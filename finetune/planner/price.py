@@ -8,18 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.budget import device_memory, parse_budget
-from finetune.planner.model import (
-    GRAD_ACTIVATION_OVERLAP,
-    SCHEMA_VERSION,
-    ModelDesc,
-    Setup,
-    Tensor,
-    _get,
-    inventory,
-    memory_model,
-    resolve,
-)
+from finetune.backends import capabilities, memory_model
+from finetune.modeldesc import ModelDesc
+from finetune.planner.model import GRAD_ACTIVATION_OVERLAP, inventory, resolve
+from finetune.planspec import Setup, Tensor
 
 
 def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
@@ -266,115 +258,3 @@ def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, in
         "peak_bytes": peak_alloc + overhead,
         "peak_phase": phase,
     }
-
-
-
-def _budget(s: Setup, override: int | None) -> tuple[int | None, str, int | None]:
-    """(budget bytes per device, where it came from, device total)."""
-    dm = device_memory(s.backend, s.device)
-    if override is not None:
-        return int(override), "argument", dm.total_bytes
-    if s.budget_text is not None:
-        return parse_budget(s.budget_text, dm.total_bytes), f"memory.budget={s.budget_text}", dm.total_bytes
-    label = dm.source + (" (estimate)" if dm.estimate and "estimate" not in dm.source else "")
-    return dm.total_bytes, f"device: {label}", dm.total_bytes
-
-
-def _model_name(model_cfg: Any) -> str:
-    """What the plan calls the model: the preset's name, or the path when the default preset
-    only carries a user's ``model.path`` (``model.path=Qwen/Qwen3-8B`` is not "tiny")."""
-    name, path = str(_get(model_cfg, "name", "")), _get(model_cfg, "path")
-    return str(path) if path and name == "tiny" else name
-
-
-def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
-    """What the plan prices approximately for this model, said in the plan."""
-    out = []
-    if arch.experts:
-        out.append(f"MoE: all {arch.experts} experts' weights priced exactly; activations approximated as each "
-                   f"token's top-{arch.top_k} expert MLPs (the dispatch's own index copies are not counted)")
-    if arch.experts and s.method == "qlora" and memory_model(s.backend).quant_of(s, "expert", arch.hidden) is None:
-        out.append(f"qlora on {s.backend}: the experts are stacked parameters, not Linear layers, and stay in "
-                   f"{s.weight_dtype} (only the attention projections are quantized)")
-    if arch.final_softcap or arch.attn_softcap:
-        out.append("soft-capping: the tanh outputs of the capped scores/logits priced from the modeling code "
-                   "(not calibrated separately)")
-    if not arch.gated_mlp:
-        out.append("plain MLP: priced from its two real matrices and one activation")
-    return out
-
-
-def _packing(cfg: Any, s: Setup, state: Any) -> dict[str, Any] | None:
-    """train.packing as planned: the tokens of the micro-batch priced, and the attention path
-    that keeps samples apart (the same one the runtime takes)."""
-    if not s.packed:
-        return None
-    from finetune.state import tokens_per_micro
-
-    if s.backend == "cuda":
-        path = ("flash_attention_2 varlen (cu_seqlens from position_ids)" if s.attn.startswith("flash")
-                else f"{s.attn} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids")
-    else:
-        path = "mx.fast.scaled_dot_product_attention with a block-diagonal causal bool mask; RoPE per token"
-    return {"tokens_per_micro": state.tokens_per_micro if state is not None else tokens_per_micro(cfg),
-            "tokens_priced": s.seq_len, "attention": path}
-
-
-def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
-         recommend: bool = True, state: Any = None) -> dict[str, Any]:
-    """Predict a run's memory without loading weights (the content of plan.json).
-
-    Args:
-        cfg: the composed finetune.config.Config (DictConfig or dataclass).
-        seq_len: tokens per sample to plan for; default ``train.seq_len``. Pass the data's
-            longest (truncated) sample for a tighter plan.
-        budget_bytes: the budget to judge ``fits`` against; default ``memory.budget`` or the device.
-        recommend: also search the largest micro-batch and levers that fit.
-        state: the run's live state (finetune.state.RunState), where a run is under way.
-
-    Returns:
-        A dict of ints of bytes (schema in the module docstring and format_table).
-    """
-    from finetune.planner.fit import _fits, _recommend
-
-    arch, s = resolve(cfg, seq_len, state)
-    core = _core(arch, s)
-    budget, budget_source, device_total = _budget(s, budget_bytes)
-    fits = _fits(core, budget)
-    out: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "backend": s.backend,
-        "device": s.device,
-        "devices": s.n_devices,
-        "world_size": s.world_size,
-        "strategy": s.strategy if s.world_size > 1 else None,
-        "model": {"name": _model_name(_get(cfg, "model")), **arch.summary()},
-        "method": s.method,
-        "optim": s.optim,
-        "precision": s.precision,
-        "dtypes": {"weights": s.weight_dtype, "adapters": s.adapter_dtype if s.adapters else None,
-                   "compute": s.compute_dtype, "autocast": s.autocast,
-                   "stored": s.dtype_source,  # where the checkpoint's dtype was read
-                   "quantized": memory_model(s.backend).quant_label(s)},
-        "lora": {"rank": s.rank, "keys": list(s.keys), "layers": len(s.lora_layers)} if s.adapters else None,
-        "batch_size": s.batch,
-        "grad_accum": s.grad_accum,
-        # per rank, as RunState.effective_batch (x world_size per step); packed, the samples
-        # of a step whatever the number of micro-batches
-        "effective_batch": (state.effective_batch if state is not None else
-                            int(_get(_get(cfg, "train"), "batch_size", 1)) * int(_get(_get(cfg, "train"), "grad_accum", 1)))
-        if s.packed else s.batch * s.grad_accum,
-        "seq_len": s.seq_len,
-        "grad_checkpointing": s.ckpt,
-        "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
-        "packing": _packing(cfg, s, state),
-        **core,
-        "device_total_bytes": device_total,
-        "budget_bytes": budget,
-        "budget_source": budget_source,
-        "fits": fits,
-        "recommendation": _recommend(arch, s, budget) if recommend else None,
-        "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),
-    }
-    return out
-

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from finetune.planner.model import GIB, _get
+from finetune.io import atomic_write_json
+from finetune.planner.fit import plan
+from finetune.planspec import GIB
+from finetune.planspec import cfg_get as _get
+from finetune.backends import capabilities
 
 
 def _err(predicted: int | None, measured: int | None) -> dict[str, Any]:
@@ -160,9 +164,6 @@ def _rank_table(pr: dict[str, Any], budget: int | None) -> list[str]:
 def run_plan(cfg: Any) -> dict[str, Any]:
     """mode=plan: compute the plan, write ``cfg.run_dir/plan.json`` atomically (temp file +
     rename), print the table, return the plan."""
-    from finetune.io import atomic_write_json
-    from finetune.planner.price import plan
-
     p = plan(cfg)
     run_dir = Path(str(_get(cfg, "run_dir")))
     atomic_write_json(run_dir / "plan.json", p)

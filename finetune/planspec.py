@@ -1,0 +1,147 @@
+"""What the planner prices and a backend's memory model reads: the resolved setup of a run
+(``Setup``), one parameter as the backend would hold it (``Tensor``), and reading a config node
+(``cfg_get``). Low in the house, beside the model description (``finetune.modeldesc``), so the
+memory models (``finetune/backends/<name>/memory.py``) read these without importing the planner
+that prices with them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.modeldesc import ModelDesc, first_stage
+
+GIB = 2**30
+MIB = 2**20
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---- config access --------------------------------------------------------------------------
+
+def cfg_get(node: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a DictConfig, dict or dataclass; ``default`` only when it is absent.
+    (DictConfig.keys is a method, so a field named ``keys`` must be read as an item.)"""
+    if node is None:
+        return default
+    if hasattr(node, "__getitem__") and hasattr(node, "__contains__") and not isinstance(node, (list, tuple, str)):
+        try:
+            return node[key] if key in node else default
+        except Exception:  # a missing (???) or interpolation error value
+            return default
+    return getattr(node, key, default)
+
+
+@dataclass
+class Setup:
+    """Everything plan() needs, resolved from the config and the machine."""
+
+    backend: str  # cuda | mlx
+    device: str  # cuda | cpu | mlx:gpu | mlx:cpu
+    n_devices: int  # GPUs the model is split over (device_map=auto), else 1
+    method: str
+    optim: str
+    precision: str
+    weight_dtype: str
+    adapter_dtype: str
+    compute_dtype: str
+    autocast: bool
+    rank: int
+    dropout: float
+    keys: tuple[str, ...]
+    lora_layers: tuple[int, ...]  # layer indices that carry adapters (all, for full)
+    quant_bits: int
+    quant_group: int
+    quant_type: str
+    double_quant: bool
+    batch: int
+    seq_len: int
+    grad_accum: int
+    ckpt: bool
+    attn: str  # sdpa | eager
+    momentum: float
+    clip: bool
+    budget_text: Any
+    notes: list[str] = field(default_factory=list)
+    dtype_source: str = ""  # where the stored dtype was read (precision=auto plans it)
+    pre_quant: dict[str, Any] | None = None  # an MLX pre-quantized checkpoint's bits and group size
+    # Data-parallel ranks of the run (backend.num_devices without device_map=auto; under a
+    # launcher the loop sets it to the world size) and how they share the model
+    # (backend.strategy: ddp replicates, fsdp shards). 1: one process.
+    world_size: int = 1
+    strategy: str = "ddp"
+    # train.loss_chunk: target tokens per chunk of head + cross-entropy (0: the whole logits)
+    loss_chunk: int = 0
+    # cuda: the runtime passes a [B, T] padding mask only for remote-code models (right-padded
+    # causal rows need none, backends/cuda/runtime.py), so only then is a [B, 1, T, T] one built
+    padding_mask: bool = False
+    # train.packing: one row of ``seq_len`` tokens per micro-batch (batch 1), samples masked
+    # from each other (cuda: transformers' [1, 1, T, T] block mask for sdpa/eager; mlx: the
+    # block-diagonal bool mask). False: ``batch`` rows of ``seq_len`` tokens.
+    packed: bool = False
+    # the share of positions that are targets (label tokens / tokens, from the data where
+    # known; 1.0: every position, the bound without data). The head and its logits run on
+    # target rows only (backends' target_head) unless ``target_head`` is False.
+    target_fraction: float = 1.0
+    target_head: bool = True
+
+    def head_rows(self, n: int, softcap: bool) -> int:
+        """Rows of the output head for ``n`` positions: the target rows where the head runs on
+        targets only; every position for a model whose logits are not its head applied to its
+        hidden states (soft-capping) or where the runtime computes them all (a compiled cuda
+        loss, FSDP shards)."""
+        if softcap or not self.target_head:
+            return n
+        return max(1, -(-int(n * self.target_fraction * 1_000_000) // 1_000_000))
+
+    @property
+    def wd(self) -> int:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def ad(self) -> int:
+        return DTYPE_BYTES[self.adapter_dtype]
+
+    @property
+    def a(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def adapters(self) -> bool:
+        return self.method in ("lora", "dora", "qlora")
+
+    def first_stage(self, arch: ModelDesc) -> int:
+        """Stage of the block where gradients start in the lowest layer that needs them."""
+        return first_stage(arch, self.keys, self.method == "full")
+
+
+@dataclass
+class Tensor:
+    """One parameter as the backend would hold it."""
+
+    name: str
+    shape: tuple[int, ...]  # logical shape ([out, in] for Linear weights, both backends)
+    layer: int | None  # decoder layer index; None for embeddings, final norm, lm_head
+    role: str  # embed | lm_head | norm | linear | bias | lora_A | lora_B | dora_m
+    trainable: bool
+    dtype_bytes: int
+    quant: str | None = None  # "bnb4" | "mlx" | None
+    shards: int = 1  # ranks it is sharded over on dim 0 (FSDP), 1 = whole on every rank
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape one rank holds: ceil(dim 0 / shards) rows (FSDP2 pads every rank's
+        shard to rank 0's, torch.chunk's first chunk)."""
+        if self.shards <= 1 or not self.shape:
+            return self.shape
+        return (-(-self.shape[0] // self.shards), *self.shape[1:])
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
