@@ -39,3 +39,23 @@ def test_padded_length_rounds_the_model_input_up_to_the_multiple(longest: int, m
     from backends.base import padded_length
 
     assert padded_length(longest, multiple, max_len) == want
+
+
+def test_the_loss_counts_every_target_after_the_first_token() -> None:
+    import numpy as np
+    from finetune.backends.base import Batch
+
+    # a prompt token, then targets at positions 1 and 2 (row 0) and 1, 2, 3 (row 1)
+    mask = np.array([[0, 1, 1, 0], [0, 1, 1, 1]], np.int8)
+    b = Batch(input_ids=np.zeros((2, 4), np.int32), loss_mask=mask, lengths=np.array([3, 4], np.int32))
+    assert b.label_tokens == 5 and b.tokens == 7
+
+
+def test_a_named_backend_is_itself_and_an_unknown_one_is_refused_with_the_choices() -> None:
+    from finetune.backends import concrete_name
+
+    from finetune.errors import UserError
+
+    assert concrete_name("cuda") == "cuda" and concrete_name("mlx") == "mlx"
+    with pytest.raises(UserError, match=r"^backend.name=tpu is not valid; choose one of: auto, cuda, mlx$"):
+        concrete_name("tpu")

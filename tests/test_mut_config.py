@@ -92,3 +92,13 @@ def test_betas_need_exactly_two(base: Any, betas: list[float]) -> None:
     OmegaConf.update(cfg, "optim.betas", betas)
     with pytest.raises(UserError, match=r"optim\.betas=.* needs two values; set optim\.betas=\[0\.9,0\.999\]"):
         check_ranges(cfg)
+
+
+def test_each_data_source_names_what_it_lacks(tmp_path: Path) -> None:
+    from finetune.config import validate
+
+    with pytest.raises(UserError, match=r"^data=hf needs a data set: add data.hf_name=<hub id>$"):
+        validate(compose(tmp_path / "a", "data=hf"))
+    with pytest.raises(UserError, match=r"^data=jsonl needs a file: add data.path=/path/to/train.jsonl$"):
+        validate(compose(tmp_path / "b", "data=jsonl"))
+    validate(compose(tmp_path / "c", "data=hf", "data.hf_name=openai/gsm8k"))

@@ -5,6 +5,7 @@ arrays a run would write, then each damage a disk or a second job can do."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,22 @@ class _Vocab:  # the two things ids_dtype asks of a tokenizer (transformers' API
                                                 (32000, 65536, np.int32), (151936, 151935, np.int32)])
 def test_ids_are_stored_in_16_bits_only_where_every_id_fits(n: int, top: int, want) -> None:
     assert tokcache.ids_dtype(_Vocab(n, top)) == np.dtype(want)
+
+
+def test_cleaning_removes_a_dead_writers_temporary_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = tmp_path / "cache"
+    live = TokenWriter(np.dtype(np.uint16), root / ("x.jsonl-" + "0123456789abcdef0123"))
+    live.add(IDS[:3], MASK[:3], LENGTHS[:1])  # this process is writing it now
+    mine = [p for p in root.iterdir() if p.name.startswith(".")]
+    assert len(mine) == 1
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid = int(gone.stdout)  # a process that has exited
+    dead = root / mine[0].name.replace(f"-{os.getpid()}-", f"-{dead_pid}-")
+    assert dead != mine[0]
+    dead.mkdir()
+    assert tokcache.remove_stale_temporaries(root) == [dead]
+    assert mine[0].is_dir() and not dead.exists()
