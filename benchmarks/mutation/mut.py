@@ -47,7 +47,7 @@ SHARED = os.environ.get("FINETUNE_SHARED") or str(REPO.parent / "shared")
 
 # Outcomes, one per mutant. "timeout" is a mutant whose tests ran past their limit: counted as
 # detected (a hang fails CI) but listed apart, since on a shared box it can also be load.
-OUTCOMES = ("killed", "survived", "timeout", "equivalent", "pending", "full-suite queue")
+OUTCOMES = ("killed", "survived", "timeout", "equivalent", "pending", "full-suite queue", "deferred")
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
@@ -688,7 +688,7 @@ def cmd_recheck(args: argparse.Namespace) -> None:
     eq = load_equivalents()
     for m in meta["order"]:
         rec = done.get(m["job_id"])
-        if final_outcome(m, rec, eq) not in ("survived", "full-suite queue") + (("pending",) if args.pending else ()):
+        if final_outcome(m, rec, eq) not in ("survived", "full-suite queue", "deferred") + (("pending",) if args.pending else ()):
             continue
         if args.modules and not any(x in m["module"] for x in args.modules):
             continue
@@ -726,8 +726,10 @@ def final_outcome(m: dict, rec: dict | None, equivalents: list) -> str:
         return rec["outcome"]
     if is_equivalent(m, equivalents):  # reviewed: no need to run it
         return "equivalent"
-    if rec is None or rec["outcome"] == "deferred":
+    if rec is None:
         return "pending"
+    if rec["outcome"] == "deferred":  # the quick pass let it through; counted as a survivor until judged
+        return "deferred"
     if rec["outcome"] == "no-mutation":
         return "equivalent"
     if is_equivalent(m, equivalents):
@@ -745,13 +747,11 @@ def cmd_status(args: argparse.Namespace) -> None:
     for m in meta["order"]:
         out = final_outcome(m, done.get(m["job_id"]), eq)
         table[m["module"]][out] += 1
-        if out in ("survived", "full-suite queue"):
+        if out in ("survived", "full-suite queue", "deferred"):
             survivors.append((m, done[m["job_id"]], out))
-        elif out == "pending" and m["job_id"] in done:  # the quick pass let it through: a survivor candidate
-            survivors.append((m, done[m["job_id"]], "deferred by the quick pass"))
     cols = ("made",) + OUTCOMES
     head = f"{'module':40s}" + "".join(f"{c:>10s}" for c in ("made", "killed", "survived", "timeout", "equiv",
-                                                                 "pending", "queue"))
+                                                                 "pending", "queue", "deferred"))
     print(f"session {args.session} at {meta['sha'][:7]}" + (f", lines changed since {meta['base'][:7]}"
                                                               if meta.get("base") else f", seed {meta['seed']}"))
     print(head)
@@ -762,11 +762,12 @@ def cmd_status(args: argparse.Namespace) -> None:
             total[k] += row[k]
         print(f"{mod:40s}{sum(row.values()):>10d}" + "".join(f"{row[k]:>10d}" for k in OUTCOMES))
     print(f"{'total':40s}{sum(total.values()):>10d}" + "".join(f"{total[k]:>10d}" for k in OUTCOMES))
-    judged = total["killed"] + total["timeout"] + total["survived"] + total["full-suite queue"]
+    judged = total["killed"] + total["timeout"] + total["survived"] + total["full-suite queue"] + total["deferred"]
     if judged:
         detected = total["killed"] + total["timeout"]
         print(f"score so far: {detected}/{judged} non-equivalent mutants detected = {100 * detected / judged:.1f}% "
-              f"(timeouts counted as detected; survivors still queued for the full suite counted as survived; "
+              f"(timeouts counted as detected; survivors still queued for the full suite, and mutants the quick pass "
+              f"deferred that no later test killed, counted as survived; "
               f"{total['pending']} not yet run)")
     del cols
     if args.survivors:
