@@ -20,7 +20,7 @@ from finetune.accounting import fmt_bytes
 from finetune.backends import capabilities, device_memory, run_device
 from finetune.budget import parse_budget
 from finetune.errors import UserError
-from finetune.planner.fit import LOSS_CHUNK_LEVER
+from finetune.planner import fit  # fit.LOSS_CHUNK_LEVER read at each use (tests set it)
 from finetune.state import RunState
 
 log = logging.getLogger("finetune")
@@ -94,13 +94,13 @@ class Governor:
         it is on already or the backend cannot chunk this run's loss (it says why once)."""
         if self.state.loss_chunk or self.backend is None or self._chunk_refused:
             return False
-        why = self.backend.set_loss_chunk(LOSS_CHUNK_LEVER)
+        why = self.backend.set_loss_chunk(fit.LOSS_CHUNK_LEVER)
         if why:
             self._chunk_refused = True
             log.info("the loss stays whole: %s", why)
             return False
-        self.state.loss_chunk = LOSS_CHUNK_LEVER
-        self._act(step, trigger, "enable_loss_chunk", {"loss_chunk": 0}, {"loss_chunk": LOSS_CHUNK_LEVER}, **detail)
+        self.state.loss_chunk = fit.LOSS_CHUNK_LEVER
+        self._act(step, trigger, "enable_loss_chunk", {"loss_chunk": 0}, {"loss_chunk": fit.LOSS_CHUNK_LEVER}, **detail)
         return True
 
     @property
@@ -271,7 +271,7 @@ class Governor:
             raise UserError(f"out of memory at step {step} with micro-batch {self.micro} and memory.adapt=false; "
                             "set memory.adapt=true or lower train.batch_size (raise train.grad_accum to keep the batch)")
         if not self._lower_micro(step, "oom", **detail):
-            wide = row_tokens is None or self.micro * (row_tokens - 1) > LOSS_CHUNK_LEVER
+            wide = row_tokens is None or self.micro * (row_tokens - 1) > fit.LOSS_CHUNK_LEVER
             if wide and self._enable_loss_chunk(step, "oom", **detail):
                 return
             if not self.grad_checkpointing:
