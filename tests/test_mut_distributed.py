@@ -51,3 +51,16 @@ def test_torchrun_world_and_single_process(monkeypatch: pytest.MonkeyPatch) -> N
     assert launched_world() == (0, 2, 0)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert launched_world() is None
+
+
+@needs_torch
+def test_a_world_size_of_zero_or_empty_is_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WORLD_SIZE=0 or WORLD_SIZE= left in a shell (an export meant to clear it) is no launch:
+    one process, no rendezvous to wait in."""
+    from finetune.backends.cuda.distributed import launched_world
+
+    _forget_launcher_env(monkeypatch)
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    for value in ("0", ""):
+        monkeypatch.setenv("WORLD_SIZE", value)
+        assert launched_world() is None

@@ -1,0 +1,155 @@
+"""The runtimes' numbers and files where a user reads them: the adapter_config.json an mlx run
+writes (was the base itself quantized?), the parameter count that goes into summary.json, and
+how mlx's gradient all-reduce cuts the gradients into messages. The tiny model, real mlx and
+mlx-lm, on the CPU. Written for survivors of the mutation run (benchmarks/mutation/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    from finetune.config import ModelConfig
+    from finetune.tiny import build_tiny
+
+    return build_tiny(ModelConfig())
+
+
+def _mlx_cfg(method: str) -> Any:
+    from finetune.config import Config
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.structured(Config(run_dir="unused"))
+    cfg.method.name = method
+    return cfg
+
+
+def _stored_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "numpy") as f:
+        return sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+
+
+def test_mlx_qlora_on_a_plain_base_writes_pre_quantized_false_and_an_integer_parameter_count(tiny, tmp_path):
+    """qlora quantizes the base in memory: the adapter says it trained on a 4-bit base made
+    from an unquantized checkpoint (pre_quantized false), and the parameter count (logical
+    elements: a packed uint32 holds 8 int4 weights) is the whole number summary.json shows."""
+    pytest.importorskip("mlx_lm")
+    from finetune.backends.mlx.runtime import MlxBackend
+
+    b = MlxBackend()
+    info = b.setup(_mlx_cfg("qlora"), tiny)
+    assert json.dumps(info.params_total) == str(_stored_params(tiny) + 3584)  # + rank-8 q/v adapters, 2 layers
+    b.save_adapter(tmp_path)
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert conf["pre_quantized"] is False and conf["fine_tune_type"] == "lora"  # qlora is lora to mlx-lm
+    assert conf["quantization"] == {"bits": 4, "group_size": 64}
+
+
+def test_mlx_lora_on_an_mlx_quantized_checkpoint_writes_pre_quantized_true(tiny, tmp_path):
+    pytest.importorskip("mlx_lm")
+    from finetune.backends.mlx.runtime import MlxBackend
+    from mlx_lm import convert
+
+    q = tmp_path / "q4"
+    convert(str(tiny), str(q), quantize=True, q_group_size=64, q_bits=4)
+    b = MlxBackend()
+    info = b.setup(_mlx_cfg("lora"), q)
+    assert info.dtype == "int4"
+    (tmp_path / "adapter").mkdir()
+    b.save_adapter(tmp_path / "adapter")
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["pre_quantized"] is True
+    assert conf["quantization"] == {"bits": 4, "group_size": 64}
+
+
+def test_mlx_dora_adapter_says_dora_to_mlx_lm(tiny, tmp_path):
+    """mlx-lm's load_adapters builds DoRA layers only when fine_tune_type says dora: a dora
+    adapter written as lora would load its magnitudes into nothing."""
+    pytest.importorskip("mlx_lm")
+    from finetune.backends.mlx.runtime import MlxBackend
+
+    b = MlxBackend()
+    b.setup(_mlx_cfg("dora"), tiny)
+    b.save_adapter(tmp_path)
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (conf["fine_tune_type"], conf["pre_quantized"], conf["quantization"]) == ("dora", False, None)
+
+
+def test_mlx_all_reduce_sends_one_message_per_run_of_one_dtype_up_to_chunk_bytes(monkeypatch):
+    """sum_over_ranks packs consecutive gradients of one dtype into messages of at most
+    chunk_bytes (one larger gradient alone): the sizes of the all_sum calls are the memory the
+    step's all-reduce holds at once. One process: the sum is the tree itself, names kept."""
+    mx = pytest.importorskip("mlx.core")
+    from finetune.backends.mlx.runtime import sum_over_ranks
+    from mlx.utils import tree_flatten
+
+    sent: list[tuple[int, str]] = []
+    real = mx.distributed.all_sum
+
+    def spy(x, *args, **kwargs):  # mlx's own all_sum, its message sizes recorded
+        sent.append((x.size, str(x.dtype)))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(mx.distributed, "all_sum", spy)
+    tree = {"a": mx.arange(4, dtype=mx.float32),  # 16 bytes
+            "b": mx.ones((2, 3), dtype=mx.float32),  # 24: a + b = 40 fits one message
+            "c": mx.arange(8, dtype=mx.float32),  # 32: would make 72, so a message of its own
+            "d": mx.full((4,), 2.0, dtype=mx.float16)}  # another dtype: another message
+    out = sum_over_ranks(tree, mx.distributed.init(), chunk_bytes=40)
+    assert sent == [(10, "mlx.core.float32"), (8, "mlx.core.float32"), (4, "mlx.core.float16")]
+    got = dict(tree_flatten(out))
+    assert list(got) == ["a", "b", "c", "d"]
+    for k, v in tree.items():
+        assert got[k].shape == v.shape and got[k].dtype == v.dtype
+        np.testing.assert_array_equal(np.array(got[k]), np.array(v))
+
+
+def test_cuda_fsdp_with_device_map_auto_is_refused_before_joining_the_ranks(monkeypatch):
+    """Under a launcher (rank 0 of 2), fsdp shards over the ranks and device_map=auto splits
+    one process's model over GPUs: the two cannot both hold, said before any process group
+    is joined (no MASTER_ADDR here: joining would fail with torch's own message instead)."""
+    pytest.importorskip("torch")
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.config import Config
+    from finetune.errors import UserError
+    from omegaconf import OmegaConf
+
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = OmegaConf.structured(Config(run_dir="unused"))
+    cfg.backend.device, cfg.backend.strategy, cfg.backend.device_map = "cpu", "fsdp", "auto"
+    with pytest.raises(UserError) as e:
+        CudaBackend().connect(cfg)
+    assert str(e.value) == ("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
+                            "(it splits one process's model over GPUs)")
+
+
+def test_mlx_a_key_mlx_lm_cannot_adapt_is_refused_naming_the_module_and_the_keys_it_can(tiny):
+    """lm_head is a weight of the model (the planner and cuda adapt it) but mlx-lm's qwen2
+    blocks have no such layer: the refusal names mlx-lm's model module and lists only the
+    linear layers of a block, the keys that would work."""
+    pytest.importorskip("mlx_lm")
+    from importlib.metadata import version
+
+    from finetune.backends.mlx.runtime import MlxBackend
+    from finetune.errors import UserError
+
+    cfg = _mlx_cfg("lora")
+    cfg.method.lora.keys = ["lm_head"]
+    with pytest.raises(UserError) as e:
+        MlxBackend().setup(cfg, tiny)
+    assert str(e.value) == (f"method.lora.keys: lm_head is a weight of this model, but mlx-lm {version('mlx-lm')}'s "
+                            "qwen2 module has no such layer to adapt; use backend=cuda, or keys among: down_proj, "
+                            "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
