@@ -26,3 +26,18 @@ def test_ddp_packs_gradients_that_fill_a_bucket_exactly_into_one(tmp_path: Path)
     assert full == {"ddp_bucket": {"bytes": 25 * MiB, "phase": "grad_sync"}}
     over = collective_buffers([_grad("a", 20 * MiB), _grad("b", 5 * MiB + 4)], s)
     assert over == {"ddp_bucket": {"bytes": 20 * MiB, "phase": "grad_sync"}}
+
+
+def test_a_chunked_loss_prices_one_chunk_of_logits_only_below_the_step_tokens(tmp_path: Path) -> None:
+    # cuda: the whole fp32 logits, softmax and grad are 3 x 4 B per (token, vocab entry); a chunk
+    # of 64 tokens holds that for 64 tokens plus the hidden states' fp32 gradient [n, h]
+    def logits(chunk: int) -> tuple[int, int, int]:
+        p = planner.plan(compose(tmp_path / f"c{chunk}", "backend=cuda", "train.batch_size=2", "train.seq_len=128",
+                                 f"train.loss_chunk={chunk}"), recommend=False)
+        return p["bytes"]["logits"], p["model"]["vocab"], p["model"]["hidden"]
+
+    whole, V, h = logits(0)
+    n = 2 * 128  # the step's tokens
+    assert whole == 12 * n * V
+    assert logits(64)[0] == 12 * 64 * V + 4 * n * h  # LoRA: the head does not train
+    assert logits(100_000)[0] == whole  # a chunk as long as the step: the whole logits

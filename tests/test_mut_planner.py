@@ -53,3 +53,57 @@ def test_a_two_rank_plan_prints_both_ranks(tmp_path: Path) -> None:
     rows = [ln.split()[:2] for ln in format_table(p).splitlines() if ln.startswith("    rank")]
     assert rows == [["rank", "0"], ["rank", "1"]]
     assert "the same as rank 0" not in format_table(p)
+
+
+def test_sgd_without_momentum_keeps_no_state_on_cuda() -> None:
+    from finetune import planner
+
+    assert planner.optimizer_state_bytes("sgd", "cuda", (1024, 1024), 4, True) == (0, 0)
+    assert planner.optimizer_state_bytes("sgd", "cuda", (1024, 1024), 4, True, momentum=0.9) == (4 << 20, 0)
+
+
+def test_device_map_auto_fills_gpus_as_accelerate_does() -> None:
+    from finetune.planner.price import _split_layers
+
+    # total 601, largest layer 100: every GPU but the last capped at 601 // 2 + 1.25 x 100 = 425,
+    # GPU 0 keeping room for the largest layer (325): layer.2 would bring it to 400
+    sizes = [("embed", 100), ("layer.0", 100), ("layer.1", 100), ("layer.2", 100), ("layer.3", 100), ("norm", 1),
+             ("head", 100)]
+    assert _split_layers(sizes, 2) == {"embed": 0, "layer.0": 0, "layer.1": 0, "layer.2": 1, "layer.3": 1,
+                                       "norm": 1, "head": 1}
+    assert set(_split_layers(sizes, 3).values()) <= {0, 1, 2}
+
+
+def test_the_gpu_holding_every_layer_has_the_one_device_activations(tmp_path: Path) -> None:
+    base = ("backend=cuda", "backend.device=cuda", "memory.budget=8GiB", "method=full")
+    one = plan(compose(tmp_path / "one", *base), recommend=False)
+    split = plan(compose(tmp_path / "two", *base, "backend.device_map=auto", "backend.num_devices=2"), recommend=False)
+    assert split["devices"] == 2 and [d["modules"] for d in split["per_device"]] == ["embed..embed", "layer.0..head"]
+    assert split["per_device"][1]["bytes"]["activations"] == one["bytes"]["activations"]
+
+
+def test_ddp_with_little_activation_peaks_at_the_gradient_sum(tmp_path: Path) -> None:
+    # one short sample: the gradient sum (weights + state + grads + one bucket) is the peak
+    p = plan(compose(tmp_path / "run", "backend=cuda", "backend.num_devices=2", "method=full", "memory.budget=8GiB",
+                     "train.batch_size=1", "train.grad_accum=1", "train.seq_len=16"), recommend=False)
+    bucket = p["collective_buffers"]["ddp_bucket"]["bytes"]
+    assert p["peak_phase"] == "grad_sync"
+    assert p["peak_allocated_bytes"] == p["steady_state_allocated_bytes"] + p["bytes"]["grads"] + bucket
+
+
+def test_plan_error_is_predicted_minus_measured_in_bytes() -> None:
+    from finetune.planner.report import plan_error
+
+    b = {"weights": 100, "trainable_weights": 10, "grads": 10, "optimizer_state": 20, "optimizer_state_paged": 0}
+    census = {"frozen_weights": 60, "trainable_weights": 10, "quant_buffers": 0, "grads": 12, "optimizer_state": 20,
+              "optimizer_state_paged": 0}
+    err = plan_error({"bytes": b}, census, {})
+    assert err["weights"] == {"predicted": 100, "measured": 70, "error_bytes": 30, "relative_error": 30 / 70}
+    assert err["grads"]["error_bytes"] == -2 and err["optimizer_state"]["error_bytes"] == 0
+
+
+def test_the_plan_fit_to_budget_hands_back_is_the_chosen_run_without_a_search(tmp_path: Path) -> None:
+    # the governor prints this plan's table when nothing fits; the levers are in its message
+    res = fit_to_budget(compose(tmp_path / "run", "backend=cuda", "train.batch_size=4"), 1 << 20)
+    assert not res.fits and res.plan["batch_size"] == 1 and res.plan["grad_checkpointing"] is True
+    assert res.plan.get("recommendation") is None

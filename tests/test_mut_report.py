@@ -115,8 +115,8 @@ def _ran(job: str, tps: float, peak: int, budget: int | None, loss: float) -> di
 def test_the_winner_sentences_name_the_fastest_that_fits_and_the_leanest() -> None:
     from finetune.report import winners
 
-    rs = [_ran("optim=adamw", 900.0, 3 * GIB, 2 * GIB, 1.50),  # fastest, but over its budget
-          _ran("optim=sgd", 500.0, GIB, 2 * GIB, 1.505), _ran("optim=adafactor", 400.0, GIB + GIB // 2, 2 * GIB, 1.5)]
+    rs = [_ran("optim=adamw", 900.0, 3 * GiB_, 2 * GiB_, 1.50),  # fastest, but over its budget
+          _ran("optim=sgd", 500.0, GiB_, 2 * GiB_, 1.505), _ran("optim=adafactor", 400.0, GiB_ + GiB_ // 2, 2 * GiB_, 1.5)]
     assert winners(rs)[:2] == [
         "fastest that fits the budget: optim=sgd (500 tokens/s, peak reserved 1.000 GiB of 2.000 GiB)",
         ("least memory at equal loss: optim=sgd (peak 1.000 GiB, train loss 1.5050; 3 of 3 jobs within noise of "

@@ -1,0 +1,84 @@
+"""The run loop's agreements between ranks, with the ranks' transport a stand-in: every rank
+stops when any refused the run dir, and no rank stops when none did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from finetune.backends.base import Comm
+
+from finetune.config import compose
+from finetune.errors import UserError
+from finetune.loop import Trainer
+
+
+class _Rank1Of2(Comm):
+    """Rank 1 of two; rank 0's answer to each all_reduce is ``rank0``."""
+
+    rank, world_size, local_rank, description = 1, 2, 1, "2 ranks (stand-in)"
+
+    def __init__(self, rank0: float):
+        self.rank0, self.reduced = rank0, []
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        self.reduced.append(list(values))
+        return [v + self.rank0 for v in values]
+
+
+def _trainer(tmp_path: Path) -> Trainer:
+    return Trainer(compose(tmp_path / "run", "backend=cuda", "train.progress=false"))
+
+
+def test_a_rank_goes_on_when_no_rank_refused_the_run_dir(tmp_path: Path) -> None:
+    tr = _trainer(tmp_path)
+    tr.comm = _Rank1Of2(rank0=0.0)
+    tr.claim()  # nothing refused anywhere: no error
+    tr.runlog.close()
+
+
+def test_a_rank_stops_when_rank_0_refused_the_run_dir(tmp_path: Path) -> None:
+    tr = _trainer(tmp_path)
+    tr.comm = _Rank1Of2(rank0=1.0)
+    with pytest.raises(UserError, match=r"^another rank refused the run dir \(rank 0 says why\)$"):
+        tr.claim()
+    tr.runlog.close()
+
+
+def test_a_rank_that_refuses_still_takes_part_in_the_agreement(tmp_path: Path) -> None:
+    # its peers wait in the same all_reduce: a rank leaving before it would hang them
+    tr = Trainer(compose(tmp_path / "run", "backend=cuda", "train.progress=false", "train.resume=true"))
+    tr.comm = comm = _Rank1Of2(rank0=0.0)
+    with pytest.raises(UserError, match=r"^train.resume=true but .* holds no checkpoint"):
+        tr.claim()
+    assert len(comm.reduced) == 1 and comm.reduced[0][0] == 1.0  # "I refused", said to the others
+    tr.runlog.close()
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """metrics.jsonl of the cheapest real run: the tiny model, two steps of two samples on the
+    cuda backend (CPU here), evaluated after every step."""
+    import json
+
+    pytest.importorskip("torch")
+    from finetune.loop import train
+
+    run = tmp_path_factory.mktemp("two_steps") / "run"
+    train(compose(run, "backend=cuda", "train.steps=2", "train.eval_every=1", "train.progress=false",
+                  "data.num_samples=16", "train.batch_size=2", "train.grad_accum=1", "memory.sample_every=0"))
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_training_loss_is_a_mean_per_target_token_like_the_validation_loss(two_steps: list[dict]) -> None:
+    import math
+
+    first = two_steps[0]
+    # a random-init model predicts near uniformly over its 512 tokens: loss near ln(512)
+    assert abs(first["loss"] - math.log(512)) < 0.5
+    assert abs(first["loss"] - first["val_loss"]) < 0.5
+
+
+def test_eval_every_1_evaluates_after_every_step(two_steps: list[dict]) -> None:
+    assert [r["step"] for r in two_steps] == [1, 2]
+    assert all(isinstance(r.get("val_loss"), float) for r in two_steps)
