@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from finetune.config import compose
 from finetune.planner import plan
 from finetune.planner.fit import fit_to_budget
@@ -38,8 +40,6 @@ def test_a_cuda_plan_without_a_budget_asks_for_one_per_gpu(tmp_path: Path) -> No
 
     p = plan(compose(tmp_path / "run", "backend=cuda", "backend.device=cuda"), recommend=False)
     if p.get("budget_bytes") is not None:
-        import pytest
-
         pytest.skip("a CUDA device is visible: the plan has the device's size as its budget")
     assert ("  fits is unknown: no CUDA device is visible here; set memory.budget (bytes per GPU), "
             "e.g. memory.budget=48GiB") in format_table(p).splitlines()
@@ -107,3 +107,30 @@ def test_the_plan_fit_to_budget_hands_back_is_the_chosen_run_without_a_search(tm
     res = fit_to_budget(compose(tmp_path / "run", "backend=cuda", "train.batch_size=4"), 1 << 20)
     assert not res.fits and res.plan["batch_size"] == 1 and res.plan["grad_checkpointing"] is True
     assert res.plan.get("recommendation") is None
+
+
+def test_fewer_adapted_layers_is_a_lever_from_two_layers_on(tmp_path: Path) -> None:
+    base = ("backend=cuda", "train.batch_size=1", "train.grad_accum=1", "train.grad_checkpointing=true")
+    one_layer = plan(compose(tmp_path / "one", *base, "method.lora.num_layers=1"), recommend=False)
+    res = fit_to_budget(compose(tmp_path / "two", *base), one_layer["max_device_peak_bytes"])
+    assert not res.fits and "method.lora.num_layers=1" in res.suggestions
+
+
+@pytest.mark.parametrize(("ranks", "rows"), [(16, 16), (17, 1)])
+def test_the_rank_table_shows_up_to_16_ranks_then_rank_0_for_all(tmp_path: Path, ranks: int, rows: int) -> None:
+    from finetune.planner import format_table
+
+    p = plan(compose(tmp_path / "run", "backend=cuda", f"backend.num_devices={ranks}", "memory.budget=8GiB"),
+             recommend=False)
+    assert p["strategy"] == "ddp" and p["world_size"] == ranks
+    lines = format_table(p).splitlines()
+    assert len([ln for ln in lines if ln.startswith("    rank ")]) == rows
+    assert (f"    ranks 1..{ranks - 1}: the same as rank 0" in lines) == (rows == 1)
+
+
+def test_a_one_process_plan_names_no_strategy_and_an_fsdp_shard_keeps_its_row_width(tmp_path: Path) -> None:
+    from finetune.planner import Tensor
+
+    assert plan(compose(tmp_path / "run", "backend=cuda"), recommend=False)["strategy"] is None
+    t = Tensor("w", (10, 4, 2), 0, "linear", True, 4, shards=4)
+    assert t.local_shape == (3, 4, 2) and t.local_numel == 24  # ceil(10 / 4) rows of the whole width

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.accounting.units import fmt_bytes, fmt_delta
+from finetune.accounting import fmt_bytes, fmt_delta  # the package keeps them wherever they live
 
 
 @pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (512, "512 B"), (1023, "1023 B"), (1024, "1.00 KiB"),
