@@ -135,21 +135,3 @@ def test_cuda_fsdp_with_device_map_auto_is_refused_before_joining_the_ranks(monk
     assert str(e.value) == ("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
                             "(it splits one process's model over GPUs)")
 
-
-def test_mlx_a_key_mlx_lm_cannot_adapt_is_refused_naming_the_module_and_the_keys_it_can(tiny):
-    """lm_head is a weight of the model (the planner and cuda adapt it) but mlx-lm's qwen2
-    blocks have no such layer: the refusal names mlx-lm's model module and lists only the
-    linear layers of a block, the keys that would work."""
-    pytest.importorskip("mlx_lm")
-    from importlib.metadata import version
-
-    from finetune.backends.mlx.runtime import MlxBackend
-    from finetune.errors import UserError
-
-    cfg = _mlx_cfg("lora")
-    cfg.method.lora.keys = ["lm_head"]
-    with pytest.raises(UserError) as e:
-        MlxBackend().setup(cfg, tiny)
-    assert str(e.value) == (f"method.lora.keys: lm_head is a weight of this model, but mlx-lm {version('mlx-lm')}'s "
-                            "qwen2 module has no such layer to adapt; use backend=cuda, or keys among: down_proj, "
-                            "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
