@@ -134,3 +134,20 @@ def test_a_one_process_plan_names_no_strategy_and_an_fsdp_shard_keeps_its_row_wi
     assert plan(compose(tmp_path / "run", "backend=cuda"), recommend=False)["strategy"] is None
     t = Tensor("w", (10, 4, 2), 0, "linear", True, 4, shards=4)
     assert t.local_shape == (3, 4, 2) and t.local_numel == 24  # ceil(10 / 4) rows of the whole width
+
+
+def test_the_chunked_loss_lever_is_offered_where_it_is_not_on_and_not_under_fsdp(tmp_path: Path) -> None:
+    from finetune.planner.fit import LOSS_CHUNK_LEVER
+
+    lever = f"train.loss_chunk={LOSS_CHUNK_LEVER}"
+    base = ("backend=cuda", "train.batch_size=8", "train.grad_accum=1", "train.seq_len=256")
+
+    def levers(*over: str) -> list[str]:
+        cfg = compose(tmp_path / "run", *base, *over)
+        budget = plan(compose(tmp_path / "c", *base, *over, f"train.loss_chunk={LOSS_CHUNK_LEVER}"),
+                      recommend=False)["max_device_peak_bytes"]  # what the lever alone reaches
+        return [lv["change"] for lv in plan(cfg, budget_bytes=budget)["recommendation"]["levers"]]
+
+    assert lever in levers()
+    assert lever not in levers("backend.num_devices=2", "backend.strategy=fsdp")  # FSDP cannot chunk it
+    assert lever not in levers(f"train.loss_chunk={LOSS_CHUNK_LEVER}")  # already on
