@@ -41,3 +41,13 @@ def test_a_chunked_loss_prices_one_chunk_of_logits_only_below_the_step_tokens(tm
     assert whole == 12 * n * V
     assert logits(64)[0] == 12 * 64 * V + 4 * n * h  # LoRA: the head does not train
     assert logits(100_000)[0] == whole  # a chunk as long as the step: the whole logits
+
+
+def test_lora_under_bf16_autocast_keeps_bf16_copies_for_its_adapters(tmp_path: Path) -> None:
+    # per adapted Linear (q_proj, v_proj: 64 -> ..., rank 8) and token: autocast's bf16 copy of
+    # the fp32 input for lora_A (64 x 2 B) and lora_A's bf16 output kept for lora_B (8 x 2 B)
+    p = planner.plan(compose(tmp_path / "run", "backend=cuda", "precision=bf16-mixed", "train.batch_size=2",
+                             "train.seq_len=64"), recommend=False)
+    tokens = 2 * 64
+    assert p["lora"] == {"rank": 8, "keys": ["q_proj", "v_proj"], "layers": 2}
+    assert p["activations_detail"]["per_layer_adapters"] == 2 * (tokens * 64 * 2 + tokens * 8 * 2)

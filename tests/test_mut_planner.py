@@ -151,3 +151,32 @@ def test_the_chunked_loss_lever_is_offered_where_it_is_not_on_and_not_under_fsdp
     assert lever in levers()
     assert lever not in levers("backend.num_devices=2", "backend.strategy=fsdp")  # FSDP cannot chunk it
     assert lever not in levers(f"train.loss_chunk={LOSS_CHUNK_LEVER}")  # already on
+
+
+_SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 512, "intermediate_size": 128}
+
+
+def _linears(model_type: str, **extra) -> list[tuple[str, int, int, int]]:
+    from finetune.planner.describe import describe
+
+    d = describe({**_SMALL, "model_type": model_type, **extra}, "config.json")
+    return [(lin.key, lin.in_f, lin.out_f, lin.experts) for lin in d.blocks[0].linears]
+
+
+def test_qwen3_moe_experts_are_moe_intermediate_size_wide() -> None:
+    lins = _linears("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert [x for x in lins if x[0] == "experts"] == [("experts", 64, 64, 4), ("experts", 32, 64, 4)]  # 2 x 32 fused
+
+
+def test_phi3_fuses_q_k_v_into_one_projection() -> None:
+    # (4 heads + 2 x 2 kv heads) x head_dim 16
+    assert _linears("phi3")[:2] == [("qkv_proj", 64, 128, 1), ("o_proj", 64, 64, 1)]
+
+
+def test_a_gemma_1_block_has_the_two_llama_norms_not_gemma_2s_four() -> None:
+    from finetune.planner.describe import describe
+
+    d = describe({**_SMALL, "model_type": "gemma"}, "config.json")
+    assert [o[0] for o in d.blocks[0].others if o[2] == "norm"] == ["input_layernorm.weight",
+                                                                      "post_attention_layernorm.weight"]
