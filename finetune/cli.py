@@ -17,11 +17,12 @@ from finetune.config import GROUPS, register_configs
 from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
 from finetune import checkpoints, quiet, sweep
-from finetune.config import config_error_line, validate
+from finetune.config import config_error_line
 from finetune.generate import generate
 from finetune.loop import train
 from finetune.planner import run_plan
 from finetune.redact import redact_hydra_files
+from finetune.resolver import resolve
 
 CONFIG_MODULE = "finetune.conf"
 
@@ -56,8 +57,9 @@ def check_group_choices(argv: list[str]) -> None:
 
 def run(cfg: Any) -> dict[str, Any] | None:
     """Dispatch a composed config by mode. Tests and sweeps call this directly."""
+    if cfg.mode in ("plan", "generate"):
+        resolve(cfg)  # every check, once, for every mode (issue 22)
     if cfg.mode == "plan":
-        validate(cfg)
         return run_plan(cfg)
     if cfg.mode == "generate":
         return generate(cfg)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from finetune.config import compose
+from finetune.resolver import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -34,6 +35,11 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 def make_cfg(run_dir: Path | str, *overrides: str) -> Any:
     """Compose conf/ with overrides, exactly as `finetune` would, with run_dir set."""
     return compose(run_dir, *overrides)
+
+
+def make_spec(run_dir: Path | str, *overrides: str) -> Any:
+    """The resolved, checked RunSpec of `finetune OVERRIDES...` (make_cfg, then resolve)."""
+    return resolve(make_cfg(run_dir, *overrides))
 
 
 @pytest.fixture
