@@ -80,3 +80,9 @@ def test_each_hub_failure_online_is_worded_for_its_fix(monkeypatch: pytest.Monke
         "the hub is unreachable (Name or service not known)")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert model_source._hub_failure(ConnectionError("x"), None) == "the hub is unreachable (offline: HF_HUB_OFFLINE=1)"
+
+
+def test_a_weights_file_that_cannot_be_read_is_named_unreadable(tmp_path: Path) -> None:
+    d = tmp_path / "model.safetensors"
+    d.mkdir()  # a directory where the file should be: opening it fails with an OSError
+    assert safetensors_damage(d) == "unreadable: Is a directory"
