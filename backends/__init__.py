@@ -18,8 +18,10 @@ import sys
 from finetune.backends.base import Backend, Batch, Capabilities, MemoryModel, ModelInfo, OutOfMemory
 from finetune.backends.cuda import capabilities as cuda_capabilities
 from finetune.backends.cuda import memory as cuda_memory
+from finetune.backends.cuda import rules as cuda_rules  # noqa: F401  registers its explanations
 from finetune.backends.mlx import capabilities as mlx_capabilities
 from finetune.backends.mlx import memory as mlx_memory
+from finetune.backends.mlx import rules as mlx_rules  # noqa: F401  registers its explanations
 from finetune.budget import DeviceMemory, apple_silicon
 from finetune.errors import UserError
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.accounting import rules
-from finetune.accounting.rules import Explanation, _ex, _where
-from finetune.accounting.units import fmt_bytes as fb
+from finetune import rulebase as rules
+from finetune.rulebase import Explanation, _ex, _where
+from finetune.units import fmt_bytes as fb
 
 
 def rule_non_allocator(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
@@ -83,7 +83,7 @@ def _fragmentation(split: int | None) -> str:
     return text + "."
 
 
-rules.register(rule_non_allocator, after=rules.rule_cache_growth)
-rules.register(rule_allocator_retries, after=rules.rule_fragmentation)
+rules.register(rule_non_allocator, after="rule_cache_growth")
+rules.register(rule_allocator_retries, after="rule_fragmentation")
 # fallback: samples that name no backend read as torch's allocator, as they always have
 rules.register_allocator_words(rules.AllocatorWords("cuda", None, None, _cache_growth, _fragmentation), fallback=True)

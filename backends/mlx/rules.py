@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from finetune.accounting import rules
-from finetune.accounting.rules import (
+from finetune import rulebase as rules
+from finetune.rulebase import (
     Explanation,
     _ex,
     _governor_said,
@@ -17,7 +17,7 @@ from finetune.accounting.rules import (
     _step_times,
     _swapping_steps,
 )
-from finetune.accounting.units import fmt_bytes as fb
+from finetune.units import fmt_bytes as fb
 
 
 def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list[Explanation]:
@@ -96,6 +96,6 @@ def _fragmentation(split: int | None) -> str:
             "sets it) caps it, and mx.clear_cache returns it.")
 
 
-rules.register(rule_mlx_peak_over_ram, after=rules.rule_pressure, explains_swap=("mlx_peak_over_ram",))
+rules.register(rule_mlx_peak_over_ram, after="rule_pressure", explains_swap=("mlx_peak_over_ram",))
 rules.register_allocator_words(rules.AllocatorWords("mlx", "mlx_cache", "mlx_cache_limit", _cache_growth,
                                                     _fragmentation))

@@ -13,7 +13,7 @@ from finetune.accounting.report import (
     write_plot,
 )
 from finetune.accounting.rules import explain
-from finetune.accounting.units import fmt_bytes, fmt_delta
+from finetune.units import fmt_bytes, fmt_delta
 
 __all__ = [
     "ALLOCATOR_HELD", "CENSUS_KEYS", "Accountant", "explain", "fmt_bytes", "fmt_delta", "gather", "gather_timeline",

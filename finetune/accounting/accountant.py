@@ -48,7 +48,7 @@ from typing import Any
 from finetune.accounting.cost import SamplingCost
 from finetune.accounting.probes import NvmlProbe, SystemProbe
 from finetune.accounting.rules import explain as explain_samples
-from finetune.accounting.units import fmt_bytes, fmt_delta
+from finetune.units import fmt_bytes, fmt_delta
 from finetune.accounting.report import device_title, render_table, write_plot
 from finetune.backends import capabilities
 

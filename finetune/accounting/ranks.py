@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from finetune.accounting.gather import gather
-from finetune.accounting.units import fmt_bytes
+from finetune.units import fmt_bytes
 
 # (column, key in the merged per-rank sample, what it is)
 COLUMNS = (

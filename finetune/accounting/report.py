@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from finetune.accounting.units import fmt_bytes as fb
-from finetune.accounting.units import fmt_delta as fd
+from finetune.units import fmt_bytes as fb
+from finetune.units import fmt_delta as fd
 
 TABLE_COLUMNS = (
     ("allocated", "allocated"), ("reserved", "reserved"), ("peak_allocated", "peak alloc"),
