@@ -58,16 +58,21 @@ def test_a_rank_that_refuses_still_takes_part_in_the_agreement(tmp_path: Path) -
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """metrics.jsonl of the cheapest real run: the tiny model, two steps of two samples on the
-    cuda backend (CPU here), evaluated after every step."""
+    cuda backend (CPU here), evaluated after every step. Every sample is the same, so step 2
+    sees step 1's batch again after one plain SGD step (constant lr, no momentum, no clipping)."""
     import json
 
     pytest.importorskip("torch")
     from finetune.loop import train
 
-    run = tmp_path_factory.mktemp("two_steps") / "run"
-    train(compose(run, "backend=cuda", "train.steps=2", "train.eval_every=1", "train.progress=false",
-                  "data.num_samples=16", "train.batch_size=2", "train.grad_accum=1", "memory.sample_every=0"))
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    tmp = tmp_path_factory.mktemp("two_steps")
+    same = tmp / "same.jsonl"
+    same.write_text((json.dumps({"prompt": "What is 12 + 30?", "completion": " The answer is 42."}) + "\n") * 16)
+    train(compose(tmp / "run", "backend=cuda", "data=jsonl", f"data.path={same}", "optim=sgd", "optim.lr=0.05",
+                  "optim.max_grad_norm=1000", "train.schedule=constant", "train.warmup_steps=0", "train.steps=2",
+                  "train.eval_every=1", "train.progress=false", "train.batch_size=2", "train.grad_accum=1",
+                  "memory.sample_every=0"))
+    return [json.loads(ln) for ln in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_training_loss_is_a_mean_per_target_token_like_the_validation_loss(two_steps: list[dict]) -> None:
@@ -77,6 +82,14 @@ def test_the_training_loss_is_a_mean_per_target_token_like_the_validation_loss(t
     # a random-init model predicts near uniformly over its 512 tokens: loss near ln(512)
     assert abs(first["loss"] - math.log(512)) < 0.5
     assert abs(first["loss"] - first["val_loss"]) < 0.5
+
+
+def test_the_gradient_is_that_of_the_mean_loss(two_steps: list[dict]) -> None:
+    # one SGD step of lr along the gradient g of the mean loss lowers that loss by lr * |g|^2 to
+    # first order: a gradient of another scale (say twice the mean's) lowers it by half that
+    # per |g|^2 reported; step 2 measures the same batch after the step
+    a, b = two_steps
+    assert 0.8 < (a["loss"] - b["loss"]) / (a["lr"] * a["grad_norm"] ** 2) < 1.2
 
 
 def test_eval_every_1_evaluates_after_every_step(two_steps: list[dict]) -> None:
