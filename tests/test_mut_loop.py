@@ -95,3 +95,29 @@ def test_the_gradient_is_that_of_the_mean_loss(two_steps: list[dict]) -> None:
 def test_eval_every_1_evaluates_after_every_step(two_steps: list[dict]) -> None:
     assert [r["step"] for r in two_steps] == [1, 2]
     assert all(isinstance(r.get("val_loss"), float) for r in two_steps)
+
+
+def test_a_second_sigterm_exits_at_once_with_143() -> None:
+    import os
+    import signal
+    import time
+
+    try:
+        from finetune.faults import StopOnSignal
+    except ImportError:  # before it moved out of the loop
+        from finetune.loop import _StopOnSignal as StopOnSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopOnSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: finish the step, checkpoint, then exit
+        time.sleep(0.05)
+        assert stop.requested == "SIGTERM" and stop.exit_code == 143
+        with pytest.raises(SystemExit) as e:
+            os.kill(os.getpid(), signal.SIGTERM)  # the second: now, as a shell reports a signal
+            time.sleep(1)
+        assert e.value.code == 143
+        assert signal.getsignal(signal.SIGTERM) == before  # its handler is gone with it
+    finally:
+        stop.close()
+        signal.signal(signal.SIGTERM, before)
