@@ -30,6 +30,7 @@ import numpy as np
 from finetune.budget import DeviceMemory
 from finetune.modeldesc import Linear, ModelDesc
 from finetune.planspec import Setup, Tensor
+from finetune.records import Census
 
 PhaseHook = Callable[[str], None]
 """Called by a backend inside forward_backward with "forward" (after the forward pass, before
@@ -275,10 +276,11 @@ class Backend(Protocol):
         """Sum of per-token loss over the batch's target positions, no gradients."""
         ...
 
-    def save_adapter(self, path: Path) -> None:
+    def save_adapter(self, path: Path | None) -> None:
         """Write the trained adapter (PEFT format on cuda, mlx-lm format on mlx) or, for
         method=full, the full weights (HF format on cuda, mlx-lm safetensors on mlx) into the
-        existing empty directory ``path``."""
+        existing empty directory ``path``. None: a rank other than 0, which writes nothing
+        (a sharded run's ranks still take part in gathering the weights for rank 0)."""
         ...
 
     def save_state(self, path: Path) -> None:
@@ -304,10 +306,11 @@ class Backend(Protocol):
         the accountant reads it (else memory()) just before each reset."""
         ...
 
-    def census(self) -> dict[str, int]:
-        """Bytes by category, from the live objects: frozen_weights, trainable_weights, grads,
-        optimizer_state (allocator-held), optimizer_state_paged (outside the allocator, e.g.
-        bitsandbytes paged/unified memory), quant_buffers."""
+    def census(self) -> Census:
+        """Bytes by category (finetune.records.CENSUS_KEYS, every one), from the live objects:
+        frozen_weights, trainable_weights, grads, optimizer_state (allocator-held),
+        optimizer_state_paged (outside the allocator, e.g. bitsandbytes paged/unified memory),
+        quant_buffers."""
         ...
 
     def release_cache(self) -> None:

@@ -7,4 +7,4 @@ from pathlib import Path as _Path
 # (PYTHONPATH=checkout, a copy made for mutation tests), the same two folders serve.
 _root = _Path(__file__).resolve().parent.parent
 if (_root / "pyproject.toml").is_file() and (_root / "backends" / "base.py").is_file():
-    __path__.append(str(_root))  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(str(_root))  # noqa: F821

@@ -21,6 +21,7 @@ from finetune.config import config_error_line
 from finetune.generate import generate
 from finetune.loop import train
 from finetune.planner import run_plan
+from finetune.records import Plan
 from finetune.redact import redact_hydra_files
 from finetune.resolver import resolve
 
@@ -55,8 +56,9 @@ def check_group_choices(argv: list[str]) -> None:
                     raise UserError(f"{key}={v} is not an option; choose one of: {', '.join(options)}")
 
 
-def run(cfg: Any) -> dict[str, Any] | None:
-    """Dispatch a composed config by mode. Tests and sweeps call this directly."""
+def run(cfg: Any) -> Plan | dict[str, Any] | None:
+    """Dispatch a composed config by mode (the plan, or the run's summary). Tests and sweeps
+    call this directly."""
     if cfg.mode in ("plan", "generate"):
         resolve(cfg)  # every check, once, for every mode (issue 22)
     if cfg.mode == "plan":

@@ -511,7 +511,8 @@ def config_error_line(exc: BaseException) -> str | None:
             node_type = Config
             for part in full.split("."):
                 node_type = _schema_keys(node_type)[part]
-            want = {int: "a whole number", float: "a number", bool: "true or false"}.get(
+            wanted: dict[type | None, str] = {int: "a whole number", float: "a number", bool: "true or false"}
+            want = wanted.get(
                 next((t for t in (bool, int, float) if t in (node_type, *getattr(node_type, "__args__", ()))), None),
                 want)
         except (KeyError, TypeError):

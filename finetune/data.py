@@ -40,7 +40,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -121,7 +121,7 @@ def compression(head: bytes) -> str | None:
 class _Prefixed(io.RawIOBase):
     """Bytes already read (to sniff a pipe's format) put back in front of the rest of it."""
 
-    def __init__(self, head: bytes, rest: BinaryIO):
+    def __init__(self, head: bytes, rest: io.BufferedIOBase):
         self.head, self.rest = head, rest
 
     def readable(self) -> bool:
@@ -135,7 +135,7 @@ class _Prefixed(io.RawIOBase):
         return self.rest.readinto(b)
 
 
-def _open_data(path: Path, stack: ExitStack) -> tuple[BinaryIO, str | None]:
+def _open_data(path: Path, stack: ExitStack) -> tuple[io.BufferedIOBase, str | None]:
     """``path``'s bytes, decompressed when its first bytes say gzip, bz2, xz (stdlib) or zstd
     (the ``zstandard`` module, where installed), and the compression's name. A pipe is read
     once: the bytes sniffed are put back in front of the stream."""
@@ -143,7 +143,7 @@ def _open_data(path: Path, stack: ExitStack) -> tuple[BinaryIO, str | None]:
     head = raw.read(8)
     if raw.seekable():
         raw.seek(0)
-        f: BinaryIO = raw
+        f: io.BufferedReader = raw
     else:
         f = stack.enter_context(io.BufferedReader(_Prefixed(head, raw), tokcache.READ_BLOCK))
     kind = compression(head)
@@ -234,7 +234,7 @@ def _line_records(path: Path, lines: Iterable[bytes]) -> Iterator[tuple[int, Any
             raise UserError(f"{path}:{n} is not valid JSON ({e.msg}); fix or remove that line") from None
 
 
-def _array_records(path: Path, first: bytes, rest: BinaryIO, kind: str | None) -> Iterator[tuple[int, Any]]:
+def _array_records(path: Path, first: bytes, rest: io.BufferedIOBase, kind: str | None) -> Iterator[tuple[int, Any]]:
     """(line, element) for each element of a file that is one JSON array (``[{...}, {...}]``,
     pretty-printed or not), read whole when it is at most ``JSON_ARRAY_MAX_BYTES``; else a
     UserError saying how to convert it to JSONL."""
@@ -546,7 +546,7 @@ def _source(data_cfg: Any, seed: int, keyed: bool) -> tuple[str, dict[str, Any] 
                 head = f.read(4096)
         except OSError as e:
             raise _unreadable(data_cfg, e) from None
-        key = {"kind": "jsonl", "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+        key: dict[str, Any] | None = {"kind": "jsonl", "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                "sha256": sha, "max_samples": data_cfg.max_samples}
         # newlines count records only in plain JSONL (not compressed bytes, not a pretty-printed array)
         plain = compression(head) is None and not head.removeprefix(_BOM).lstrip().startswith(b"[")
@@ -686,7 +686,7 @@ class DataSource:
                 "(train.batch_size * train.grad_accum); add data or lower the batch")
         self.tok, self.pad_id, self.E, self.seed = tok, pad_id, effective_batch, seed
         self.lengths = tok.lengths  # tokens per sample, read once (the samples may be memory-mapped)
-        self.pad = {"pad_multiple": pad_multiple, "max_len": max_len}
+        self.pad: dict[str, Any] = {"pad_multiple": pad_multiple, "max_len": max_len}  # collate's keywords
         self.steps_per_epoch = len(self.train_idx) // effective_batch
         self._epoch_cache: dict[int, list[np.ndarray]] = {}
 
@@ -786,7 +786,7 @@ def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, di
     src = DataSource(tok, int(pad), cfg.train.batch_size * cfg.train.grad_accum * int(world_size), cfg.train.seed,
                      cfg.data.val_fraction, cfg.data.max_val_samples, multiple, int(cfg.train.seq_len))
     lens = src.lengths
-    stats = {"records": tok.records, "samples": len(tok.ids), "train_samples": len(src.train_idx),
+    stats: dict[str, Any] = {"records": tok.records, "samples": len(tok.ids), "train_samples": len(src.train_idx),
              "val_samples": len(src.val_idx), "truncated": tok.truncated, "dropped_no_target": tok.dropped_no_target,
              "mean_tokens": float(lens.mean()), "max_tokens": int(lens.max()),
              # the widest micro-batch the run can see (train.pad_multiple): what plans price

@@ -59,15 +59,15 @@ from finetune.errors import UserError
 from finetune.io import atomic_dir, disk_errors
 from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
 from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
-from finetune.model_source import PICKLE_SUFFIXES
+from finetune.model_source import PICKLE_SUFFIXES, TOKENIZER_FILES
 from finetune.planner.describe import FAMILIES, describe
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
+# what a merged model's directory copies from its base beside the weights (model_source's
+# TOKENIZER_FILES, and the base's sampling defaults)
+BASE_FILES = (*TOKENIZER_FILES, "generation_config.json")
 _LAYER = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<index>\d+)\.(?P<rel>.+)$")
 
 # ---- safetensors, framework-free ----------------------------------------------------------
@@ -250,7 +250,7 @@ def read_adapter(src: str | Path) -> Adapter:
 
 
 # PEFT options whose adapters mean something LoRA-in-mlx-lm cannot hold: (key, default, why)
-_PEFT_REFUSED = (
+_PEFT_REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("modules_to_save", None, "fully trained modules beside the adapter"),
     ("bias", "none", "trained biases"),
     ("lora_bias", False, "a bias on lora_B"),
@@ -797,7 +797,7 @@ def _merge_peft(base: Base, adapter_dir: Path, out: Path, trust_remote_code: boo
     with torch.no_grad():
         merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)
-    for name in TOKENIZER_FILES:
+    for name in BASE_FILES:
         if (base.path / name).is_file() and not (out / name).exists():
             shutil.copy2(base.path / name, out / name)
 

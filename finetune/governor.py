@@ -12,7 +12,7 @@ event ``{step, trigger, action, before, after}`` handed to ``emit``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from finetune import planner
@@ -39,7 +39,7 @@ def smaller_divisor(n: int, below: int) -> int | None:
     return None
 
 
-def _measured_peak(sample: dict[str, Any]) -> int | None:
+def _measured_peak(sample: Mapping[str, Any]) -> int | None:
     """The step's peak as the allocator saw it; None where no allocator is measured (the cuda
     backend on the CPU). Not RSS: it counts the interpreter and the frameworks' own libraries
     (about 0.5 GB before any tensor), which neither the plan nor memory.budget prices, so a
@@ -228,7 +228,7 @@ class Governor:
         prev = backend.set_cache_limit(limit)
         self._act(0, "memory.cache_limit", self.caps.cache_limit_event, {"cache_limit": prev}, {"cache_limit": limit})
 
-    def _derive_cache_limit(self, step: int, sample: dict[str, Any]) -> None:
+    def _derive_cache_limit(self, step: int, sample: Mapping[str, Any]) -> None:
         """memory.cache_limit=auto: cap the allocator's cache at what one step frees and asks for again,
         its measured peak above the bytes still live after it. A cache that size serves the
         next step of the same shape entirely from reuse; a larger one (the old default: a
@@ -284,7 +284,7 @@ class Governor:
                             "try method=qlora, fewer method.lora.num_layers, a lower train.seq_len, or a larger device "
                             "(finetune mode=plan shows what fits)")
 
-    def after_step(self, step: int, sample: dict[str, Any] | None) -> None:
+    def after_step(self, step: int, sample: Mapping[str, Any] | None) -> None:
         """React to measured peak above budget, swap growth, memory pressure, fragmentation."""
         if sample is None:
             return

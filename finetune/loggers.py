@@ -292,7 +292,8 @@ class MlflowLogger(Logger):
             # which needs the full mlflow package); a local store needs no server or database
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = c = MlflowClient(tracking_uri=uri)
-        self.uri, self.events = uri, []
+        self.uri = uri
+        self.events: list[dict[str, Any]] = []
         exp_name = str(s.get("experiment") or "finetune")
         exp = c.get_experiment_by_name(exp_name)
         exp_id = exp.experiment_id if exp is not None else c.create_experiment(exp_name)
@@ -313,7 +314,8 @@ class MlflowLogger(Logger):
 
         from mlflow.entities import Metric
 
-        self._metric, self._ops = Metric, deque()
+        self._metric = Metric
+        self._ops: deque[Any] = deque()  # MLflow's pending log_batch calls
 
     def _drain(self, keep: int = 0) -> None:
         """Wait for the asynchronous batches, all but the newest ``keep``. Anything that reads

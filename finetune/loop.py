@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -38,6 +38,7 @@ from finetune import data as data_mod, planner
 from finetune.accounting import Accountant, ranks
 from finetune.governor import Governor
 from finetune.model_source import check_weights, resolve_model_dir
+from finetune.records import Plan, Sample
 
 log = logging.getLogger("finetune")
 
@@ -308,7 +309,7 @@ class Trainer:
         self._step_max_len = max(p.tokens for p in parts)  # the widest row: what calibration plans
         return parts
 
-    def _agreed_sample(self, step: int, sample: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _agreed_sample(self, step: int, sample: Sample | None) -> Mapping[str, Any] | None:
         """What the governor decides on: this rank's sample in one process; under several, every
         rank's merged (the largest of each figure, fresh only when every rank's reading is), so
         every rank takes the same decision at the same step. A step the schedule does not sample
@@ -318,14 +319,14 @@ class Trainer:
 
         return ranks.merge_governor_views(self.comm.all_gather_object(ranks.governor_view(sample)))
 
-    def _calibrate(self, sample: dict[str, Any]) -> None:
+    def _calibrate(self, sample: Sample) -> None:
         """After the first optimizer step: compare the plan to that step's sample (whose
         census the accountant already took; the summary keeps it as census_first_optimizer)."""
         try:
             # the plan at the length step 1 really had, so the error measures the model, not
             # the gap between train.seq_len and the data
-            self.plan = planner.plan(self.cfg, seq_len=self._step_max_len, state=self.governor.state)
-            self.plan_error = planner.plan_error(self.plan, sample.get("census") or {}, sample)
+            self.plan: Plan | None = planner.plan(self.cfg, seq_len=self._step_max_len, state=self.governor.state)
+            self.plan_error: dict[str, Any] | None = planner.plan_error(self.plan, sample.get("census"), sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)
             self.plan, self.plan_error = None, None

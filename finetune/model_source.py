@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from finetune.errors import UserError
 from finetune.tiny import _arch, build_tiny, hf_config
@@ -11,6 +11,12 @@ from finetune.tiny import _arch, build_tiny, hf_config
 # What training needs from a hub repository; skips other formats (pytorch_model.bin twins,
 # gguf, onnx) that would multiply the download.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
+# Files a tokenizer is built from (transformers' names, sentencepiece's and tiktoken's): what a
+# saved or merged model's directory copies from its base, and what the token cache's
+# fingerprint hashes (in this order: the fingerprint depends on it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "tiktoken.model", "chat_template.jinja", "chat_template.json")
 
 
 def resolve_model_dir(model_cfg: Any, seed: int = 0) -> Path:
@@ -91,7 +97,7 @@ def _plain(node: Any) -> dict[str, Any]:
         from omegaconf import OmegaConf
 
         if OmegaConf.is_config(node):
-            return OmegaConf.to_container(node, resolve=True)
+            return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))  # a mapping node
     except ImportError:  # pragma: no cover - omegaconf ships with hydra, a dependency
         pass
     return dict(node)

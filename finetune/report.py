@@ -327,14 +327,13 @@ def _device_panel(ax: Any, rs: list[dict[str, Any]]) -> None:
     stacks = [(key, label, color, [(r.get(key) or 0) if ok else 0 for r, ok in zip(rs, ran)])
               for key, label, color in CENSUS_STACK]
     stacks = [st for st in stacks if any(st[3])]
-    alloc = [(i, r.get("peak_reserved_bytes") or r.get("peak_allocated_bytes")) for i, r in enumerate(rs)]
-    alloc = [(i, v) for i, v in alloc if v]
+    alloc = [(i, v) for i, r in enumerate(rs) if (v := r.get("peak_reserved_bytes") or r.get("peak_allocated_bytes"))]
     planned = [(i, r["planned_peak_bytes"]) for i, r in enumerate(rs) if r.get("planned_peak_bytes")]
     top = max([sum(col) for col in zip(*[st[3] for st in stacks])] + [v for _, v in alloc + planned] + [0]) if n else 0
     budgets = {r["budget_bytes"] for r in rs if r.get("budget_bytes")}
     budget = budgets.pop() if len(budgets) == 1 else None
-    draw_budget = budget is not None and top and budget <= 3 * top
-    scale, unit = unit_for(max(top, budget if draw_budget else 0))
+    drawn = budget if budget is not None and top and budget <= 3 * top else None  # the budget as a line
+    scale, unit = unit_for(max(top, drawn or 0))
     bottoms = [0.0] * n
     for _, label, color, vals in stacks:
         ax.bar(xs, [v / scale for v in vals], bottom=bottoms, color=color, label=label, width=0.7,
@@ -345,8 +344,8 @@ def _device_panel(ax: Any, rs: list[dict[str, Any]]) -> None:
         ax.bar(pruned, [rs[i]["planned_peak_bytes"] / scale for i in pruned], width=0.7, fill=False, hatch="//",
                edgecolor="#d62728", label="pruned by plan (its planned peak)")
     _peak_markers(ax, ran, alloc, planned, scale)
-    if draw_budget:
-        ax.axhline(budget / scale, color="#d62728", lw=1.2, label=f"memory budget {budget / GIB:.2f} GiB")
+    if drawn is not None:
+        ax.axhline(drawn / scale, color="#d62728", lw=1.2, label=f"memory budget {drawn / GIB:.2f} GiB")
     elif budget is not None:  # named in the legend: a text inside or beside the chart could cover data
         ax.bar([0], [0], color="none", label=f"note: memory budget {budget / GIB:.2f} GiB,\nabove the chart's scale")
     ax.set_ylabel(f"{unit}\n(device / allocator)", fontsize=9)

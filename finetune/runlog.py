@@ -240,6 +240,7 @@ class RunLog:
         back off the file (truncating frees space, so it works on a full disk) and raises
         RunLogWriteError."""
         data = line.encode()
+        assert self._fd is not None, "metrics.jsonl is written between begin() and close()"
         try:
             done = os.write(self._fd, data)
             while done < len(data):  # a short write: the disk filled in the middle of the line

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import numpy.typing as npt
 
 from finetune.io import _fsync_dir, fsync_tree
+from finetune.model_source import TOKENIZER_FILES
 from finetune.tiny import cache_root
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
@@ -67,11 +69,6 @@ def digest_file(path: Path, count_lines: bool = False) -> tuple[str, int]:
     return h.hexdigest(), lines
 
 
-# Files a tokenizer is built from (transformers' names, sentencepiece's and tiktoken's).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                    "tiktoken.model", "chat_template.jinja", "chat_template.json")
-
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     """What identifies a tokenizer's output: a hash of the files it was loaded from (or, for
@@ -79,7 +76,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     changed after loading (special tokens, chat template) and the library versions that run it."""
     h = hashlib.sha256()
     src = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
-    files = [src / n for n in _TOKENIZER_FILES if (src / n).is_file()] if src.is_dir() else []
+    files = [src / n for n in TOKENIZER_FILES if (src / n).is_file()] if src.is_dir() else []
     for p in files:
         h.update(p.name.encode() + b"\0")
         h.update(digest_file(p)[0].encode())
@@ -155,7 +152,7 @@ def _npy_header(dtype: np.dtype, count: int) -> bytes:
 class _Column:
     """One flat array appended to an .npy file (header patched at the end), or kept in memory."""
 
-    def __init__(self, dtype: np.dtype, path: Path | None):
+    def __init__(self, dtype: npt.DTypeLike, path: Path | None):
         self.dtype, self.path, self.count = np.dtype(dtype), path, 0
         self.sha = hashlib.sha256()
         self.parts: list[np.ndarray] = []

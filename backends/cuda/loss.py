@@ -282,7 +282,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             with torch.enable_grad():
                 part = _chunk_loss(head, h, targets[s:s + chunk], weights[s:s + chunk], autocast_ctx)
             grads = torch.autograd.grad(part, ([h] if need_h else []) + wanted)
-            if need_h:
+            if grad_h is not None:  # need_h
                 grad_h[s:s + chunk] = grads[0]
                 grads = grads[1:]
             for acc, g in zip(grad_p, grads):

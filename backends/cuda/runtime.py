@@ -26,7 +26,7 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,7 +36,8 @@ from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.errors import UserError
 from finetune import precision as precision_mod, quiet
 from finetune.accounting.probes import NvmlProbe
-from finetune.model_source import stored_dtype, stored_quantization
+from finetune.model_source import TOKENIZER_FILES, stored_dtype, stored_quantization
+from finetune.records import CENSUS_KEYS, Census, CensusKey
 from finetune.planner.describe import EXPERTS, lora_keys
 from finetune.planner.model import attention, model_desc
 
@@ -44,11 +45,6 @@ log = logging.getLogger("finetune")
 
 METHODS, OPTIMIZERS = CAPABILITIES.methods, CAPABILITIES.optimizers
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state",
-               "optimizer_state_paged", "quant_buffers")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                   "chat_template.jinja")
 
 
 def _choose(what: str, value: str, valid: tuple[str, ...] | dict) -> None:
@@ -235,9 +231,12 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self) -> None:
-        self.model: torch.nn.Module | None = None  # what forward runs (a PeftModel for adapters)
-        self.hf: torch.nn.Module | None = None  # the transformers model inside it
-        self.optimizer: torch.optim.Optimizer | None = None
+        # Set by setup(); Any to the type checker: torch types an nn.Module's attributes as
+        # Tensor | Module (save_pretrained, gradient_checkpointing_enable would not type), and
+        # bitsandbytes' optimizers add get_state_buffer to torch's Optimizer.
+        self.model: Any = None  # what forward runs (a PeftModel for adapters)
+        self.hf: Any = None  # the transformers model inside it
+        self.optimizer: Any = None
         self.scaler: torch.amp.GradScaler | None = None
         self.device = torch.device("cpu")  # where inputs go (the embedding's device)
         self.autocast_dtype: torch.dtype | None = None
@@ -437,9 +436,10 @@ class CudaBackend:
                 raise UserError(f"optim={cfg.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
             autocast = self.autocast_dtype
-            self.units = distributed.shard_model(self.model, self.hf, self.comm, param_dtype=autocast,
+            comm = cast(distributed.TorchComm, self.comm)  # strategy=fsdp over ranks: connect() made a TorchComm
+            self.units = distributed.shard_model(self.model, self.hf, comm, param_dtype=autocast,
                                                  reduce_dtype=torch.float32 if autocast is not None else None)
-            self.device = self.comm.device
+            self.device = comm.device
         else:
             distributed.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])
         torch.manual_seed(cfg.train.seed * 1_000_003 + self.comm.rank)
@@ -575,7 +575,7 @@ class CudaBackend:
         # whole-logits loss multiplies on the device: sent now, its copy is no sync later
         mask = (torch.from_numpy(np.asarray(batch.loss_mask, dtype=np.float32)) if self._loss_chunk or target_head
                 else self._to_device(batch.loss_mask, np.float32))
-        loss_fn = self._compiled_loss if use_compiled else token_loss_sum
+        loss_fn = self._compiled_loss if use_compiled and self._compiled_loss is not None else token_loss_sum
         try:
             # train.loss_chunk > 0: the head and cross-entropy a chunk of tokens at a time, so
             # the [B, T, V] logits never exist (backends/cuda/loss.py); 0: the target rows' at once
@@ -679,6 +679,7 @@ class CudaBackend:
         if self.cfg.method.name == "full":
             self.hf.save_pretrained(str(path), state_dict=state)
             src = self.model_dir
+            assert src is not None, "save_adapter runs after setup()"
             for name in TOKENIZER_FILES:
                 if (src / name).is_file():
                     shutil.copy2(src / name, path / name)
@@ -834,18 +835,18 @@ class CudaBackend:
         for i in indices:
             torch.cuda.reset_peak_memory_stats(i)
 
-    def census(self) -> dict[str, int]:
+    def census(self) -> Census:
         """Bytes of live tensors by category, each tensor counted once (tied weights and the
         quantile maps bitsandbytes shares between parameters are deduplicated by address).
         optimizer_state counts state tensors on their parameter's device type (torch's Adam
         keeps its per-tensor ``step`` as a host scalar beside CUDA params: not allocator
         memory); optimizer_state_paged counts bitsandbytes paged (unified-memory) buffers."""
-        out = dict.fromkeys(CENSUS_KEYS, 0)
+        out: dict[CensusKey, int] = dict.fromkeys(CENSUS_KEYS, 0)
         seen: set[tuple[str, int, int]] = set()
 
         from finetune.backends.cuda.distributed import local
 
-        def add(key: str, t: Any) -> None:
+        def add(key: CensusKey, t: Any) -> None:
             if not torch.is_tensor(t) or t.device.type == "meta":
                 return
             t = local(t)  # fsdp: this rank's shard is what its memory holds
@@ -869,7 +870,7 @@ class CudaBackend:
                     add("optimizer_state_paged", v)
                 elif torch.is_tensor(v) and v.device.type == p.device.type:
                     add("optimizer_state", v)
-        return out
+        return cast(Census, out)  # every census category, each an int
 
     def release_cache(self) -> None:
         """gc, then hand torch's cached CUDA blocks back to the driver (nothing to do on CPU)."""

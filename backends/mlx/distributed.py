@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ _FIXES = {
 }
 
 
-def launcher_backend(env: dict[str, str] | None = None) -> str | None:
+def launcher_backend(env: Mapping[str, str] | None = None) -> str | None:
     """The mx.distributed backend whose launcher started this process with more than one rank,
     or None (no launcher, or ``mlx.launch -n 1``)."""
     env = os.environ if env is None else env

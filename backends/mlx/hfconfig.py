@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 from finetune.errors import UserError
 
 # model_type -> the mlx_lm/models/<module>.py that builds it (mlx_lm.utils.MODEL_REMAPPING)
@@ -63,7 +63,7 @@ def _sliding_pattern(layer_types: list[str]) -> int | None:
     return None
 
 
-def _is_per_layer_type(rope: Any) -> bool:
+def _is_per_layer_type(rope: Any) -> TypeGuard[dict[str, dict[str, Any]]]:
     return isinstance(rope, dict) and bool(rope) and all(isinstance(v, dict) for v in rope.values())
 
 
@@ -121,7 +121,7 @@ def refusal(config: dict[str, Any], seq_len: int | None = None) -> str | None:
             the tokenizer is loaded).
     """
     mtype = config.get("model_type")
-    module = _MODULE.get(mtype, mtype)
+    module = _MODULE.get(mtype, mtype) if isinstance(mtype, str) else mtype
     cannot = f"backend=mlx: mlx-lm {_mlx_lm_version()} cannot load model_type={mtype}"
     fix = "use backend=cuda"
     rope = config.get("rope_parameters")

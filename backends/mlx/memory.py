@@ -140,8 +140,8 @@ def expert_adapters(lin: Linear, rank: int) -> list[tuple[str, tuple[int, ...]]]
     E = lin.experts
     if lin.path.endswith("gate_up_proj"):
         half = lin.out_f // 2
-        return [(f".{p}.lora_a", (E, rank, lin.in_f)) for p in ("gate_proj", "up_proj")] + [
-            (f".{p}.lora_b", (E, half, rank)) for p in ("gate_proj", "up_proj")]
+        a: list[tuple[str, tuple[int, ...]]] = [(f".{p}.lora_a", (E, rank, lin.in_f)) for p in ("gate_proj", "up_proj")]
+        return a + [(f".{p}.lora_b", (E, half, rank)) for p in ("gate_proj", "up_proj")]
     return [(".lora_a", (E, rank, lin.in_f)), (".lora_b", (E, lin.out_f, rank))]
 
 

@@ -34,7 +34,8 @@ def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -
     ram = ctx.get("system_total") or at.get("system_total")
     rws = _max_of(samples, "mlx_recommended_working_set")[0]
     over_ram = bool(ram and peak > ram)
-    if not over_ram and not (rws and peak > rws):
+    limit = ram if over_ram else rws  # the one exceeded: RAM, else Metal's working set
+    if not limit or peak <= limit:
         return []
     swap = _max_of(samples, "swap_growth")[0]
     footprint = _max_of(samples, "phys_footprint")[0]
@@ -44,12 +45,12 @@ def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -
     fix = ("lower train.batch_size (raising train.grad_accum keeps the batch) or train.seq_len, turn on "
            "train.grad_checkpointing, or set memory.budget so the governor does it")
     if over_ram:
-        text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above the {fb(ram)} of RAM by {fb(peak - ram)}: "
+        text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above the {fb(ram)} of RAM by {fb(peak - limit)}: "
                 "unified memory cannot hold it, so the OS kept the run going by compressing and swapping")
         rule = "mlx_peak_over_ram"
     else:
         text = (f"MLX peak memory {fb(peak)} (step {at['step']}) is above Metal's recommended working set "
-                f"{fb(rws)} by {fb(peak - rws)}" + (f" (RAM {fb(ram)})" if ram else "")
+                f"{fb(rws)} by {fb(peak - limit)}" + (f" (RAM {fb(ram)})" if ram else "")
                 + ": the GPU may have to page memory")
         rule = "mlx_peak_over_working_set"
     seen = []
@@ -63,7 +64,7 @@ def rule_mlx_peak_over_ram(samples: list[dict[str, Any]], ctx: dict[str, Any]) -
         seen.append(f"grew swap by {fb(swap)}")
     if seen:
         text += "; the OS " + ", ".join(seen)
-    figs: dict[str, Any] = {"peak": peak, "ram": ram, "over": peak - (ram if over_ram else rws),
+    figs: dict[str, Any] = {"peak": peak, "ram": ram, "over": peak - limit,
                             "recommended_working_set": rws, "phys_footprint": footprint, "compressed": compressed,
                             "swapped_out": swapped_out, "swap_growth": swap}
     slow = [times[st] for st in sorted(swapping) if st in times]

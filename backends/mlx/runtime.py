@@ -39,6 +39,7 @@ from finetune import precision as precision_mod
 from finetune.backends.mlx.generate import generate
 from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
 from finetune.model_source import stored_dtype, stored_quantization
+from finetune.records import Census
 from finetune.planner.describe import EXPERTS, lora_keys
 from finetune.planner.model import model_desc
 
@@ -115,7 +116,7 @@ class MlxBackend:
     name = "mlx"
 
     def __init__(self) -> None:
-        self.model: nn.Module | None = None
+        self.model: Any = None  # an mlx_lm model, set by setup() (Any: its layers are its own)
         self._grads: dict | None = None
         self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
         self._loss_chunk = 0  # train.loss_chunk: tokens per chunk of head + loss (0: whole logits)
@@ -271,7 +272,7 @@ class MlxBackend:
         mine = self.model.trainable_parameters()
         if self.comm.rank != 0:
             mine = tree_map(mx.zeros_like, mine)
-        self.model.update(sum_over_ranks(mine, self.comm.group))
+        self.model.update(sum_over_ranks(mine, self.comm.group))  # type: ignore[attr-defined]  # an MlxComm: several ranks
         mx.eval(self.model.parameters())
 
     def _block_keys(self, keys: tuple[str, ...]) -> list[str]:
@@ -425,7 +426,7 @@ class MlxBackend:
         if self.comm.world_size > 1:
             if grads is None:  # a rank with no rows this step still joins the sum
                 grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
-            grads = sum_over_ranks(grads, self.comm.group)
+            grads = sum_over_ranks(grads, self.comm.group)  # type: ignore[attr-defined]  # world_size > 1: an MlxComm
         if grads is None:
             return None
         self.optimizer.learning_rate = lr  # an array in the optimizer's state: no retrace per step
@@ -584,7 +585,7 @@ class MlxBackend:
     def reset_peak(self) -> None:
         mx.reset_peak_memory()
 
-    def census(self) -> dict[str, int]:
+    def census(self) -> Census:
         trainable = dict(tree_flatten(self.model.trainable_parameters()))
         quant_mods = {p for p, m in self.model.named_modules()
                       if hasattr(m, "bits") and "scales" in m}

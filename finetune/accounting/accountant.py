@@ -43,7 +43,7 @@ import math
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from finetune.accounting.cost import SamplingCost
 from finetune.accounting.probes import NvmlProbe, SystemProbe
@@ -51,11 +51,8 @@ from finetune.accounting.rules import explain as explain_samples
 from finetune.units import fmt_bytes, fmt_delta
 from finetune.accounting.report import device_title, render_table, write_plot
 from finetune.backends import capabilities
+from finetune.records import ACTIVATIONS_AND_OTHER, ALLOCATOR_HELD, CENSUS_KEYS, Census, Sample  # noqa: F401  (CENSUS_KEYS: re-exported)
 
-CENSUS_KEYS = ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
-               "quant_buffers")
-# Categories the framework allocator holds; paged optimizer state lives in unified memory.
-ALLOCATOR_HELD = ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "quant_buffers")
 _MEMORY_STD = {"allocated", "reserved", "peak_allocated", "peak_reserved", "device_total", "devices",
                "cuda_context"}
 COUNT_KEYS = {"alloc_retries", "num_alloc_retries", "num_ooms", "ooms", "major_faults"}  # counts, not bytes
@@ -237,7 +234,7 @@ class Accountant:
         """Fresh process/system readings taken so far."""
         return self.cost.io_reads
 
-    def sample(self, step: int, phase: str) -> dict[str, Any] | None:
+    def sample(self, step: int, phase: str) -> Sample | None:
         """Take a sample at ``phase`` of ``step`` and append it to the timeline.
 
         Inside a step (forward/backward) on a single-device backend without NVML (MLX, CPU)
@@ -304,7 +301,7 @@ class Accountant:
         self._timeline.append(s)
         if len(self._timeline) > self.max_samples:
             self._thin()
-        return s
+        return cast(Sample, s)  # the keys finetune.records.Sample lists
 
     def _materialize(self) -> None:
         t0 = time.perf_counter()
@@ -469,7 +466,7 @@ class Accountant:
                 r["other_processes_used"] = nv.get("other_processes_used")
                 _split_non_allocator(r)
                 self._nvml_last[idx] = {k: r[k] for k in ("device_total", *_NVML_KEYS)}
-            elif use_nvml:
+            elif use_nvml and last is not None:  # (always, when use_nvml: see the branch above)
                 # NVML not due (see io_budget): the last reading, with the gap as it was then
                 # (from NVML's used and the reserved bytes of that moment)
                 r.update((k, last[k]) for k in _NVML_KEYS)

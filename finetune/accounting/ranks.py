@@ -10,7 +10,7 @@ is tested on recorded figures too.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from finetune.accounting.gather import gather
@@ -116,7 +116,7 @@ GOVERNOR_KEYS = ("step_peak_reserved", "step_peak_allocated", "peak_reserved", "
                  "reserved", "swap_used", "psi_some_avg10", "inactive_split")
 
 
-def governor_view(sample: dict[str, Any] | None) -> dict[str, Any] | None:
+def governor_view(sample: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The part of one rank's sample the governor reads, as the ranks gather it."""
     if sample is None:
         return None

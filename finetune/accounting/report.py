@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from finetune.records import SampleCensusKey
 from finetune.units import fmt_bytes as fb
 from finetune.units import fmt_delta as fd
 
@@ -19,8 +20,9 @@ TABLE_COLUMNS = (
     ("peak_reserved", "peak resv"), ("device_used", "NVML used"), ("device_total", "NVML total"),
     ("non_allocator", "non-alloc"), ("non_allocator_unexplained", "unexplained"),
 )
-CENSUS_ORDER = ("frozen_weights", "quant_buffers", "trainable_weights", "grads", "optimizer_state",
-                "activations_and_other", "optimizer_state_paged")
+# the census's stacking order in memory.png, bottom up
+CENSUS_ORDER: tuple[SampleCensusKey, ...] = ("frozen_weights", "quant_buffers", "trainable_weights", "grads",
+                                             "optimizer_state", "activations_and_other", "optimizer_state_paged")
 
 
 def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -142,9 +144,9 @@ def unit_for(vmax: float) -> tuple[float, str]:
 
 
 PHASE_COLORS = {"load": "#7f7f7f", "forward": "#1f77b4", "backward": "#ff7f0e", "optimizer": "#2ca02c"}
-CENSUS_COLORS = {"frozen_weights": "#c7c7c7", "quant_buffers": "#9edae5", "trainable_weights": "#aec7e8",
-                 "grads": "#ffbb78", "optimizer_state": "#98df8a", "activations_and_other": "#f7b6d2",
-                 "optimizer_state_paged": "#dbdb8d"}
+CENSUS_COLORS: dict[SampleCensusKey, str] = {
+    "frozen_weights": "#c7c7c7", "quant_buffers": "#9edae5", "trainable_weights": "#aec7e8", "grads": "#ffbb78",
+    "optimizer_state": "#98df8a", "activations_and_other": "#f7b6d2", "optimizer_state_paged": "#dbdb8d"}
 LINES = (("allocated", "allocated", "black", "-"), ("reserved", "reserved", "#444444", "--"),
          ("step_peak_allocated", "step peak allocated", "#d62728", ":"),
          ("device_used", "NVML device used", "#9467bd", "-"))

@@ -30,6 +30,7 @@ from finetune.rulebase import (  # noqa: F401  (re-exported: the rules' shared v
     register,
     register_allocator_words,
 )
+from finetune.records import CENSUS_KEYS
 from finetune.units import fmt_bytes as fb
 from finetune.units import fmt_delta as fd
 
@@ -143,14 +144,14 @@ def rule_step_growth(samples: list[dict[str, Any]], ctx: dict[str, Any]) -> list
     if not by_r and not by_a:
         return []
     # reserved growth (largest jump) unless allocated grew with it; else the largest allocated jump
-    phase, a, b, da, dr = max(by_r, key=lambda r: r[4]) if by_r else max(by_a, key=lambda r: r[3])
+    # (r[4] and r[3] are never None in by_r and by_a)
+    phase, a, b, da, dr = max(by_r, key=lambda r: r[4] or 0) if by_r else max(by_a, key=lambda r: r[3] or 0)
     floor = max(ctx["growth_min_bytes"], ctx["growth_min_fraction"] * ((a.get("reserved") or a.get("allocated")) or 0))
     if not (dr is not None and dr >= floor and (da is None or abs(da) < 0.25 * dr)) and by_a:
-        phase, a, b, da, dr = max(by_a, key=lambda r: r[3])
+        phase, a, b, da, dr = max(by_a, key=lambda r: r[3] or 0)
         floor = max(ctx["growth_min_bytes"], ctx["growth_min_fraction"] * (a.get("allocated") or 0))
     dcen = {k: (b["census"].get(k) or 0) - (a["census"].get(k) or 0)
-            for k in ("frozen_weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
-                      "quant_buffers") if a.get("census") and b.get("census") and k in a["census"]}
+            for k in CENSUS_KEYS if a.get("census") and b.get("census") and k in a["census"]}
     parts = [f"{k.replace('_', ' ')} {fd(v)}" + (" (created lazily at the first optimizer step)"
                                                  if k == "optimizer_state" and (a["census"].get(k) or 0) == 0 else "")
              for k, v in dcen.items() if v]

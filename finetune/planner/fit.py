@@ -17,6 +17,7 @@ from finetune.errors import UserError
 from finetune.modeldesc import ModelDesc
 from finetune.planner.model import SCHEMA_VERSION, Setup, resolve
 from finetune.planner.price import _core
+from finetune.records import Plan, PlanCore
 from finetune.planspec import cfg_get as _get
 from finetune.state import tokens_per_micro
 from finetune.state import RunState
@@ -30,7 +31,7 @@ LOSS_CHUNK_LEVER = 1024
 def _setup_with(s: Setup, **changes: Any) -> Setup:
     return dataclasses.replace(s, **changes)
 
-def _fits(p: dict[str, Any], budget: int | None) -> bool | None:
+def _fits(p: PlanCore, budget: int | None) -> bool | None:
     return None if budget is None else p["max_device_peak_bytes"] <= budget
 
 def chunk_lever_ok(cfg: Any, s: Setup) -> bool:
@@ -139,7 +140,7 @@ class FitResult:
     """What fit_to_budget decided. ``events`` are {trigger, action, before, after} dicts."""
 
     fits: bool
-    plan: dict[str, Any]
+    plan: Plan
     batch_size: int
     grad_accum: int
     grad_checkpointing: bool
@@ -167,7 +168,7 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
     eff = s.batch * s.grad_accum
     base = state or (RunState.from_config(cfg, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
-    def full_plan(batch: int, ckpt: bool) -> dict[str, Any]:
+    def full_plan(batch: int, ckpt: bool) -> Plan:
         return plan(cfg, seq_len=seq_len, budget_bytes=budget, recommend=False,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
@@ -230,7 +231,7 @@ def _fit_packed(cfg: Any, arch: ModelDesc, s: Setup, base: Any, budget: int, bef
     def width(c: int) -> int:
         return min(s.seq_len, max(c, longest))
 
-    def priced(c: int, ckpt: bool) -> dict[str, Any]:
+    def priced(c: int, ckpt: bool) -> PlanCore:
         return _core(arch, _setup_with(s, seq_len=width(c), ckpt=ckpt))
 
     before = {**before, "tokens_per_micro": tokens}
@@ -312,7 +313,7 @@ def _packing(cfg: Any, s: Setup, state: Any) -> dict[str, Any] | None:
 
 
 def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
-         recommend: bool = True, state: Any = None) -> dict[str, Any]:
+         recommend: bool = True, state: Any = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -324,13 +325,13 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         state: the run's live state (finetune.state.RunState), where a run is under way.
 
     Returns:
-        A dict of ints of bytes (schema in the module docstring and format_table).
+        The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
     arch, s = resolve(cfg, seq_len, state)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)
-    out: dict[str, Any] = {
+    out: Plan = {
         "schema_version": SCHEMA_VERSION,
         "backend": s.backend,
         "device": s.device,

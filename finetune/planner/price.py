@@ -6,12 +6,13 @@ overhead) comes from its memory model (``finetune/backends/<name>/memory.py``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from finetune.backends import capabilities, memory_model
 from finetune.modeldesc import ModelDesc
 from finetune.planner.model import GRAD_ACTIVATION_OVERLAP, inventory, resolve
 from finetune.planspec import Setup, Tensor
+from finetune.records import PLAN_KEYS, RANK_KEYS, PlanBytes, PlanCore, PlanDevice, PlanTotals
 
 
 def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
@@ -68,7 +69,7 @@ def _split_layers(sizes: list[tuple[str, int]], n_devices: int) -> dict[str, int
     caps = [per_gpu - largest] + [per_gpu] * (n_devices - 2) + [None]
     out, dev, used = {}, 0, 0
     for name, b in sizes:
-        while caps[dev] is not None and used + b > caps[dev] and dev < n_devices - 1:
+        while (cap := caps[dev]) is not None and used + b > cap and dev < n_devices - 1:
             dev, used = dev + 1, 0
         out[name] = dev
         used += b
@@ -124,12 +125,12 @@ def _bytes_by_module(held: list[Tensor], s: Setup, mm: Any, on_gpu: bool) -> dic
     return by_module
 
 
-def _across_devices(devices: list[dict[str, Any]]) -> dict[str, Any]:
+def _across_devices(devices: list[PlanDevice]) -> PlanTotals:
     """The whole model's figures: the one device's, or the devices' sums with the phase of the
     device that peaks highest."""
     if len(devices) == 1:
         return devices[0]
-    tot = {k: sum(dv["bytes"][k] for dv in devices) for k in devices[0]["bytes"]}
+    tot = cast(PlanBytes, {k: sum(dv["bytes"][k] for dv in devices) for k in PLAN_KEYS})
     worst = max(devices, key=lambda dv: dv["peak_bytes"])
     return {"bytes": tot,
             "steady_state_allocated_bytes": sum(dv["steady_state_allocated_bytes"] for dv in devices),
@@ -137,7 +138,7 @@ def _across_devices(devices: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_bytes": sum(dv["peak_bytes"] for dv in devices), "peak_phase": worst["peak_phase"]}
 
 
-def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
+def _core(arch: ModelDesc, s: Setup) -> PlanCore:
     """Price one setup: categories, steady state, peak, per device."""
     tensors = inventory(arch, s)
     total, trainable = _count(tensors)
@@ -161,7 +162,7 @@ def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
     per_dev_layers = [0] * n_dev
     for i in range(first, arch.layers):
         per_dev_layers[assign[f"layer.{i}"]] += 1
-    devices = []
+    devices: list[PlanDevice] = []
     bw_layers = max(arch.layers - first, 1)
     for d in range(n_dev):
         mods = [m for m in order if assign[m] == d]
@@ -198,14 +199,11 @@ def _core(arch: ModelDesc, s: Setup) -> dict[str, Any]:
     }
 
 
-_RANK_KEYS = ("weights", "grads", "optimizer_state", "optimizer_state_paged", "activations", "logits")
-
-
-def _per_rank(s: Setup, dev: dict[str, Any]) -> dict[str, Any]:
+def _per_rank(s: Setup, dev: PlanDevice) -> dict[str, Any]:
     """The plan per data-parallel rank and summed over ranks. Every rank runs the same model
     on the same micro-batch size with the same sharding, so the ranks' rows are the same figures
     (not measured differences)."""
-    row = {k: dev["bytes"][k] for k in _RANK_KEYS}
+    row: dict[str, Any] = {k: dev["bytes"][k] for k in RANK_KEYS}
     row["buffers"] = dict(dev["buffers"])
     row["peak_bytes"] = dev["peak_bytes"]
     n = s.world_size
@@ -218,7 +216,7 @@ def _per_rank(s: Setup, dev: dict[str, Any]) -> dict[str, Any]:
 
 
 def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, index: int,
-           modules: list[str], buffers: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+           modules: list[str], buffers: dict[str, dict[str, Any]] | None = None) -> PlanDevice:
     """Peak and steady state on one device from its categories; ``buffers`` are the ranks'
     collective buffers (the memory model's ``collective_buffers``), each added to its phase."""
     W, S, G = agg["weights"], agg["optimizer_state"], agg["grads"]
@@ -236,7 +234,7 @@ def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, in
     phases = {"forward_backward": grads_fb + extra("forward_backward"), "optimizer_step": step + extra("optimizer_step")}
     if extra("grad_sync"):  # the gradient sum between backward and the step: grads + its buffer
         phases["grad_sync"] = G + extra("grad_sync")
-    phase = max(phases, key=phases.get)
+    phase = max(phases, key=phases.__getitem__)
     peak_alloc = W + S + phases[phase] + rounding
     return {
         "index": index,

@@ -8,6 +8,7 @@ from typing import Any
 from finetune.io import atomic_write_json
 from finetune.planner.fit import plan
 from finetune.planspec import GIB
+from finetune.records import PLAN_KEYS, RANK_KEYS, WEIGHT_KEYS, Census, Plan, Sample
 from finetune.planspec import cfg_get as _get
 from finetune.backends import capabilities
 
@@ -23,7 +24,7 @@ def _err(predicted: int | None, measured: int | None) -> dict[str, Any]:
             "error_bytes": None if predicted is None or measured is None else predicted - measured,
             "relative_error": rel}
 
-def plan_error(plan: dict[str, Any], census: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+def plan_error(plan: Plan, census: Census | None, measured: Sample | None) -> dict[str, Any]:
     """Per-category prediction error after the first optimizer step.
 
     Args:
@@ -37,11 +38,11 @@ def plan_error(plan: dict[str, Any], census: dict[str, Any], measured: dict[str,
         released by the step, so a census of 0 there is reported as not measured.
     """
     b = plan["bytes"]
-    c = census or {}
-    m = measured or {}
+    c: Census = census or {}
+    m: Sample = measured or {}
     weights_measured = None
     if c:
-        weights_measured = sum(int(c.get(k) or 0) for k in ("frozen_weights", "trainable_weights", "quant_buffers"))
+        weights_measured = sum(int(c.get(k) or 0) for k in WEIGHT_KEYS)
     grads_measured = c.get("grads")
     out = {
         "weights": _err(b["weights"], weights_measured),
@@ -58,7 +59,7 @@ def plan_error(plan: dict[str, Any], census: dict[str, Any], measured: dict[str,
 def _gib(b: int | None) -> str:
     return f"{'?':>9s} {'?':>16s}" if b is None else f"{b / GIB:9.3f} {b:16,d}"
 
-def format_table(plan: dict[str, Any]) -> str:
+def format_table(plan: Plan) -> str:
     """The plan as a table for a terminal (GiB = 2^30 bytes, labelled)."""
     b = plan["bytes"]
     fits = plan.get("fits")
@@ -71,7 +72,7 @@ def format_table(plan: dict[str, Any]) -> str:
     head = (f"plan: {plan['model'].get('name') or 'model'} {plan['method']} {plan['optim']} {plan['precision']} "
             f"on {plan['backend']} ({where}): "
             f"peak {plan['max_device_peak_bytes'] / GIB:.2f} GiB per {'rank' if pr else 'device'} vs budget "
-            + (f"{plan['budget_bytes'] / GIB:.2f} GiB" if plan.get("budget_bytes") else "unknown")
+            + (f"{budget / GIB:.2f} GiB" if (budget := plan.get("budget_bytes")) else "unknown")
             + f", fits: {verdict}")
     lines = [head,
              f"  params: {plan['params_total']:,} total, {plan['params_trainable']:,} trainable",
@@ -84,10 +85,9 @@ def format_table(plan: dict[str, Any]) -> str:
               + f", compute {dt.get('compute')}" + (f", quantized {dt['quantized']}" if dt.get("quantized") else "")
               + (f" (stored dtype from {dt['stored']})" if dt.get("stored") else "")),
              f"  {'category' + (' (per rank)' if pr else ''):32s}{'GiB':>9s} {'bytes':>16s}"]
-    for k in ("weights", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged",
-              "activations", "logits", "overhead"):
-        note = {"trainable_weights": " (part of weights)", "optimizer_state_paged": " (unified memory, not in peak)"}.get(k, "")
-        lines.append(f"  {k:32s}{_gib(b[k])}{note}")
+    for cat in PLAN_KEYS:
+        note = {"trainable_weights": " (part of weights)", "optimizer_state_paged": " (unified memory, not in peak)"}.get(cat, "")
+        lines.append(f"  {cat:32s}{_gib(b[cat])}{note}")
     for k, v in (plan.get("collective_buffers") or {}).items():
         lines.append(f"  {'buffer: ' + k:32s}{_gib(v['bytes'])}  (transient, {v['phase']})")
     lines.append(f"  {'steady state (after a step)':32s}{_gib(plan['steady_state_allocated_bytes'])}")
@@ -100,8 +100,7 @@ def format_table(plan: dict[str, Any]) -> str:
         for dv in plan["per_device"]:
             db = dv["bytes"]
             ok = "?" if budget is None else ("yes" if dv["peak_bytes"] <= budget else "NO")
-            lines.append(f"    gpu {dv['index']:<16d}" + "".join(f"{db[k] / GIB:9.2f}" for k in (
-                "weights", "grads", "optimizer_state", "optimizer_state_paged", "activations", "logits"))
+            lines.append(f"    gpu {dv['index']:<16d}" + "".join(f"{db[k] / GIB:9.2f}" for k in RANK_KEYS)
                 + f"{dv['peak_bytes'] / GIB:9.2f}  {ok:4s}  {dv['modules']}")
     if pr:
         lines += _rank_table(pr, plan.get("budget_bytes"))
@@ -161,7 +160,7 @@ def _rank_table(pr: dict[str, Any], budget: int | None) -> list[str]:
     return out
 
 
-def run_plan(cfg: Any) -> dict[str, Any]:
+def run_plan(cfg: Any) -> Plan:
     """mode=plan: compute the plan, write ``cfg.run_dir/plan.json`` atomically (temp file +
     rename), print the table, return the plan."""
     p = plan(cfg)
