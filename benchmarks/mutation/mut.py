@@ -579,12 +579,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     order = [m for i, m in enumerate(meta["order"]) if i % workers == worker - 1]
     if args.quick:
         eq = load_equivalents()
-        todo = [m for m in order if m["job_id"] not in done and not is_equivalent(m, eq)]
+        todo = [m for m in order if (m["job_id"] not in done or (args.retry_deferred and done[m["job_id"]]["outcome"]
+                                                                 == "deferred")) and not is_equivalent(m, eq)]
         print(f"session {args.session}: quick pass over {len(todo)} mutants (worker {worker}/{workers}, mapped "
               f"tests up to {args.quick:.0f} s each)", flush=True)
         try:
             for m in todo:
-                if m["job_id"] in load_results(session):
+                now = load_results(session).get(m["job_id"])
+                if now is not None and not (args.retry_deferred and now["outcome"] == "deferred"):
                     continue
                 rec = run_mapped(workdir, TestMap(meta["sha"]), trees, m, args)
                 record(session, rec)
@@ -806,6 +808,8 @@ def main() -> None:
     p.add_argument("--quick", type=float, default=0, help="a quick pass: each mutant not yet judged against its "
                                                           "cheapest mapped tests up to this many mapped seconds; "
                                                           "kills stand, the rest are left for a full run")
+    p.add_argument("--retry-deferred", action="store_true", help="with --quick: deferred mutants again (after "
+                                                                    "the map grew or tests were added)")
     p.add_argument("--worker", default=None, help="I/N: this process runs every N-th mutant from the I-th, "
                                                  "in its own --workdir (two cores: two workers)")
     p = sub.add_parser("recheck", help="run survivors against test files written since")
