@@ -49,9 +49,18 @@ def test_an_empty_data_file_is_refused(tmp_path):
 
 
 def test_collate_pads_to_the_longest_sample_unless_asked_for_a_multiple():
-    ids = [np.array([5, 6, 7]), np.array([1, 2, 3, 4, 5])]
-    masks = [np.array([0, 1, 1]), np.array([0, 0, 1, 1, 1])]
+    ids = [np.array([5, 6, 7]), np.array([1, 2, 3, 4, 5, 6])]
+    masks = [np.array([0, 1, 1]), np.array([0, 0, 1, 1, 1, 1])]
     b = collate(ids, masks, np.array([0, 1]), pad_id=0)
-    assert b.input_ids.tolist() == [[5, 6, 7, 0, 0], [1, 2, 3, 4, 5]]
-    assert b.loss_mask.tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 1]]
-    assert collate(ids, masks, np.array([0, 1]), pad_id=0, pad_multiple=4).input_ids.shape == (2, 5)  # 4 + 1 target
+    assert b.input_ids.tolist() == [[5, 6, 7, 0, 0, 0], [1, 2, 3, 4, 5, 6]]
+    assert b.loss_mask.tolist() == [[0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]]
+    # pad_multiple=4: the model's input (all but the last target) 5 -> 8 tokens, plus the target
+    assert collate(ids, masks, np.array([0, 1]), pad_id=0, pad_multiple=4).input_ids.shape == (2, 9)
+
+
+def test_a_json_array_cut_short_is_refused_at_the_line_where_it_ends(tmp_path):
+    data = tmp_path / "cut.json"
+    data.write_text('[\n  {"prompt": "q", "completion": "a"}')  # the closing bracket never came
+    with pytest.raises(UserError) as e:
+        load_records(_jsonl_cfg(tmp_path, data), seed=0)
+    assert str(e.value) == (f"{data}:2 is not valid JSON (expected ',' or ']' in the array); fix that element")
