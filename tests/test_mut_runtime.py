@@ -135,3 +135,59 @@ def test_cuda_fsdp_with_device_map_auto_is_refused_before_joining_the_ranks(monk
     assert str(e.value) == ("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
                             "(it splits one process's model over GPUs)")
 
+
+
+def _cuda(tiny: Path, precision: str = "32-true", keys: list[str] | None = None):
+    pytest.importorskip("peft")
+    import warnings
+
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.config import Config
+
+    cfg = Config(run_dir="unused")
+    cfg.backend.name, cfg.backend.device, cfg.precision.name = "cuda", "cpu", precision
+    if keys is not None:
+        cfg.method.lora.keys = keys
+    b = CudaBackend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        info = b.setup(cfg, tiny)
+    return b, info
+
+
+def test_cuda_fp16_resume_keeps_the_loss_scale_and_fp32_has_no_scaler(tiny, tmp_path):
+    """precision=16-mixed scales the loss (GradScaler); a resumed run goes on with the scale
+    the overflows had lowered it to, not a fresh 65536. fp32 has nothing to scale."""
+    pytest.importorskip("torch")
+    _, fp32 = _cuda(tiny)
+    assert fp32.extra["grad_scaler"] is False
+    b, info = _cuda(tiny, "16-mixed")
+    assert info.extra["grad_scaler"] is True
+    from finetune.backends.base import Batch
+
+    ids = np.arange(3, 19, dtype=np.int32).reshape(2, 8)
+    mask = np.zeros((2, 8), np.int8)
+    mask[:, 4:] = 1
+    b.forward_backward(Batch(ids, mask, np.array([8, 8], np.int32), np.arange(2)), 1.0 / 8)
+    b.optimizer_step(1e-3)  # the scaler's first step: its scale lives from here on
+    b.scaler.update(new_scale=1024.0)  # as after six halvings by overflowing steps
+    b.save_state(tmp_path)
+    again, _ = _cuda(tiny, "16-mixed")
+    assert again.scaler.get_scale() == 65536.0  # a fresh run's
+    again.load_state(tmp_path)
+    assert again.scaler.get_scale() == 1024.0
+
+
+def test_cuda_checkpoint_with_adapters_this_run_lacks_is_refused_naming_one(tiny, tmp_path):
+    """Saved with LoRA on q_proj and v_proj, resumed with q_proj only: nothing is missing, one
+    tensor is extra, and the refusal names it."""
+    pytest.importorskip("torch")
+    b, _ = _cuda(tiny)  # keys q_proj, v_proj
+    b.save_state(tmp_path)
+    q_only, _ = _cuda(tiny, keys=["q_proj"])
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        q_only.load_state(tmp_path)
+    assert str(e.value) == (f"checkpoint {tmp_path} does not match this model/method "
+                            "(e.g. base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight)")
