@@ -121,3 +121,37 @@ def test_a_second_sigterm_exits_at_once_with_143() -> None:
     finally:
         stop.close()
         signal.signal(signal.SIGTERM, before)
+
+
+class _Ranks(Comm):
+    """Rank ``rank`` of two, whose run dirs are ``dirs`` (Hydra names each rank's its own)."""
+
+    world_size, description = 2, "2 ranks (stand-in)"
+
+    def __init__(self, rank: int, dirs: list[str]):
+        self.rank = self.local_rank = rank
+        self.dirs = dirs
+
+    def all_gather_object(self, obj):
+        return list(self.dirs)
+
+
+class _Joins:  # a backend as connect() sees it: it joins the launcher's ranks
+    def __init__(self, comm: Comm):
+        self.comm = comm
+
+    def connect(self, cfg) -> Comm:
+        return self.comm
+
+
+@pytest.mark.parametrize(("rank", "log"), [(0, "RunLog"), (1, "RankRunLog")])
+def test_rank_0_alone_writes_the_run_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int,
+                                         log: str) -> None:
+    import finetune.loop as loop_mod
+
+    dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    tr = Trainer(compose(dirs[rank], "backend=cuda", "train.progress=false"))
+    monkeypatch.setattr(loop_mod, "get_backend", lambda name: _Joins(_Ranks(rank, dirs)))
+    tr.connect()
+    assert type(tr.runlog).__name__ == log and str(tr.run_dir) == dirs[0]
+    tr.runlog.close()
