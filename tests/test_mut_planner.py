@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.resolver import resolve
 from finetune.config import compose
 from finetune.planner import plan
 from finetune.planner.fit import fit_to_budget
@@ -15,10 +16,10 @@ from finetune.planner.fit import fit_to_budget
 
 def test_a_budget_equal_to_the_planned_peak_fits(tmp_path: Path) -> None:
     cfg = compose(tmp_path / "run", "backend=cuda", "train.batch_size=4", "train.grad_accum=1")
-    peak = plan(cfg, recommend=False)["max_device_peak_bytes"]
-    exact = fit_to_budget(cfg, peak)
+    peak = plan(resolve(cfg), recommend=False)["max_device_peak_bytes"]
+    exact = fit_to_budget(resolve(cfg), peak)
     assert (exact.fits, exact.batch_size, exact.grad_accum, exact.events) == (True, 4, 1, [])
-    below = fit_to_budget(cfg, peak - 1)
+    below = fit_to_budget(resolve(cfg), peak - 1)
     assert below.fits and below.events, "one byte under the peak must change the run"
     assert below.batch_size * below.grad_accum == 4
 
@@ -27,7 +28,7 @@ def test_a_budget_equal_to_the_planned_peak_fits(tmp_path: Path) -> None:
 def test_the_plan_table_prints_gib_of_2_30_bytes(tmp_path: Path) -> None:
     from finetune.planner import format_table
 
-    p = plan(compose(tmp_path / "run", "backend=cuda", "memory.budget=2GiB"), recommend=False)
+    p = plan(resolve(compose(tmp_path / "run", "backend=cuda", "memory.budget=2GiB")), recommend=False)
     text = format_table(p)
     head = text.splitlines()[0]
     assert f"peak {p['max_device_peak_bytes'] / 2**30:.2f} GiB per device vs budget 2.00 GiB" in head
@@ -38,7 +39,7 @@ def test_the_plan_table_prints_gib_of_2_30_bytes(tmp_path: Path) -> None:
 def test_a_cuda_plan_without_a_budget_asks_for_one_per_gpu(tmp_path: Path) -> None:
     from finetune.planner import format_table
 
-    p = plan(compose(tmp_path / "run", "backend=cuda", "backend.device=cuda"), recommend=False)
+    p = plan(resolve(compose(tmp_path / "run", "backend=cuda", "backend.device=cuda")), recommend=False)
     if p.get("budget_bytes") is not None:
         pytest.skip("a CUDA device is visible: the plan has the device's size as its budget")
     assert ("  fits is unknown: no CUDA device is visible here; set memory.budget (bytes per GPU), "
@@ -48,7 +49,7 @@ def test_a_cuda_plan_without_a_budget_asks_for_one_per_gpu(tmp_path: Path) -> No
 def test_a_two_rank_plan_prints_both_ranks(tmp_path: Path) -> None:
     from finetune.planner import format_table
 
-    p = plan(compose(tmp_path / "run", "backend=cuda", "backend.num_devices=2", "memory.budget=8GiB"),
+    p = plan(resolve(compose(tmp_path / "run", "backend=cuda", "backend.num_devices=2", "memory.budget=8GiB")),
              recommend=False)
     rows = [ln.split()[:2] for ln in format_table(p).splitlines() if ln.startswith("    rank")]
     assert rows == [["rank", "0"], ["rank", "1"]]
@@ -76,16 +77,16 @@ def test_device_map_auto_fills_gpus_as_accelerate_does() -> None:
 
 def test_the_gpu_holding_every_layer_has_the_one_device_activations(tmp_path: Path) -> None:
     base = ("backend=cuda", "backend.device=cuda", "memory.budget=8GiB", "method=full")
-    one = plan(compose(tmp_path / "one", *base), recommend=False)
-    split = plan(compose(tmp_path / "two", *base, "backend.device_map=auto", "backend.num_devices=2"), recommend=False)
+    one = plan(resolve(compose(tmp_path / "one", *base)), recommend=False)
+    split = plan(resolve(compose(tmp_path / "two", *base, "backend.device_map=auto", "backend.num_devices=2")), recommend=False)
     assert split["devices"] == 2 and [d["modules"] for d in split["per_device"]] == ["embed..embed", "layer.0..head"]
     assert split["per_device"][1]["bytes"]["activations"] == one["bytes"]["activations"]
 
 
 def test_ddp_with_little_activation_peaks_at_the_gradient_sum(tmp_path: Path) -> None:
     # one short sample: the gradient sum (weights + state + grads + one bucket) is the peak
-    p = plan(compose(tmp_path / "run", "backend=cuda", "backend.num_devices=2", "method=full", "memory.budget=8GiB",
-                     "train.batch_size=1", "train.grad_accum=1", "train.seq_len=16"), recommend=False)
+    p = plan(resolve(compose(tmp_path / "run", "backend=cuda", "backend.num_devices=2", "method=full", "memory.budget=8GiB",
+                     "train.batch_size=1", "train.grad_accum=1", "train.seq_len=16")), recommend=False)
     bucket = p["collective_buffers"]["ddp_bucket"]["bytes"]
     assert p["peak_phase"] == "grad_sync"
     assert p["peak_allocated_bytes"] == p["steady_state_allocated_bytes"] + p["bytes"]["grads"] + bucket
@@ -104,15 +105,15 @@ def test_plan_error_is_predicted_minus_measured_in_bytes() -> None:
 
 def test_the_plan_fit_to_budget_hands_back_is_the_chosen_run_without_a_search(tmp_path: Path) -> None:
     # the governor prints this plan's table when nothing fits; the levers are in its message
-    res = fit_to_budget(compose(tmp_path / "run", "backend=cuda", "train.batch_size=4"), 1 << 20)
+    res = fit_to_budget(resolve(compose(tmp_path / "run", "backend=cuda", "train.batch_size=4")), 1 << 20)
     assert not res.fits and res.plan["batch_size"] == 1 and res.plan["grad_checkpointing"] is True
     assert res.plan.get("recommendation") is None
 
 
 def test_fewer_adapted_layers_is_a_lever_from_two_layers_on(tmp_path: Path) -> None:
     base = ("backend=cuda", "train.batch_size=1", "train.grad_accum=1", "train.grad_checkpointing=true")
-    one_layer = plan(compose(tmp_path / "one", *base, "method.lora.num_layers=1"), recommend=False)
-    res = fit_to_budget(compose(tmp_path / "two", *base), one_layer["max_device_peak_bytes"])
+    one_layer = plan(resolve(compose(tmp_path / "one", *base, "method.lora.num_layers=1")), recommend=False)
+    res = fit_to_budget(resolve(compose(tmp_path / "two", *base)), one_layer["max_device_peak_bytes"])
     assert not res.fits and "method.lora.num_layers=1" in res.suggestions
 
 
@@ -120,7 +121,7 @@ def test_fewer_adapted_layers_is_a_lever_from_two_layers_on(tmp_path: Path) -> N
 def test_the_rank_table_shows_up_to_16_ranks_then_rank_0_for_all(tmp_path: Path, ranks: int, rows: int) -> None:
     from finetune.planner import format_table
 
-    p = plan(compose(tmp_path / "run", "backend=cuda", f"backend.num_devices={ranks}", "memory.budget=8GiB"),
+    p = plan(resolve(compose(tmp_path / "run", "backend=cuda", f"backend.num_devices={ranks}", "memory.budget=8GiB")),
              recommend=False)
     assert p["strategy"] == "ddp" and p["world_size"] == ranks
     lines = format_table(p).splitlines()
@@ -131,7 +132,7 @@ def test_the_rank_table_shows_up_to_16_ranks_then_rank_0_for_all(tmp_path: Path,
 def test_a_one_process_plan_names_no_strategy_and_an_fsdp_shard_keeps_its_row_width(tmp_path: Path) -> None:
     from finetune.planner import Tensor
 
-    assert plan(compose(tmp_path / "run", "backend=cuda"), recommend=False)["strategy"] is None
+    assert plan(resolve(compose(tmp_path / "run", "backend=cuda")), recommend=False)["strategy"] is None
     t = Tensor("w", (10, 4, 2), 0, "linear", True, 4, shards=4)
     assert t.local_shape == (3, 4, 2) and t.local_numel == 24  # ceil(10 / 4) rows of the whole width
 
@@ -144,9 +145,9 @@ def test_the_chunked_loss_lever_is_offered_where_it_is_not_on_and_not_under_fsdp
 
     def levers(*over: str) -> list[str]:
         cfg = compose(tmp_path / "run", *base, *over)
-        budget = plan(compose(tmp_path / "c", *base, *over, f"train.loss_chunk={LOSS_CHUNK_LEVER}"),
+        budget = plan(resolve(compose(tmp_path / "c", *base, *over, f"train.loss_chunk={LOSS_CHUNK_LEVER}")),
                       recommend=False)["max_device_peak_bytes"]  # what the lever alone reaches
-        return [lv["change"] for lv in plan(cfg, budget_bytes=budget)["recommendation"]["levers"]]
+        return [lv["change"] for lv in plan(resolve(cfg), budget_bytes=budget)["recommendation"]["levers"]]
 
     assert lever in levers()
     assert lever not in levers("backend.num_devices=2", "backend.strategy=fsdp")  # FSDP cannot chunk it
@@ -180,3 +181,11 @@ def test_a_gemma_1_block_has_the_two_llama_norms_not_gemma_2s_four() -> None:
     d = describe({**_SMALL, "model_type": "gemma"}, "config.json")
     assert [o[0] for o in d.blocks[0].others if o[2] == "norm"] == ["input_layernorm.weight",
                                                                       "post_attention_layernorm.weight"]
+
+
+def test_gemma2_without_layer_types_windows_every_other_layer_from_the_first() -> None:
+    from finetune.planner.describe import describe
+
+    d = describe({**_SMALL, "num_hidden_layers": 4, "model_type": "gemma2", "sliding_window": 8, "head_dim": 16},
+                 "config.json")
+    assert [b.sliding for b in d.blocks] == [True, False, True, False]
