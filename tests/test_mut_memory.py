@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.resolver import resolve
 from finetune.backends.cuda.memory import DDP_BUCKET_BYTES, collective_buffers
 
 from finetune import planner
 from finetune.config import compose
 from finetune.planner import Tensor
+from finetune.resolver import resolve
 
 MiB = 1 << 20
 

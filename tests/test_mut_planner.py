@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.resolver import resolve
 from finetune.config import compose
 from finetune.planner import plan
 from finetune.planner.fit import fit_to_budget
+from finetune.resolver import resolve
 
 
 def test_a_budget_equal_to_the_planned_peak_fits(tmp_path: Path) -> None:
