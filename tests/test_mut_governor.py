@@ -73,3 +73,40 @@ def test_a_chunked_loss_chosen_before_loading_reaches_the_backend(tmp_path: Path
     mine.backend = be2 = _Chunks()
     mine.apply_loss_chunk()  # the user's own setting: the backend applied it at setup
     assert be2.asked == []
+
+
+class _Frees:  # what the governor's reactions ask of a backend
+    def __init__(self) -> None:
+        self.released, self.checkpointing = 0, []
+
+    def release_cache(self) -> None:
+        self.released += 1
+
+    def set_grad_checkpointing(self, on: bool) -> None:
+        self.checkpointing.append(on)
+
+    def set_loss_chunk(self, tokens: int) -> str | None:
+        return "this model's loss cannot be chunked"
+
+
+def test_fragmentation_above_a_quarter_of_reserved_releases_the_cache(tmp_path: Path) -> None:
+    MiB = 1 << 20
+    events: list[dict[str, Any]] = []
+    gov = Governor(resolve(compose(tmp_path / "run", "backend=cuda")), "cuda", events.append)
+    gov.backend = be = _Frees()
+    gov.after_step(3, {"inactive_split": 600 * MiB, "reserved": 2048 * MiB})  # 29 %: fragmented
+    assert be.released == 1 and [e["action"] for e in events] == ["release_cache"]
+    gov.after_step(4, {"inactive_split": 600 * MiB, "reserved": 4096 * MiB})  # 15 %: not
+    assert be.released == 1 and len(events) == 1
+
+
+def test_out_of_memory_at_micro_batch_1_turns_on_checkpointing_once(tmp_path: Path) -> None:
+    events: list[dict[str, Any]] = []
+    gov = Governor(resolve(compose(tmp_path / "run", "backend=cuda", "train.batch_size=1", "train.grad_accum=4")),
+                   "cuda", events.append)
+    gov.backend = be = _Frees()
+    gov.on_oom(2, MemoryError("out of memory"))
+    assert be.checkpointing == [True] and gov.grad_checkpointing
+    assert [(e["action"], e["after"]) for e in events] == [("enable_grad_checkpointing", {"grad_checkpointing": True})]
+    with pytest.raises(UserError, match=r"^out of memory at step 3 even at micro-batch 1 with gradient checkpointing"):
+        gov.on_oom(3, MemoryError("out of memory"))
