@@ -191,3 +191,31 @@ def test_cuda_checkpoint_with_adapters_this_run_lacks_is_refused_naming_one(tiny
         q_only.load_state(tmp_path)
     assert str(e.value) == (f"checkpoint {tmp_path} does not match this model/method "
                             "(e.g. base_model.model.model.layers.0.self_attn.v_proj.lora_A.default.weight)")
+
+
+def test_cuda_qlora_on_the_cpu_trains_on_after_an_evaluation(tiny):
+    """bitsandbytes repacks 4-bit weights for its CPU inference kernel at the first eval-mode
+    forward; a training step after an evaluation (train.eval_every) must still run and learn."""
+    import warnings
+
+    pytest.importorskip("bitsandbytes")
+    from finetune.backends.base import Batch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from finetune.backends.cuda.runtime import CudaBackend
+        from finetune.config import Config
+
+        cfg = Config(run_dir="unused")
+        cfg.backend.name, cfg.backend.device, cfg.precision.name, cfg.method.name = "cuda", "cpu", "32-true", "qlora"
+        b = CudaBackend()
+        b.setup(cfg, tiny)
+        ids = np.arange(3, 19, dtype=np.int32).reshape(2, 8)
+        mask = np.zeros((2, 8), np.int8)
+        mask[:, 4:] = 1
+        batch = Batch(ids, mask, np.array([8, 8], np.int32), np.arange(2))
+        first = b.forward_backward(batch, 1.0 / 8)
+        b.optimizer_step(1e-2)
+        evaluated = b.eval_loss(batch)
+        second = b.forward_backward(batch, 1.0 / 8)
+    assert np.isfinite(evaluated) and second < first
