@@ -26,8 +26,8 @@ _NUMBER_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*%\s*$")
 
 
-def parse_budget(text: str | int | None, device_total: int | None) -> int | None:
-    """Turn a ``memory.budget`` value into bytes.
+def parse_budget(text: str | int | None, device_total: int | None, key: str = "memory.budget") -> int | None:
+    """Turn a ``memory.budget`` value (or another size setting, ``key``) into bytes.
 
     Args:
         text: None (use the device's size), an int of bytes, or a string: a number of bytes
@@ -45,31 +45,31 @@ def parse_budget(text: str | int | None, device_total: int | None) -> int | None
     if text is None:
         return device_total
     if isinstance(text, bool):  # bool is an int: true/false is not a size
-        raise UserError(f"memory.budget={text} is not a size; use {VALID_FORMS}")
+        raise UserError(f"{key}={text} is not a size; use {VALID_FORMS}")
     if isinstance(text, (int, float)):
         value = int(text)
         if value <= 0:
-            raise UserError(f"memory.budget={text} must be positive; use {VALID_FORMS}")
-        _check_unitless(text, value)
+            raise UserError(f"{key}={text} must be positive; use {VALID_FORMS}")
+        _check_unitless(text, value, key)
         return value
     s = str(text)
     m = _PERCENT.match(s)
     if m:
         pct = float(m.group(1))
         if not 0 < pct <= 100:
-            raise UserError(f"memory.budget={s}: a percentage must be in (0, 100]; use {VALID_FORMS}")
+            raise UserError(f"{key}={s}: a percentage must be in (0, 100]; use {VALID_FORMS}")
         if device_total is None:
-            raise UserError(f"memory.budget={s} needs the device's size, which is unknown here; "
+            raise UserError(f"{key}={s} needs the device's size, which is unknown here; "
                             'give bytes or a unit instead (e.g. "40GiB")')
         return int(device_total * pct / 100)
     m = _NUMBER_UNIT.match(s)
     if not m or m.group(2).lower() not in UNITS:
-        raise UserError(f"memory.budget={s} is not a size; use {VALID_FORMS}")
+        raise UserError(f"{key}={s} is not a size; use {VALID_FORMS}")
     value = int(float(m.group(1)) * UNITS[m.group(2).lower()])
     if value <= 0:
-        raise UserError(f"memory.budget={s} must be positive; use {VALID_FORMS}")
+        raise UserError(f"{key}={s} must be positive; use {VALID_FORMS}")
     if not m.group(2):
-        _check_unitless(m.group(1), value)
+        _check_unitless(m.group(1), value, key)
     return value
 
 
@@ -78,13 +78,13 @@ def parse_budget(text: str | int | None, device_total: int | None) -> int | None
 MIN_UNITLESS_BYTES = 2**20
 
 
-def _check_unitless(shown: object, value: int) -> None:
+def _check_unitless(shown: object, value: int, key: str = "memory.budget") -> None:
     """UserError for a budget given without a unit that is too small to be one in bytes,
     naming the unit the user most likely meant (GB below 1000, MB above: "8000" is 8000MB)."""
     if value >= MIN_UNITLESS_BYTES:
         return
     meant = "GB" if value < 1000 else "MB"
-    raise UserError(f"memory.budget={shown} is {value:,} bytes: did you mean {shown}{meant}? "
+    raise UserError(f"{key}={shown} is {value:,} bytes: did you mean {shown}{meant}? "
                     "(a number without a unit counts bytes)")
 
 

@@ -224,7 +224,7 @@ class Governor:
             self._cache_limit_pending = True
             return
 
-        limit = parse_budget(want, self.budget_bytes)
+        limit = parse_budget(want, self.budget_bytes, "memory.cache_limit")
         prev = backend.set_cache_limit(limit)
         self._act(0, "memory.cache_limit", self.caps.cache_limit_event, {"cache_limit": prev}, {"cache_limit": limit})
 

@@ -30,7 +30,7 @@ def test_a_cache_limit_that_is_no_size_is_refused(tmp_path: Path) -> None:
     # the message names memory.budget (parse_budget's wording), though the key is memory.cache_limit
     cfg = compose(tmp_path / "run", "backend=mlx", "memory.budget=8GiB", "memory.cache_limit=unlimited")
     gov = Governor(resolve(cfg), "mlx", lambda ev: None)
-    with pytest.raises(UserError, match=r"=unlimited is not a size; use "):
+    with pytest.raises(UserError, match=r"^memory.cache_limit=unlimited is not a size; use "):
         gov.attach(_MlxLimits())
 
 
