@@ -219,3 +219,21 @@ def test_cuda_qlora_on_the_cpu_trains_on_after_an_evaluation(tiny):
         evaluated = b.eval_loss(batch)
         second = b.forward_backward(batch, 1.0 / 8)
     assert np.isfinite(evaluated) and second < first
+
+
+def test_cuda_compile_on_a_cuda_device_without_triton_is_refused_naming_the_install() -> None:
+    """train.compile on a CUDA device needs Triton for inductor's GPU kernels: without it the
+    run stops before loading, in one line, instead of failing at the first compiled step. The
+    check reads the device's type only, so it is exercised here with a CUDA device object on a
+    machine that has no GPU."""
+    import importlib.util
+
+    torch = pytest.importorskip("torch")
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("triton is installed here: the refusal cannot be seen")
+    from finetune.backends.cuda.runtime import _compile_loss
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError, match=r"^train.compile on a CUDA device needs Triton \(inductor's GPU kernels\): "
+                                        r"pip install triton, or set train.compile=false$"):
+        _compile_loss(torch.device("cuda"), 0, None)
