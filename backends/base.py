@@ -30,6 +30,7 @@ import numpy as np
 from finetune.budget import DeviceMemory
 from finetune.modeldesc import Linear, ModelDesc
 from finetune.planspec import Setup, Tensor
+from finetune.spec import RunSpec
 from finetune.records import Census
 
 PhaseHook = Callable[[str], None]
@@ -372,16 +373,16 @@ class MemoryModel(Protocol):
         """Memory of one device of the run."""
         ...
 
-    def resolve_device(self, cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
+    def resolve_device(self, spec: RunSpec, mode: str, method: str) -> tuple[str, int, list[str]]:
         """(device, devices the model is split over, notes), with the runtime's refusals."""
         ...
 
-    def ranks(self, cfg: Any) -> tuple[int, str]:
+    def ranks(self, spec: RunSpec) -> tuple[int, str]:
         """(data-parallel ranks, strategy) the plan is for, with the strategy's refusals."""
         ...
 
     # ---- what the backend's library refuses, before pricing --------------------------------
-    def pre_quantized(self, cfg: Any, quant: dict[str, Any] | None) -> None:
+    def pre_quantized(self, spec: RunSpec, quant: dict[str, Any] | None) -> None:
         """Refuse a pre-quantized checkpoint the library cannot load (UserError)."""
         ...
 

@@ -435,6 +435,7 @@ def summarize_peers(a: argparse.Namespace, res: dict[int, dict[str, Any]], say: 
 def summarize_chunk(a: argparse.Namespace, res: dict[int, dict[str, Any]], say: Report) -> None:
     from finetune import planner
     from finetune.config import compose
+    from finetune.resolver import resolve
 
     b = a.chunk_batch
     r = res.get(b, {})
@@ -451,7 +452,7 @@ def summarize_chunk(a: argparse.Namespace, res: dict[int, dict[str, Any]], say: 
         longest = longest_tokens(a.model_dir, r["data"], a.seq_len)
         cfg = compose(a.work / "plan", "backend=cuda", "precision=auto", *MODEL, *a.arch, f"model.path={a.model_dir}",
                       f"train.batch_size={b}", f"train.seq_len={a.seq_len}")
-        logits = planner.plan(cfg, seq_len=longest, recommend=False)["bytes"]["logits"]
+        logits = planner.plan(resolve(cfg), seq_len=longest, recommend=False)["bytes"]["logits"]
         say(f"  the logits' share: {gib(logits)} GiB (the planner's logits + loss bytes at {b} x {longest} tokens, "
             "the longest sample's batch)")
     m = lambda rows, k: med([x[k] for x in rows])
@@ -483,6 +484,7 @@ def part_grid(a: argparse.Namespace, say: Report, clock: Clock) -> bool:
     """Part 3: one row per configuration, the planner's figures against the run's own peaks."""
     from finetune import planner
     from finetune.config import compose
+    from finetune.resolver import resolve
 
     data = long_texts(a.work / "grid" / "long.jsonl", 64)
     base = ["backend=cuda", "precision=auto", *MODEL, *a.arch, f"model.path={a.model_dir}", "data=jsonl",
@@ -495,7 +497,7 @@ def part_grid(a: argparse.Namespace, say: Report, clock: Clock) -> bool:
     points = grid_points(a)
     for i, (name, ov) in enumerate(points):  # in this thread: Hydra's compose is not thread-safe
         try:
-            plans[i] = planner.plan(compose(a.work / "grid" / f"g{i:02d}", *base, *ov), recommend=False)
+            plans[i] = planner.plan(resolve(compose(a.work / "grid" / f"g{i:02d}", *base, *ov)), recommend=False)
         except Exception as e:  # noqa: BLE001  (a configuration the planner refuses is a row, not the end of the bench)
             crashed = True
             say(f"{i:2d} {name:40s} CRASHED in the planner: {type(e).__name__}: {e}")

@@ -46,12 +46,13 @@ def measure(overrides: list[str]) -> tuple[int, int]:
 
     from finetune import planner
     from finetune.loop import train
+    from finetune.resolver import resolve
 
     with tempfile.TemporaryDirectory() as d:
         data = long_texts(Path(d) / "long.jsonl")
         cfg = make_cfg(Path(d) / "run", "backend=mlx", "train.steps=3", "train.eval_every=0", "train.progress=false",
                        "data=jsonl", f"data.path={data}", "memory.adapt=false", *overrides)
-        predicted = planner.plan(cfg)["peak_bytes"]
+        predicted = planner.plan(resolve(cfg))["peak_bytes"]
         summary = train(cfg)
     return int(predicted), int(summary["memory"]["peaks"]["allocated_bytes"])
 

@@ -29,6 +29,7 @@ from finetune.runlog import RunLogWriteError
 from finetune.io import fsync_tree
 from finetune.planner.describe import lora_keys
 from finetune.planner.model import model_desc
+from finetune.spec import DataSpec, RunSpec
 
 log = logging.getLogger("finetune")
 
@@ -41,7 +42,7 @@ class Checkpointer:
     """One run's checkpoints: save after a step, resume from the newest good one.
 
     Args:
-        cfg: the run's composed config (train.*, model, method, data).
+        spec: the run's resolved spec (train.*, model, method, data).
         run_dir: the run's directory (rank 0's under several ranks).
         backend: the run's Backend (save_state, load_state; rank_state and sharded where it
             has them).
@@ -53,12 +54,12 @@ class Checkpointer:
         faults: the run's test-only faults (a full disk inside the write, a pause).
     """
 
-    def __init__(self, cfg: Any, run_dir: Path, backend: Any, backend_name: str, model_dir: Path,
+    def __init__(self, spec: RunSpec, run_dir: Path, backend: Any, backend_name: str, model_dir: Path,
                  comm: Comm, governor: Any, runlog: Any, faults: Faults):
-        self.cfg, self.run_dir, self.backend, self.backend_name = cfg, run_dir, backend, backend_name
+        self.spec, self.run_dir, self.backend, self.backend_name = spec, run_dir, backend, backend_name
         self.model_dir, self.comm, self.governor, self.runlog, self.faults = model_dir, comm, governor, runlog, faults
-        self.keep = int(cfg.train.keep_checkpoints)
-        self.effective_batch = cfg.train.batch_size * cfg.train.grad_accum
+        self.keep = spec.train.keep_checkpoints
+        self.effective_batch = spec.train.effective_batch
         self._identity: dict[str, Any] | None = None
 
     # -- identity ----------------------------------------------------------------------------
@@ -67,14 +68,14 @@ class Checkpointer:
         the seed (it draws the adapter's init, dropout and the order of samples) and the data
         source (read once, at the first call: a file edited later is another run's data)."""
         if self._identity is None:
-            m = self.cfg.method
-            data = data_identity(self.cfg.data)
+            m = self.spec.method
+            data = data_identity(self.spec.data)
             # method.lora.keys as the model resolves them (null: its default keys)
-            keys = lora_keys(model_desc(self.cfg.model, self.model_dir), m.lora["keys"])
-            self._identity = {"backend": self.backend_name, "model": str(self.cfg.model.name),
-                              "model_path": str(self.model_dir), "method": str(m.name),
-                              "lora_rank": int(m.lora.rank), "lora_keys": list(keys),
-                              "seed": int(self.cfg.train.seed), "data": data}
+            keys = lora_keys(model_desc(self.spec.model, self.model_dir), m.lora.keys)
+            self._identity = {"backend": self.backend_name, "model": self.spec.model.name,
+                              "model_path": str(self.model_dir), "method": m.name,
+                              "lora_rank": m.lora.rank, "lora_keys": list(keys),
+                              "seed": self.spec.train.seed, "data": data}
         return self._identity
 
     def trainer_state(self, step: int, tokens: int, samples: int) -> dict[str, Any]:
@@ -192,7 +193,7 @@ class Checkpointer:
         kept = f"the previous checkpoint {prev.name} is intact" if prev else "no earlier checkpoint exists"
         msg = (f"checkpoint at step {step} not saved ({e.strerror or e}); {kept}; free space or fix "
                f"permissions on {path.parent}")
-        if self.cfg.train.on_save_error == "continue":
+        if self.spec.train.on_save_error == "continue":
             log.warning("%s; training goes on (train.on_save_error=continue)", msg)
             self.runlog.event({"step": step, "trigger": "save_error", "action": "continue",
                                "before": None, "after": None, "error": str(e)})
@@ -227,7 +228,7 @@ class Checkpointer:
         """Load the newest good checkpoint when train.resume is set: (its step, tokens,
         samples), or (0, 0, 0) for a fresh run. A damaged checkpoint gives way to the one
         before; one from another run (identity, effective batch) stops the run (UserError)."""
-        if not self.cfg.train.resume:
+        if not self.spec.train.resume:
             return 0, 0, 0
         ckpts = checkpoints.list_checkpoints(self.run_dir)
         if not ckpts:
@@ -302,15 +303,14 @@ def runlog_failed(run_dir: Path, e: RunLogWriteError) -> UserError:
                      f"the steps so far are lost; free space or fix permissions on {d} and run again")
 
 
-def data_identity(data: Any) -> dict[str, Any]:
+def data_identity(data: DataSpec) -> dict[str, Any]:
     """The data a run trains on, as a resume compares it: its kind, what names it, the
     settings that pick its samples and, for a file, its size and modification time (an edited
     file is other data; its content hash would cost a full read on every resume)."""
-    ident: dict[str, Any] = {"name": str(data.name), "max_samples": data.get("max_samples"),
-                             "val_fraction": float(data.get("val_fraction") or 0.0)}
+    ident: dict[str, Any] = {"name": data.name, "max_samples": data.max_samples, "val_fraction": data.val_fraction}
     if data.name == "synthetic":
-        ident["num_samples"] = int(data.num_samples)
-    elif data.name == "jsonl" and data.get("path"):
+        ident["num_samples"] = data.num_samples
+    elif data.name == "jsonl" and data.path:
         path = Path(str(data.path)).expanduser()
         ident["path"] = str(path.resolve())
         try:
@@ -319,7 +319,7 @@ def data_identity(data: Any) -> dict[str, Any]:
         except OSError:
             ident["size"] = ident["mtime_ns"] = None
     elif data.name == "hf":
-        ident.update(hf_name=data.get("hf_name"), hf_config=data.get("hf_config"), hf_split=data.get("hf_split"))
+        ident.update(hf_name=data.hf_name, hf_config=data.hf_config, hf_split=data.hf_split)
     return ident
 
 

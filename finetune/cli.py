@@ -59,11 +59,10 @@ def check_group_choices(argv: list[str]) -> None:
 def run(cfg: Any) -> Plan | dict[str, Any] | None:
     """Dispatch a composed config by mode (the plan, or the run's summary). Tests and sweeps
     call this directly."""
-    if cfg.mode in ("plan", "generate"):
-        resolve(cfg)  # every check, once, for every mode (issue 22)
     if cfg.mode == "plan":
-        return run_plan(cfg)
+        return run_plan(resolve(cfg))
     if cfg.mode == "generate":
+        resolve(cfg)  # every check, once, for every mode (issue 22)
         return generate(cfg)
 
     return train(cfg)

@@ -21,6 +21,7 @@ from finetune.backends import capabilities, device_memory, run_device
 from finetune.budget import parse_budget
 from finetune.errors import UserError
 from finetune.planner import fit  # fit.LOSS_CHUNK_LEVER read at each use (tests set it)
+from finetune.spec import RunSpec
 from finetune.state import RunState
 
 log = logging.getLogger("finetune")
@@ -52,15 +53,15 @@ def _measured_peak(sample: Mapping[str, Any]) -> int | None:
 
 
 class Governor:
-    def __init__(self, cfg: Any, backend_name: str, emit: Callable[[dict[str, Any]], None]):
-        self.cfg, self.backend_name, self.emit = cfg, backend_name, emit
-        self.state = RunState.from_config(cfg, backend_name)  # the governor owns the run's live state
-        self.adapt = bool(cfg.memory.adapt)
+    def __init__(self, spec: RunSpec, backend_name: str, emit: Callable[[dict[str, Any]], None]):
+        self.spec, self.backend_name, self.emit = spec, backend_name, emit
+        self.state = RunState.from_spec(spec, backend_name)  # the governor owns the run's live state
+        self.adapt = spec.memory.adapt
         self.backend: Any = None
 
-        total = device_memory(backend_name, run_device(backend_name, str(cfg.backend.device))).total_bytes
-        if cfg.memory.budget is not None:
-            self.budget_bytes = parse_budget(cfg.memory.budget, total)
+        total = device_memory(backend_name, run_device(backend_name, spec.backend.device)).total_bytes
+        if spec.memory.budget is not None:
+            self.budget_bytes = parse_budget(spec.memory.budget, total)
         else:
             self.budget_bytes = total
         self._swap_base: int | None = None
@@ -156,7 +157,7 @@ class Governor:
         import sys
 
         try:
-            res = planner.fit_to_budget(self.cfg, self.budget_bytes, seq_len=seq_len, state=self.state)
+            res = planner.fit_to_budget(self.spec, self.budget_bytes, seq_len=seq_len, state=self.state)
         except UserError:
             raise
         except Exception as e:  # a model the planner cannot read: adapt while training only
@@ -164,7 +165,7 @@ class Governor:
             return
         if res.fits and not res.events:
             return
-        budget = self.cfg.memory.budget or f"{fmt_bytes(self.budget_bytes)} (the device's)"
+        budget = self.spec.memory.budget or f"{fmt_bytes(self.budget_bytes)} (the device's)"
         if not res.fits:
             print(planner.format_table(res.plan), file=sys.stderr)
             msg = (f"the plan does not fit memory.budget={budget} even at micro-batch 1 with gradient checkpointing "
@@ -194,7 +195,7 @@ class Governor:
         the run goes on with the whole logits, the event says so, and the measured peak and
         OOM reactions take over."""
         want = self.state.loss_chunk
-        if not want or want == int(getattr(self.cfg.train, "loss_chunk", 0) or 0):
+        if not want or want == self.spec.train.loss_chunk:
             return  # nothing chosen, or the user's own setting (the backend applied it at setup)
         why = self.backend.set_loss_chunk(want)
         if why:
@@ -217,7 +218,7 @@ class Governor:
                 self._act(0, "budget", self.caps.limits_event,
                           {k[:-5]: v for k, v in got.items() if k.endswith("_prev")},
                           {k: v for k, v in got.items() if not k.endswith("_prev")})
-        want = self.cfg.memory.cache_limit
+        want = self.spec.memory.cache_limit
         if want is None or not self.caps.cache_limit:
             return
         if str(want) == "auto":
@@ -291,7 +292,7 @@ class Governor:
         if self._cache_limit_pending and self.backend is not None:
             self._derive_cache_limit(step, sample)
         peak = _measured_peak(sample)
-        if self.budget_bytes and peak is not None and peak > self.budget_bytes and self.cfg.memory.budget is not None:
+        if self.budget_bytes and peak is not None and peak > self.budget_bytes and self.spec.memory.budget is not None:
             if not self.adapt or not self._lower_micro(step, "peak_above_budget"):
                 log.warning("step %d: measured peak %d B is above memory.budget %d B", step, peak, self.budget_bytes)
         # swap and pressure only from a sample that read them: between readings a sample

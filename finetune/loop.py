@@ -20,14 +20,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from omegaconf import OmegaConf
 
 from finetune import checkpoints
 from finetune.backends import OutOfMemory, resolve_backend_name
 from finetune.backends.base import Batch, Comm, pack
 from finetune.backends.runtimes import get_backend
 from finetune.checkpointing import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
-from finetune.config import validate
 from finetune.data import rank_slice
 from finetune.errors import UserError
 from finetune.faults import Faults, StopOnSignal
@@ -38,21 +36,22 @@ from finetune import data as data_mod, planner
 from finetune.accounting import Accountant, ranks
 from finetune.governor import Governor
 from finetune.model_source import check_weights, resolve_model_dir
+from finetune.resolver import resolve
 from finetune.records import Plan, Sample
+from finetune.spec import RunSpec, World
 
 log = logging.getLogger("finetune")
 
 
-def lr_at(step: int, cfg: Any) -> float:
+def lr_at(step: int, spec: RunSpec) -> float:
     """Learning rate for 1-based optimizer ``step``: linear warmup, then the schedule."""
-    return schedule(cfg)(step)
+    return schedule(spec)(step)
 
 
-def schedule(cfg: Any) -> Callable[[int], float]:
-    """``lr_at`` with the config read once: the loop asks every step, and an OmegaConf read
-    costs tens of microseconds where a plain float costs nothing."""
-    return functools.partial(_lr, base=float(cfg.optim.lr), total=int(cfg.train.steps),
-                             warm=int(cfg.train.warmup_steps or 0), kind=str(cfg.train.schedule))
+def schedule(spec: RunSpec) -> Callable[[int], float]:
+    """``lr_at`` as one function of the step, the spec's four numbers bound once."""
+    return functools.partial(_lr, base=spec.optim.lr, total=spec.train.steps,
+                             warm=spec.train.warmup_steps, kind=spec.train.schedule)
 
 
 def _lr(step: int, base: float, total: int, warm: int, kind: str) -> float:
@@ -72,23 +71,22 @@ class Trainer:
     finetune/checkpoints.py, signals and test-only faults through finetune/faults.py."""
 
     def __init__(self, cfg: Any):
-        validate(cfg)
+        self.spec: RunSpec = resolve(cfg)  # every check, before anything is written; joined in connect()
         self.cfg = cfg
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = self.spec.paths.run_dir
         self.created_run_dir = checkpoints.make_run_dir(self.run_dir)
         self.events: list[dict[str, Any]] = []
         # metrics.jsonl, the progress bar and the chosen loggers; a logger's missing package
         # stops the run here, before anything is downloaded or loaded. Their copy of the
         # config has every token and key masked (finetune/redact.py).
-        chosen = cfg.get("logger")
-        self.runlog = RunLog(self.run_dir, chosen,
-                             redact_tree(OmegaConf.to_container(cfg, resolve=True)) if chosen else None)
+        chosen = self.spec.loggers
+        self.runlog = RunLog(self.run_dir, chosen, redact_tree(self.spec.record) if chosen else None)
         self.comm = Comm()  # one process until connect() joins a launcher's ranks
         self.lock: Any = None  # the run dir's lock (finetune.io.DirLock), taken by claim()
         self.faults = Faults.from_env()  # the test-only faults, read once for the whole run
         self.stop: StopOnSignal | None = None  # installed when the steps begin
         self._stop_agreed = False  # under several ranks: a signal reached some rank (agreed per step)
-        self._lr = schedule(cfg)  # optimizer step -> learning rate
+        self._lr = schedule(self.spec)  # optimizer step -> learning rate
 
     # -- ranks -------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -97,7 +95,7 @@ class Trainer:
         the run's (Hydra names each rank's by its own clock), rank 0 alone writes the run log,
         and the planner plans per rank for ``backend.num_devices`` = the world size."""
         cfg = self.cfg
-        self.backend_name, self._backend_reason = resolve_backend_name(cfg.backend.name)
+        self.backend_name, self._backend_reason = resolve_backend_name(self.spec.backend.name)
         self.backend = get_backend(self.backend_name)
         self.comm = self.backend.connect(cfg)
         if self.comm.world_size <= 1:
@@ -105,9 +103,9 @@ class Trainer:
         shared = Path(self.comm.all_gather_object(str(self.run_dir))[0])
         if shared != self.run_dir:
             checkpoints.drop_rank_run_dir(self.run_dir, created=self.created_run_dir)
-            self.run_dir, self.created_run_dir, cfg.run_dir = shared, False, str(shared)
-        if cfg.backend.get("device_map") != "auto":
-            cfg.backend.num_devices = self.comm.world_size
+            self.run_dir, self.created_run_dir = shared, False
+        # the planner plans per rank for the world size (a new spec: nothing written into the config)
+        self.spec = self.spec.joined(World(rank=self.comm.rank, world_size=self.comm.world_size), run_dir=shared)
         if self.comm.rank != 0:
             self.runlog = RankRunLog(self.run_dir)
             # the warnings every rank would repeat (truncated samples, plan notes): rank 0's
@@ -119,12 +117,12 @@ class Trainer:
         so ``kill -9`` leaves none behind), a resume finds a checkpoint, and a new run does not
         land on another run's checkpoints or result (``train.overwrite=true`` replaces them once
         the run begins). Every rank learns whether any refused, so all stop together."""
-        t = self.cfg.train
+        t = self.spec.train
         refused: UserError | None = None
         try:
             if self.comm.rank == 0:
                 self.lock = checkpoints.lock_run_dir(self.run_dir)
-            checkpoints.check_claim(self.run_dir, resume=bool(t.resume), overwrite=bool(t.get("overwrite")))
+            checkpoints.check_claim(self.run_dir, resume=bool(t.resume), overwrite=t.overwrite)
         except UserError as e:
             refused = e
         if self.comm.agree(refused is not None).raised[0] and refused is None:
@@ -140,13 +138,13 @@ class Trainer:
         if not hasattr(self, "backend"):
             self.connect()
         if self.comm.rank == 0:
-            print(self._backend_reason + (f"; {self.comm.world_size} ranks ({cfg.backend.strategy})"
+            print(self._backend_reason + (f"; {self.comm.world_size} ranks ({self.spec.backend.strategy})"
                                           if self.comm.world_size > 1 else ""), file=sys.stderr)
-        self.governor = Governor(cfg, self.backend_name, self._event)
+        self.governor = Governor(self.spec, self.backend_name, self._event)
         # Before any download: stop if even the weights and state cannot fit the budget.
         self.governor.before_load(seq_len=8, only_check=True)
-        self.model_dir = resolve_model_dir(cfg.model, seed=0)
-        check_weights(self.model_dir, cfg.model)
+        self.model_dir = resolve_model_dir(self.spec.model, seed=0)
+        check_weights(self.model_dir, self.spec.model)
         self.tokenizer = self._load_tokenizer()
         self.data, self.data_stats = data_mod.build(cfg, self.tokenizer, world_size=self.comm.world_size)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:
@@ -158,16 +156,16 @@ class Trainer:
         gc.collect()
         self.backend.reset_peak()
         self.info = self.backend.setup(cfg, self.model_dir)
-        if self.governor.grad_checkpointing and not cfg.train.grad_checkpointing:
+        if self.governor.grad_checkpointing and not self.spec.train.grad_checkpointing:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
         self.governor.apply_loss_chunk()  # a chunked loss the plan chose to fit the budget
-        self.acct = Accountant(self.backend, sample_every=cfg.memory.sample_every, rank=self.comm.rank,
-                               phase_every=int(getattr(cfg.memory, "phase_every", 10)))
-        self.acct.run_facts = {"adaptations": self.events, "adapt": bool(cfg.memory.adapt),
-                               "budget_set": cfg.memory.budget is not None}
+        mem = self.spec.memory
+        self.acct = Accountant(self.backend, sample_every=mem.sample_every, rank=self.comm.rank,
+                               phase_every=mem.phase_every)
+        self.acct.run_facts = {"adaptations": self.events, "adapt": mem.adapt, "budget_set": mem.budget is not None}
         self.acct.sample(0, "load")
-        self.ckpt = Checkpointer(cfg, self.run_dir, self.backend, self.backend_name, self.model_dir, self.comm,
+        self.ckpt = Checkpointer(self.spec, self.run_dir, self.backend, self.backend_name, self.model_dir, self.comm,
                                  self.governor, self.runlog, self.faults)
 
     def _load_tokenizer(self) -> Any:
@@ -175,7 +173,7 @@ class Trainer:
 
         try:
             return AutoTokenizer.from_pretrained(str(self.model_dir),
-                                                 trust_remote_code=bool(self.cfg.model.trust_remote_code))
+                                                 trust_remote_code=self.spec.model.trust_remote_code)
         except (OSError, ValueError, KeyError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"model.path={self.model_dir}: its tokenizer cannot be loaded ({first[:200]}); point "
@@ -197,9 +195,8 @@ class Trainer:
         losses: list[float] = []
         val_loss, step_seconds, t_run = None, 0.0, time.perf_counter()
         stop = self.stop = StopOnSignal()
-        # read once: the config is an OmegaConf tree, whose every read resolves a node
-        t = self.cfg.train
-        steps, eval_every, save_every = int(t.steps), int(t.eval_every), int(t.save_every or 0)
+        t = self.spec.train
+        steps, eval_every, save_every = t.steps, t.eval_every, t.save_every
         for step in range(start + 1, steps + 1):
             # several ranks stop together, at the step they agreed on (_train_step's agreement)
             if (stop.requested if self.comm.world_size == 1 else self._stop_agreed):
@@ -239,15 +236,15 @@ class Trainer:
 
     def _begin(self) -> int:
         """Resume (or not), take the run dir over and open the run log; the step to go on from."""
-        cfg = self.cfg
+        t = self.spec.train
         self.tokens_this_run = 0
         start, self.tokens, self.samples = self.ckpt.resume()
         # every check has passed: from here on the run writes its results into the run dir
         checkpoints.take_over(self.run_dir, self.lock,
-                              clear=start == 0 and self.comm.rank == 0 and bool(cfg.train.get("overwrite")))
+                              clear=start == 0 and self.comm.rank == 0 and t.overwrite)
         # metrics.jsonl: a fresh run's starts empty, a resumed one's loses the lines after its checkpoint
         # (the abandoned future); then the governor's decisions made before loading, one line per step
-        self.runlog.begin(start, progress=cfg.train.progress, total=cfg.train.steps)
+        self.runlog.begin(start, progress=t.progress, total=t.steps)
         return start
 
     def _stop_after(self, step: int, stop: StopOnSignal) -> NoReturn:
@@ -325,16 +322,16 @@ class Trainer:
         try:
             # the plan at the length step 1 really had, so the error measures the model, not
             # the gap between train.seq_len and the data
-            self.plan: Plan | None = planner.plan(self.cfg, seq_len=self._step_max_len, state=self.governor.state)
+            self.plan: Plan | None = planner.plan(self.spec, seq_len=self._step_max_len, state=self.governor.state)
             self.plan_error: dict[str, Any] | None = planner.plan_error(self.plan, sample.get("census"), sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)
             self.plan, self.plan_error = None, None
 
     def evaluate(self) -> float | None:
-        if self.cfg.train.eval_every <= 0:
+        if self.spec.train.eval_every <= 0:
             return None
-        batches = self.data.val_batches(self.governor.micro, self.cfg.train.eval_batches)
+        batches = self.data.val_batches(self.governor.micro, self.spec.train.eval_batches)
         if not batches:
             return None
         total = sum(self.backend.eval_loss(b) for b in batches)
@@ -353,8 +350,8 @@ class Trainer:
                 self.backend.save_adapter(None)  # gathers the shards for rank 0 (a collective)
         except OSError as e:
             raise self.ckpt.adapter_failed(steps, e, self.tokens, self.samples) from None
-        if self.cfg.train.save_every:
-            self.ckpt.save(self.cfg.train.steps, self.tokens, self.samples)
+        if self.spec.train.save_every:
+            self.ckpt.save(self.spec.train.steps, self.tokens, self.samples)
 
     def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Every rank's memory to rank 0, which writes summary.json and memory.png and prints
@@ -364,7 +361,7 @@ class Trainer:
             # Overall) and explanations that name their rank
             mine = ranks.rank_report(self.comm.rank, self.info.device, summary["memory"], self.acct.samples)
             ranks.merge_into(summary, self.comm.all_gather_object(mine), self.comm.world_size,
-                             str(self.cfg.backend.strategy))
+                             self.spec.backend.strategy)
             if self.comm.rank != 0:  # rank 0 writes and prints for every rank
                 self.comm.barrier()  # leave the group together: no rank tears it down mid-traffic
                 self.comm.close()
@@ -401,13 +398,13 @@ class Trainer:
                  step_seconds: float) -> dict[str, Any]:
         """summary.json: what ran (backend, model, method, sizes), how far and how fast, the
         losses, the batch, the data, memory (the accountant's), and the governor's actions."""
-        cfg, info, tail = self.cfg, self.info, losses[-min(10, len(losses)):] if losses else []
+        spec, info, tail = self.spec, self.info, losses[-min(10, len(losses)):] if losses else []
         return {
-            "backend": self.backend_name, "device": info.device, "model": cfg.model.name,
-            "model_path": str(info.model_path), "method": cfg.method.name, "optim": cfg.optim.name,
-            "precision": cfg.precision.name, "dtype": info.dtype,
+            "backend": self.backend_name, "device": info.device, "model": spec.model.name,
+            "model_path": str(info.model_path), "method": spec.method.name, "optim": spec.optim.name,
+            "precision": spec.precision.name, "dtype": info.dtype,
             "params_total": info.params_total, "params_trainable": info.params_trainable,
-            "steps": cfg.train.steps, "steps_this_run": len(losses), "samples": self.samples, "tokens": self.tokens,
+            "steps": spec.train.steps, "steps_this_run": len(losses), "samples": self.samples, "tokens": self.tokens,
             # this process's steps only: a resumed run's earlier tokens took no time here
             "tokens_per_sec": self.tokens_this_run / step_seconds if step_seconds > 0 and losses else None,
             "wall_s": wall,
@@ -415,7 +412,7 @@ class Trainer:
             "final_train_loss": sum(tail) / len(tail) if tail else None,
             "last_step_loss": losses[-1] if losses else None,
             "final_val_loss": val_loss,
-            "effective_batch": cfg.train.batch_size * cfg.train.grad_accum, "micro_batch": self.governor.micro,
+            "effective_batch": spec.train.effective_batch, "micro_batch": self.governor.micro,
             "data": self.data_stats,
             "memory": self.acct.summary(step_seconds),
             "plan_error": getattr(self, "plan_error", None),

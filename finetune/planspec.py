@@ -1,8 +1,8 @@
 """What the planner prices and a backend's memory model reads: the resolved setup of a run
-(``Setup``), one parameter as the backend would hold it (``Tensor``), and reading a config node
-(``cfg_get``). Low in the house, beside the model description (``finetune.modeldesc``), so the
-memory models (``finetune/backends/<name>/memory.py``) read these without importing the planner
-that prices with them.
+(``Setup``) and one parameter as the backend would hold it (``Tensor``). Low in the house, beside
+the model description (``finetune.modeldesc``), so the memory models
+(``finetune/backends/<name>/memory.py``) read these without importing the planner that prices
+with them. The run's settings come in as a ``finetune.spec.RunSpec``: no config node is read here.
 """
 
 from __future__ import annotations
@@ -17,21 +17,6 @@ GIB = 2**30
 MIB = 2**20
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-# ---- config access --------------------------------------------------------------------------
-
-def cfg_get(node: Any, key: str, default: Any = None) -> Any:
-    """Read ``key`` from a DictConfig, dict or dataclass; ``default`` only when it is absent.
-    (DictConfig.keys is a method, so a field named ``keys`` must be read as an item.)"""
-    if node is None:
-        return default
-    if hasattr(node, "__getitem__") and hasattr(node, "__contains__") and not isinstance(node, (list, tuple, str)):
-        try:
-            return node[key] if key in node else default
-        except Exception:  # a missing (???) or interpolation error value
-            return default
-    return getattr(node, key, default)
 
 
 @dataclass

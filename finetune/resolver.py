@@ -87,16 +87,16 @@ def _spec(cfg: DictConfig, world: World) -> RunSpec:
     )
 
 
-def _check_model_choices(cfg: DictConfig) -> None:
+def _check_model_choices(spec: RunSpec) -> None:
     """The refusals that need the model description and the backend's memory model: the
     planner's own resolution of the setup (``finetune.planner.model.resolve``). Training goes
     ahead on a model the planner cannot read (its governor then acts on measurements only)."""
     try:
-        resolve_setup(cfg)
+        resolve_setup(spec)
     except UserError:
         raise
     except Exception:  # noqa: BLE001 - said again, with the reason, by the governor before loading
-        if cfg.mode != "train":
+        if spec.mode != "train":
             raise
 
 
@@ -114,6 +114,7 @@ def resolve(cfg: Any, world: World | None = None) -> RunSpec:
     """
     cfg = as_dictconfig(cfg)
     validate(cfg)
-    if cfg.mode in ("plan", "train"):
-        _check_model_choices(cfg)
-    return _spec(cfg, world or World())
+    spec = _spec(cfg, world or World())
+    if spec.mode in ("plan", "train"):
+        _check_model_choices(spec)
+    return spec

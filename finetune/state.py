@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from finetune.spec import RunSpec
+
 
 @dataclass
 class RunState:
@@ -27,11 +29,12 @@ class RunState:
         return self.effective_batch // self.micro_batch
 
     @classmethod
-    def from_config(cls, cfg: Any, backend: str) -> RunState:
-        t = cfg.train
-        return cls(backend=backend, micro_batch=int(t.batch_size), effective_batch=int(t.batch_size) * int(t.grad_accum),
-                   grad_checkpointing=bool(t.grad_checkpointing), loss_chunk=int(getattr(t, "loss_chunk", 0) or 0),
-                   tokens_per_micro=tokens_per_micro(cfg))
+    def from_spec(cls, spec: RunSpec, backend: str) -> RunState:
+        """The run's state as configured: the governor changes it from there."""
+        t = spec.train
+        return cls(backend=backend, micro_batch=t.batch_size, effective_batch=t.effective_batch,
+                   grad_checkpointing=t.grad_checkpointing, loss_chunk=t.loss_chunk,
+                   tokens_per_micro=t.packed_tokens)
 
     def with_(self, **changes: Any) -> RunState:
         """A copy with ``changes`` (micro_batch, grad_checkpointing, ...)."""

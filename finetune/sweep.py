@@ -50,6 +50,7 @@ from finetune.redact import (
 )
 from finetune import planner
 from finetune.errors import UserError
+from finetune.resolver import resolve
 from finetune.io import atomic_write_json
 from finetune.report import SweepReportCallback
 
@@ -96,7 +97,7 @@ def prune_by_plan(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
     if cfg.memory.budget is None:
         return None
 
-    p = planner.plan(cfg, recommend=False)
+    p = planner.plan(resolve(cfg), recommend=False)
     budget = p["budget_bytes"]
     if p["fits"] is not False or budget is None:  # fits is False only against a budget
         return None

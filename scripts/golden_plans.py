@@ -40,9 +40,15 @@ def plan_bytes(overrides: list[str]) -> str:
     from finetune.config import compose
     from finetune.planner import plan
 
+    try:  # the planner takes the resolved spec (issue 22); an older commit (the mutation runner's) the config
+        from finetune.resolver import resolve
+    except ImportError:
+        def resolve(cfg):  # type: ignore[no-redef]
+            return cfg
+
     with tempfile.TemporaryDirectory() as d:
         cfg = compose(Path(d) / "run", *overrides)
-        return json.dumps(plan(cfg), indent=2) + "\n"
+        return json.dumps(plan(resolve(cfg)), indent=2) + "\n"
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
+from conftest import make_spec
+from finetune.resolver import resolve
 from finetune.backends.base import Batch, OutOfMemory
 from finetune.backends.cuda.runtime import CudaBackend
 from finetune.config import Config
@@ -359,7 +361,7 @@ def test_right_padded_rows_need_no_padding_mask(tiny_dir, batch, monkeypatch):
             assert float((grads[n] - p.grad).abs().max()) <= 1e-5 * scale, n
 
     def plan(*extra: str) -> dict:
-        return planner.plan(make_cfg("/tmp/unused", "mode=plan", "backend=cuda", "model=qwen2-0.5b",
+        return planner.plan(make_spec("/tmp/unused", "mode=plan", "backend=cuda", "model=qwen2-0.5b",
                                      "train.batch_size=2", "train.seq_len=512", *extra), recommend=False)
 
     masked, causal = plan("model.trust_remote_code=true"), plan()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_cfg
+from conftest import REPO, make_cfg, make_spec
 
 from finetune import planner
 from finetune.backends import BACKENDS, capabilities
@@ -30,10 +30,10 @@ def test_every_choice_has_a_yaml_and_a_price(backend: str, tmp_path: Path) -> No
     mm = planner.memory_model(backend)
     for optim in caps.optimizers:
         assert mm.optimizer_state_bytes(optim, (4096, 64), 4, on_gpu=False)[0] >= 0
-        p = planner.plan(make_cfg(tmp_path / "p", f"backend={backend}", f"optim={optim}", "method=full"), recommend=False)
+        p = planner.plan(make_spec(tmp_path / "p", f"backend={backend}", f"optim={optim}", "method=full"), recommend=False)
         assert p["optim"] == optim and p["bytes"]["optimizer_state"] + p["bytes"]["optimizer_state_paged"] >= 0
     for prec in caps.precisions:
-        p = planner.plan(make_cfg(tmp_path / "p", f"backend={backend}", f"precision={prec}"), recommend=False)
+        p = planner.plan(make_spec(tmp_path / "p", f"backend={backend}", f"precision={prec}"), recommend=False)
         assert p["precision"] == prec
     with pytest.raises(UserError, match="not valid"):
         mm.optimizer_state_bytes("lion", (8,), 4, on_gpu=False)  # a miss raises, never falls through

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.resolver import resolve
 from finetune import planner
 from finetune.config import compose
 
@@ -30,7 +31,7 @@ def test_plan_mode_writes_the_plan_and_loads_nothing(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     written = json.loads((tmp_path / "plan" / "plan.json").read_text())
     # the same plan as the planner gives the composed config in-process, to the byte
-    expected = planner.plan(compose(tmp_path / "plan", *over))
+    expected = planner.plan(resolve(compose(tmp_path / "plan", *over)))
     assert written == json.loads(json.dumps(expected))
     assert written["budget_bytes"] == 24 * 2**30 and written["batch_size"] == 4 and written["method"] == "qlora"
     out = r.stdout.splitlines()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_cfg, needs_mlx, needs_torch
+from conftest import make_cfg, make_spec, needs_mlx, needs_torch
 
 from finetune import planner
 from finetune.model_source import stored_dtype
@@ -19,7 +19,7 @@ GiB = 1 << 30
 
 
 def _plan(tmp_path: Path, *over: str) -> dict:
-    return planner.plan(make_cfg(tmp_path / "p", *over), recommend=False)
+    return planner.plan(make_spec(tmp_path / "p", *over), recommend=False)
 
 
 def test_default_precision_plans_the_stored_dtype_of_a_72b(tmp_path: Path) -> None:
@@ -120,12 +120,12 @@ def test_prequantized_checkpoint_trains_lora_and_plans_its_bytes(quantized_tiny:
     s = train(make_cfg(tmp_path / "run", *over))
     assert s["last_step_loss"] < s["first_loss"]
     census = s["memory"]["census_first_optimizer"]
-    plan = planner.plan(make_cfg(tmp_path / "p", *over), recommend=False)
+    plan = planner.plan(make_spec(tmp_path / "p", *over), recommend=False)
     assert plan["dtypes"]["quantized"] == "int4/affine/group64 (pre-quantized)"
     held = census["frozen_weights_bytes"] + census["quant_buffers_bytes"] + census["trainable_weights_bytes"]
     # the planner's usual accuracy on weights is exact; allow 1% for mlx's packing of odd shapes
     assert abs(plan["bytes"]["weights"] - held) <= 0.01 * held, (plan["bytes"]["weights"], held)
-    fp = planner.plan(make_cfg(tmp_path / "p2", "backend=mlx", "method=lora"), recommend=False)
+    fp = planner.plan(make_spec(tmp_path / "p2", "backend=mlx", "method=lora"), recommend=False)
     assert plan["bytes"]["weights"] < 0.4 * fp["bytes"]["weights"]  # 4-bit base, not fp32
     adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert adapter["pre_quantized"] is True and adapter["quantization"] == {"bits": 4, "group_size": 64}

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from finetune.resolver import resolve
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
 from families import FAMILIES, VOCAB, build_family
 
@@ -102,7 +103,7 @@ def test_family_trains_and_counts_equal_plan(name: str, backend: str, keys: str,
     assert math.isfinite(s["final_train_loss"])
     weights = "adapter_model.safetensors" if backend == "cuda" else "adapters.safetensors"
     assert (run / "adapter" / weights).is_file() and (run / "adapter" / "adapter_config.json").is_file()
-    p = planner.plan(_cfg(root / "unused", name, backend, *KEYS[keys]), recommend=False)
+    p = planner.plan(resolve(_cfg(root / "unused", name, backend, *KEYS[keys])), recommend=False)
     print(f"{name} {backend} {keys}: trainable {s['params_trainable']:,} (plan {p['params_trainable']:,}), "
           f"total {s['params_total']:,} (plan {p['params_total']:,}), losses {[round(x, 4) for x in losses]}")
     assert (s["params_trainable"], s["params_total"]) == (p["params_trainable"], p["params_total"])
@@ -117,10 +118,10 @@ def test_plan_total_equals_loaded_model(name: str, root: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(build_family(name), dtype=torch.float32)
     loaded = sum(p.numel() for p in model.parameters())
     for keys, over in KEYS.items():
-        p = planner.plan(_cfg(root / "unused", name, "cuda", *over), recommend=False)
+        p = planner.plan(resolve(_cfg(root / "unused", name, "cuda", *over)), recommend=False)
         base = p["params_total"] - p["params_trainable"]
         assert base == loaded, (name, keys, base, loaded)  # exact (the brief's bar is 0.5%)
-    full = planner.plan(_cfg(root / "unused", name, "cuda", "method=full"), recommend=False)
+    full = planner.plan(resolve(_cfg(root / "unused", name, "cuda", "method=full")), recommend=False)
     assert full["params_total"] == full["params_trainable"] == loaded
 
 
@@ -140,7 +141,7 @@ def test_plan_equals_cuda_census(name: str, keys: str, root: Path) -> None:
     cfg = _cfg(root / "unused", name, "cuda", *KEYS[keys])
     be = CudaBackend()
     info = be.setup(cfg, build_family(name))
-    p = planner.plan(cfg, seq_len=16, recommend=False)
+    p = planner.plan(resolve(cfg), seq_len=16, recommend=False)
     assert (p["params_total"], p["params_trainable"]) == (info.params_total, info.params_trainable)
     be.forward_backward(_fixed_batch(VOCAB, 2, 16), 1.0)
     before = planner.plan_error(p, be.census(), {})  # grads live until the step releases them
@@ -256,7 +257,7 @@ def test_expert_adapters_are_refused_by_the_exporter(root: Path, tmp_path: Path)
     for backend, to in (("cuda", "mlx"), ("mlx", "peft")):
         run = root / f"mixtral-{backend}-experts"
         s = train(_cfg(run, "mixtral", backend, "method.lora.keys=experts"))
-        p = planner.plan(_cfg(root / "unused", "mixtral", backend, "method.lora.keys=experts"), recommend=False)
+        p = planner.plan(resolve(_cfg(root / "unused", "mixtral", backend, "method.lora.keys=experts")), recommend=False)
         assert s["params_trainable"] == p["params_trainable"]
         rc, err = _export("--to", to, run, tmp_path / to)
         assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), err

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_cfg, needs_mlx, needs_torch
+from finetune.resolver import resolve
+from conftest import REPO, make_cfg, make_spec, needs_mlx, needs_torch
 from test_model_source import META_PARAMS, RELEASED
 
 from finetune import planner
@@ -27,7 +28,7 @@ def test_released_config_planned_params_equal_meta_count(slug, backend, tmp_path
     """Every weight of the model, experts and routers included, from config.json alone: the
     plan's count is within 0.5% of a meta-device build (it is exact: the planner lists every
     weight transformers creates)."""
-    p = planner.plan(make_cfg(tmp_path, f"backend={backend}", f"model.path={RELEASED / slug}", "method=full",
+    p = planner.plan(make_spec(tmp_path, f"backend={backend}", f"model.path={RELEASED / slug}", "method=full",
                               "mode=plan"), recommend=False)
     assert abs(p["params_total"] - META_PARAMS[slug]) <= 0.005 * META_PARAMS[slug]
     assert p["params_total"] == META_PARAMS[slug]
@@ -39,7 +40,7 @@ def test_moe_plans_every_expert_and_says_what_is_approximated(tmp_path):
     sizes), 87 GiB of bf16 weights; with 24 GiB per device it does not fit, and the plan names
     what would make it fit (the weights alone need more than one device)."""
     cfg = make_cfg(tmp_path, "backend=cuda", "model=mixtral-8x7b", "memory.budget=24GiB", "mode=plan")
-    p = planner.plan(cfg)
+    p = planner.plan(resolve(cfg))
     assert p["model"]["experts"] == 8 and p["model"]["top_k"] == 2 and p["model"]["moe_layers"] == 32
     assert p["params_total"] - p["params_trainable"] == META_PARAMS["Mixtral-8x7B-v0.1"]
     # bf16 weights, nothing quantized, and fp32 adapters
@@ -59,8 +60,8 @@ def test_qlora_on_cuda_leaves_stacked_experts_unquantized(tmp_path):
     bf16 under method=qlora on cuda (checked on a real tiny Mixtral in tests/test_families.py's
     census); mlx-lm quantizes its SwitchLinear experts. The plan prices each and says so."""
     over = ["model=mixtral-8x7b", "method=qlora", "mode=plan"]
-    cuda = planner.plan(make_cfg(tmp_path, "backend=cuda", *over), recommend=False)
-    mlx = planner.plan(make_cfg(tmp_path, "backend=mlx", *over), recommend=False)
+    cuda = planner.plan(make_spec(tmp_path, "backend=cuda", *over), recommend=False)
+    mlx = planner.plan(make_spec(tmp_path, "backend=mlx", *over), recommend=False)
     experts = 32 * 8 * 3 * 4096 * 14336  # layers x experts x (gate, up, down) x hidden x intermediate
     assert cuda["bytes"]["weights"] > 2 * experts  # the experts alone, in bf16
     assert mlx["bytes"]["weights"] < experts  # 4-bit (+ scales and biases)
@@ -75,14 +76,14 @@ def test_qlora_on_cuda_leaves_stacked_experts_unquantized(tmp_path):
     ("Qwen3-30B-A3B", "[q_proj,experts]", ("q_proj", "experts")),
 ])
 def test_lora_keys_follow_the_model(slug, keys, want, tmp_path):
-    p = planner.plan(make_cfg(tmp_path, f"model.path={RELEASED / slug}", f"method.lora.keys={keys}", "mode=plan"),
+    p = planner.plan(make_spec(tmp_path, f"model.path={RELEASED / slug}", f"method.lora.keys={keys}", "mode=plan"),
                      recommend=False)
     assert tuple(p["lora"]["keys"]) == want
 
 
 def test_lora_keys_the_model_lacks_are_refused_with_its_own_names(tmp_path):
     with pytest.raises(UserError) as e:
-        planner.plan(make_cfg(tmp_path, f"model.path={RELEASED / 'StarCoder2-15B'}", "method.lora.keys=[gate_proj]",
+        planner.plan(make_spec(tmp_path, f"model.path={RELEASED / 'StarCoder2-15B'}", "method.lora.keys=[gate_proj]",
                               "mode=plan"), recommend=False)
     msg = str(e.value)
     assert "\n" not in msg and "gate_proj is not a linear layer of this starcoder2 model" in msg
@@ -95,8 +96,8 @@ def test_expert_adapters_are_priced_as_each_library_builds_them(tmp_path):
     down separately ([E, r, in] + [E, out, r] each). Exact counts from the released sizes."""
     over = [f"model.path={RELEASED / 'Qwen3-30B-A3B'}", "method.lora.keys=[experts]", "method.lora.rank=8", "mode=plan"]
     E, r, h, w, L = 128, 8, 2048, 768, 48
-    cuda = planner.plan(make_cfg(tmp_path, "backend=cuda", *over), recommend=False)
-    mlx = planner.plan(make_cfg(tmp_path, "backend=mlx", *over), recommend=False)
+    cuda = planner.plan(make_spec(tmp_path, "backend=cuda", *over), recommend=False)
+    mlx = planner.plan(make_spec(tmp_path, "backend=mlx", *over), recommend=False)
     assert cuda["params_trainable"] == L * (E * r * (h + 2 * w) + E * r * (w + h))
     assert mlx["params_trainable"] == L * 3 * E * r * (h + w)
 
@@ -104,10 +105,10 @@ def test_expert_adapters_are_priced_as_each_library_builds_them(tmp_path):
 def test_attention_the_model_cannot_run_is_refused_in_one_line(tmp_path):
     for slug in ("Gemma-2-9B", "gpt-oss-20b"):
         with pytest.raises(UserError) as e:
-            planner.plan(make_cfg(tmp_path, "backend=cuda", f"model.path={RELEASED / slug}",
+            planner.plan(make_spec(tmp_path, "backend=cuda", f"model.path={RELEASED / slug}",
                                   "backend.attn_implementation=sdpa", "mode=plan"), recommend=False)
         assert "only with eager attention" in str(e.value) and "attn_implementation=auto" in str(e.value)
-        p = planner.plan(make_cfg(tmp_path, "backend=cuda", f"model.path={RELEASED / slug}", "mode=plan"),
+        p = planner.plan(make_spec(tmp_path, "backend=cuda", f"model.path={RELEASED / slug}", "mode=plan"),
                          recommend=False)
         assert p["attn_implementation"] == "eager"
 
@@ -152,6 +153,7 @@ from families import build_family
 from test_planner import _fixed_batch
 from finetune.config import compose
 from finetune.backends.mlx.runtime import MlxBackend
+from finetune.resolver import resolve
 from finetune import planner
 from finetune.errors import UserError
 out = []
@@ -169,7 +171,7 @@ for fam, B, T, keys in {cases!r}:
         be.forward_backward(_fixed_batch(512, B, T, seed=step), 1.0)
         be.optimizer_step(1e-3)
         peak = max(peak, mx.get_peak_memory() - base)
-    p = planner.plan(cfg, seq_len=T, recommend=False)
+    p = planner.plan(resolve(cfg), seq_len=T, recommend=False)
     out.append([fam, B, T, keys, p["peak_allocated_bytes"], peak])
     del be
 print(json.dumps(out))
@@ -206,7 +208,7 @@ def test_a_lora_on_the_head_is_counted_as_peft_builds_it(tmp_path):
     cfg = make_cfg(tmp_path, "backend=cuda", "backend.device=cpu", "method.lora.keys=[q_proj,lm_head]")
     be = CudaBackend()
     info = be.setup(cfg, resolve_model_dir(cfg.model))
-    p = planner.plan(cfg, recommend=False)
+    p = planner.plan(resolve(cfg), recommend=False)
     assert info.params_trainable == p["params_trainable"] == 2 * 8 * (64 + 64) + 8 * (64 + 512)
     with pytest.raises(UserError, match="lm_head cannot be adapted on backend=mlx"):
-        planner.plan(make_cfg(tmp_path, "backend=mlx", "method.lora.keys=[q_proj,lm_head]"), recommend=False)
+        planner.plan(make_spec(tmp_path, "backend=mlx", "method.lora.keys=[q_proj,lm_head]"), recommend=False)

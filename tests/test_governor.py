@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.resolver import resolve
 import finetune.loop as loop_mod
 from finetune.errors import UserError
 from finetune.governor import smaller_divisor
@@ -147,7 +148,7 @@ def test_swap_pressure_and_fragmentation_reactions_on_recorded_samples(cfg_facto
     MiB = 1 << 20
     events = []
     cfg = cfg_factory("train.batch_size=8", "train.grad_accum=1", "backend=cuda")
-    gov = Governor(cfg, "cuda", events.append)
+    gov = Governor(resolve(cfg), "cuda", events.append)
     gov.backend = be = _Releases()
     base = {"swap_used": 100 * MiB, "psi_some_avg10": 0.0, "system_fresh": True}
     gov.after_step(1, base)

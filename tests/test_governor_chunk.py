@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from finetune.resolver import resolve
 import finetune.loop as loop_mod
 import finetune.planner.fit as fit_mod
 from finetune import planner
@@ -70,8 +71,8 @@ def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory,
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(probe.cfg.model, seed=0)))
     L = build(probe.cfg, tok)[1]["max_padded_tokens"]  # the length the governor plans for
-    whole = planner.plan(cfg_factory(*over), seq_len=L, recommend=False)["max_device_peak_bytes"]
-    chunked = planner.plan(cfg_factory(*over, f"train.loss_chunk={CHUNK}"), seq_len=L,
+    whole = planner.plan(resolve(cfg_factory(*over)), seq_len=L, recommend=False)["max_device_peak_bytes"]
+    chunked = planner.plan(resolve(cfg_factory(*over, f"train.loss_chunk={CHUNK}")), seq_len=L,
                            recommend=False)["max_device_peak_bytes"]
     assert chunked < whole  # 4 rows of L tokens are several chunks
     budget = (whole + chunked) // 2
@@ -112,7 +113,7 @@ def test_a_compiled_loss_is_never_chunked_by_the_governor(cfg_factory, tmp_path)
     be.setup(cfg, resolve_model_dir(cfg.model, seed=0))
     why = be.set_loss_chunk(CHUNK)
     assert why and "train.compile" in why and be._loss_chunk == 0
-    arch, s = planner.resolve(cfg)
+    arch, s = planner.resolve(resolve(cfg))
     assert not fit_mod.chunk_lever_ok(cfg, s)
 
 

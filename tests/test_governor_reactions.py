@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from finetune.resolver import resolve
 import finetune.loop as loop_mod
 from finetune.errors import UserError
 from finetune.governor import (FRAGMENTED_FRACTION, FRAGMENTED_MIN_BYTES, PSI_SOME_AVG10, SWAP_GROWTH_BYTES,
@@ -140,7 +141,7 @@ class _Backend:
 def _governor(cfg_factory, *over: str, micro: int = 8) -> tuple[Governor, list[dict[str, Any]], _Backend]:
     events: list[dict[str, Any]] = []
     cfg = cfg_factory("backend=cuda", f"train.batch_size={micro}", "train.grad_accum=1", *over)
-    gov = Governor(cfg, "cuda", events.append)
+    gov = Governor(resolve(cfg), "cuda", events.append)
     gov.backend = be = _Backend()
     return gov, events, be
 

@@ -13,6 +13,7 @@ import pytest
 from finetune.accounting import Accountant
 from finetune.config import compose
 from finetune.governor import Governor
+from finetune.resolver import resolve
 
 GiB = 1 << 30
 
@@ -69,7 +70,7 @@ class _MlxLimits:  # what the governor asks of an MLX backend when it attaches
 def test_mlx_gets_the_cache_limit_memory_cache_limit_asks_for(tmp_path: Path) -> None:
     events: list[dict[str, Any]] = []
     cfg = compose(tmp_path / "run", "backend=mlx", "memory.budget=8GiB", "memory.cache_limit=512MiB")
-    gov = Governor(cfg, "mlx", events.append)
+    gov = Governor(resolve(cfg), "mlx", events.append)
     be = _MlxLimits()
     gov.attach(be)
     assert be.cache_limits == [512 << 20]

@@ -260,6 +260,7 @@ from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import compose
 from finetune.data import packed_widths
 from finetune.model_source import resolve_model_dir
+from finetune.resolver import resolve
 from finetune import planner
 cfg = compose({str(tmp_path_factory.mktemp("peaks"))!r}, "backend=mlx", "train.packing=true",
               "train.tokens_per_micro=256", "train.batch_size=16", "train.seq_len=64")
@@ -279,7 +280,7 @@ for step in range(8):
         be.forward_backward(micro, 1.0 / batch.label_tokens)
     be.optimizer_step(1e-3)
     peaks.append(mx.get_peak_memory())
-p = planner.plan(cfg, seq_len=max(widths), recommend=False)
+p = planner.plan(resolve(cfg), seq_len=max(widths), recommend=False)
 print(json.dumps([p["peak_allocated_bytes"], peaks, widths]))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=repo)

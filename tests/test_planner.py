@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from finetune.resolver import resolve
 from conftest import HAS_MLX, HAS_TORCH, REPO, make_cfg, needs_mlx, needs_torch
 
 from finetune import planner
@@ -66,7 +67,7 @@ def test_param_counts_equal_meta_models(preset, tmp_path):
         counts = {}
         for method in ("lora", "dora", "full", "qlora"):
             cfg = _cfg(tmp_path, *over, f"method={method}")
-            got = (planner.params_total(cfg), planner.trainable_params(cfg))
+            got = (planner.params_total(resolve(cfg)), planner.trainable_params(resolve(cfg)))
             counts[method] = got
             if method != "qlora":
                 assert got == _meta_counts(cfg.model, method, keys, rank, n), (preset, method, keys)
@@ -74,16 +75,16 @@ def test_param_counts_equal_meta_models(preset, tmp_path):
         # both backends build the same adapters: mlx counts agree
         for method in ("lora", "dora", "full"):
             cfg = _cfg(tmp_path, *over[:-1], "backend=mlx", f"method={method}")
-            assert (planner.params_total(cfg), planner.trainable_params(cfg)) == counts[method]
+            assert (planner.params_total(resolve(cfg)), planner.trainable_params(resolve(cfg))) == counts[method]
 
 
 def test_published_sizes(tmp_path):
     """Anchors independent of any library: Qwen2-0.5B has 494,032,768 parameters and
     Qwen2-72B 72,706,203,648 (their model cards round these to 0.49 B and 72.7 B)."""
-    assert planner.params_total(_cfg(tmp_path, "model=qwen2-0.5b", "method=full")) == 494_032_768
-    assert planner.params_total(_cfg(tmp_path, "model=qwen2-72b", "method=full")) == 72_706_203_648
+    assert planner.params_total(resolve(_cfg(tmp_path, "model=qwen2-0.5b", "method=full"))) == 494_032_768
+    assert planner.params_total(resolve(_cfg(tmp_path, "model=qwen2-72b", "method=full"))) == 72_706_203_648
     # LoRA r=8 on q,v of Llama-2-7B: 32 layers x 8 x ((4096+4096) + (4096+4096)) = 4,194,304
-    assert planner.trainable_params(_cfg(tmp_path, "model=llama2-7b")) == 4_194_304
+    assert planner.trainable_params(resolve(_cfg(tmp_path, "model=llama2-7b"))) == 4_194_304
 
 
 def test_local_config_json_wins(tmp_path):
@@ -95,8 +96,8 @@ def test_local_config_json_wins(tmp_path):
     cfg = _cfg(tmp_path, "method=full", f"model.path={d}")
     h, kv, f, V = 128, 64, 256, 1000
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
-    assert planner.params_total(cfg) == 2 * V * h + 3 * per_layer + h
-    p = planner.plan(cfg, recommend=False)
+    assert planner.params_total(resolve(cfg)) == 2 * V * h + 3 * per_layer + h
+    p = planner.plan(resolve(cfg), recommend=False)
     assert p["model"]["source"].endswith("config.json") and p["model"]["layers"] == 3
 
 
@@ -238,7 +239,7 @@ def test_plan_equals_backend_census_after_a_step(backend, tmp_path):
         info = be.setup(cfg, resolve_model_dir(cfg.model))
         be.forward_backward(_fixed_batch(cfg.model.vocab_size, 2, 16), 1.0)
         be.optimizer_step(1e-3)
-        p = planner.plan(cfg, seq_len=16, recommend=False)
+        p = planner.plan(resolve(cfg), seq_len=16, recommend=False)
         assert (p["params_total"], p["params_trainable"]) == (info.params_total, info.params_trainable), over
         err = planner.plan_error(p, be.census(), {})
         for k in ("weights", "trainable_weights", "optimizer_state", "optimizer_state_paged"):
@@ -284,7 +285,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
         be.forward_backward(_fixed_batch(cfg.model.vocab_size, B, T), 1.0)
     kept = sum(n for r, n in seen.values() if r == "model")
     loss = sum(n for r, n in seen.values() if r == "loss")
-    arch, s = planner.resolve(cfg, seq_len=T)
+    arch, s = planner.resolve(resolve(cfg), seq_len=T)
     _, _, d = planner.activations(arch, s)
     predicted = d["saved_layers"] + d["head"] - B * T * T  # no padding here: sdpa gets no mask
     assert predicted == pytest.approx(kept, rel=0.03), (over, predicted, kept)
@@ -322,7 +323,7 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
     for e in events:
         running += e.nbytes()
         peak = max(peak, running)
-    p = planner.plan(cfg, seq_len=T, recommend=False)
+    p = planner.plan(resolve(cfg), seq_len=T, recommend=False)
     planned = p["peak_allocated_bytes"] - p["steady_state_allocated_bytes"]
     assert planned == pytest.approx(peak, rel=0.05), (over, planned, peak)
 
@@ -351,6 +352,7 @@ from test_planner import _cfg, _fixed_batch
 from pathlib import Path
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.model_source import resolve_model_dir
+from finetune.resolver import resolve
 from finetune import planner
 cfg = _cfg(Path({str(tmp_path)!r}), "backend=mlx", "train.batch_size={B}", *{list(over)!r})
 model_dir = resolve_model_dir(cfg.model)
@@ -363,7 +365,7 @@ for step in range(4):
         be.forward_backward(_fixed_batch(cfg.model.vocab_size, {B}, {T}, seed=step * 10 + micro), 1.0)
     be.optimizer_step(1e-3)
     peak = max(peak, mx.get_peak_memory())
-p = planner.plan(cfg, seq_len={T}, recommend=False)
+p = planner.plan(resolve(cfg), seq_len={T}, recommend=False)
 print(json.dumps([p["peak_allocated_bytes"], peak]))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -376,7 +378,7 @@ def test_activation_mechanisms(tmp_path):
     """Directional checks of the mechanisms: checkpointing, fewer adapted layers, eager vs
     sdpa attention, and activations scaling with the micro-batch."""
     def act(*over, T=512):
-        arch, s = planner.resolve(_cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", *over), seq_len=T)
+        arch, s = planner.resolve(resolve(_cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", *over)), seq_len=T)
         return planner.activations(arch, s)
 
     base, logits, _ = act()
@@ -431,11 +433,11 @@ def test_fit_to_budget_lowers_micro_batch_keeping_effective_batch(tmp_path, chun
     priced = (f"train.loss_chunk={LOSS_CHUNK_LEVER}",) if chunk_lever else ()
     cfg = _cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", "train.batch_size=12", "train.grad_accum=2",
                "train.seq_len=1024", *extra)
-    peaks = {b: planner.plan(_cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", f"train.batch_size={b}",
-                                  "train.seq_len=1024", *priced), recommend=False)["max_device_peak_bytes"]
+    peaks = {b: planner.plan(resolve(_cfg(tmp_path, "model=qwen2-0.5b", "backend=cuda", f"train.batch_size={b}",
+                                  "train.seq_len=1024", *priced)), recommend=False)["max_device_peak_bytes"]
              for b in (12, 8, 6, 4)}
     budget = (peaks[6] + peaks[8]) // 2  # 8 does not divide 24? it does; 8 > budget, 6 fits
-    res = planner.fit_to_budget(cfg, budget)
+    res = planner.fit_to_budget(resolve(cfg), budget)
     assert res.fits and res.batch_size == 6 and res.grad_accum == 4 and not res.grad_checkpointing
     assert res.batch_size * res.grad_accum == 24
     assert res.loss_chunk == (LOSS_CHUNK_LEVER if chunk_lever else 0)
@@ -445,40 +447,40 @@ def test_fit_to_budget_lowers_micro_batch_keeping_effective_batch(tmp_path, chun
     assert set(ev) == {"trigger", "action", "before", "after"}
     assert res.plan["fits"] and res.plan["batch_size"] == 6 and res.plan["max_device_peak_bytes"] <= budget
     # a budget that already fits changes nothing
-    same = planner.fit_to_budget(cfg, peaks[12] * 3)
+    same = planner.fit_to_budget(resolve(cfg), peaks[12] * 3)
     assert same.fits and not same.events and same.batch_size == 12 and same.loss_chunk == 0
 
 
 def test_fit_to_budget_turns_on_checkpointing_then_gives_up_with_suggestions(tmp_path):
     over = ("model=qwen2-0.5b", "backend=cuda", "train.batch_size=4", "train.grad_accum=3", "train.seq_len=2048")
     chunked = "train.loss_chunk=1024"  # what the fit turns on first: 2,047 targets a row
-    one = planner.plan(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048", chunked), recommend=False)
-    ck = planner.plan(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048",
-                           "train.grad_checkpointing=true", chunked), recommend=False)
+    one = planner.plan(resolve(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048", chunked)), recommend=False)
+    ck = planner.plan(resolve(_cfg(tmp_path, *over[:2], "train.batch_size=1", "train.seq_len=2048",
+                           "train.grad_checkpointing=true", chunked)), recommend=False)
     assert ck["max_device_peak_bytes"] < one["max_device_peak_bytes"]
-    res = planner.fit_to_budget(_cfg(tmp_path, *over), (one["max_device_peak_bytes"] + ck["max_device_peak_bytes"]) // 2)
+    res = planner.fit_to_budget(resolve(_cfg(tmp_path, *over)), (one["max_device_peak_bytes"] + ck["max_device_peak_bytes"]) // 2)
     assert res.fits and res.grad_checkpointing and res.batch_size * res.grad_accum == 12
     assert [e["action"] for e in res.events][-1] == "enable_grad_checkpointing"
     # below the weights themselves nothing in the run's own knobs fits
     tiny_budget = one["steady_state_allocated_bytes"] // 2
-    res = planner.fit_to_budget(_cfg(tmp_path, *over), tiny_budget)
+    res = planner.fit_to_budget(resolve(_cfg(tmp_path, *over)), tiny_budget)
     assert not res.fits and res.plan["fits"] is False and res.batch_size == 1 and res.grad_checkpointing
     assert res.batch_size * res.grad_accum == 12
     # a budget where only other levers help: suggestions name them
-    res = planner.fit_to_budget(_cfg(tmp_path, *over), int(ck["steady_state_allocated_bytes"] * 1.02))
+    res = planner.fit_to_budget(resolve(_cfg(tmp_path, *over)), int(ck["steady_state_allocated_bytes"] * 1.02))
     assert not res.fits and res.suggestions
     assert any(s.startswith(("method=qlora", "precision=bf16-true", "train.seq_len=")) for s in res.suggestions)
 
 
 def test_recommendation_and_per_device_split(tmp_path):
-    p = planner.plan(_cfg(tmp_path, "model=qwen2-7b", "backend=cuda", "backend.device=cuda", "train.batch_size=8",
-                          "memory.budget=24GiB", "train.seq_len=1024"))
+    p = planner.plan(resolve(_cfg(tmp_path, "model=qwen2-7b", "backend=cuda", "backend.device=cuda", "train.batch_size=8",
+                          "memory.budget=24GiB", "train.seq_len=1024")))
     assert p["budget_bytes"] == 24 * 2**30 and p["fits"] is False
     rec = p["recommendation"]
     # exactly the largest micro-batch (a divisor of the effective batch 8) whose own plan fits
     fitting = [d for d in (8, 4, 2, 1) if planner.plan(
-        _cfg(tmp_path, "model=qwen2-7b", "backend=cuda", "backend.device=cuda", f"train.batch_size={d}",
-             f"train.grad_accum={8 // d}", "memory.budget=24GiB", "train.seq_len=1024"),
+        resolve(_cfg(tmp_path, "model=qwen2-7b", "backend=cuda", "backend.device=cuda", f"train.batch_size={d}",
+             f"train.grad_accum={8 // d}", "memory.budget=24GiB", "train.seq_len=1024")),
         recommend=False)["fits"]]
     assert rec["max_micro_batch"] == (fitting[0] if fitting else None)
     assert rec["max_micro_batch"] != 8  # the configured one does not fit
@@ -494,8 +496,8 @@ def test_recommendation_and_per_device_split(tmp_path):
 def test_split_over_gpus_prices_each_device(tmp_path):
     over = ("model=qwen2-72b", "method=qlora", "backend=cuda", "backend.device=cuda", "precision=bf16-true",
             "memory.budget=40GiB")
-    one = planner.plan(_cfg(tmp_path, *over), recommend=False)
-    four = planner.plan(_cfg(tmp_path, *over, "backend.device_map=auto", "backend.num_devices=4"), recommend=False)
+    one = planner.plan(resolve(_cfg(tmp_path, *over)), recommend=False)
+    four = planner.plan(resolve(_cfg(tmp_path, *over, "backend.device_map=auto", "backend.num_devices=4")), recommend=False)
     assert one["devices"] == 1 and len(one["per_device"]) == 1 and four["devices"] == 4
     devs = four["per_device"]
     assert sum(d["bytes"]["weights"] for d in devs) == one["bytes"]["weights"]
@@ -509,24 +511,24 @@ def test_split_over_gpus_prices_each_device(tmp_path):
 def test_dataclass_config_plans_like_the_composed_one(tmp_path):
     from finetune.config import Config
 
-    plain = planner.plan(Config(run_dir=str(tmp_path)), recommend=False)
-    composed = planner.plan(_cfg(tmp_path), recommend=False)
+    plain = planner.plan(resolve(Config(run_dir=str(tmp_path))), recommend=False)
+    composed = planner.plan(resolve(_cfg(tmp_path)), recommend=False)
     assert plain["bytes"] == composed["bytes"] and plain["params_trainable"] == composed["params_trainable"]
-    _, s = planner.resolve(_cfg(tmp_path, "optim.max_grad_norm=null"))
+    _, s = planner.resolve(resolve(_cfg(tmp_path, "optim.max_grad_norm=null")))
     assert s.clip is False
 
 
 def test_qlora_and_8bit_shrink_the_plan(tmp_path):
     base = ("model=llama3-8b", "backend=cuda", "backend.device=cuda", "precision=bf16-true")
-    lora = planner.plan(_cfg(tmp_path, *base), recommend=False)["bytes"]
-    qlora = planner.plan(_cfg(tmp_path, *base, "method=qlora"), recommend=False)["bytes"]
+    lora = planner.plan(resolve(_cfg(tmp_path, *base)), recommend=False)["bytes"]
+    qlora = planner.plan(resolve(_cfg(tmp_path, *base, "method=qlora")), recommend=False)["bytes"]
     # NF4 + double quant: 0.5 B/param on Linear weights + constants (1 B per 64-block absmax,
     # 4 B per 256 blocks: 0.127 bit/param, +3.17%); bf16 embeddings and lm_head
     # (2 x 128256 x 4096 x 2 B) are not quantized.
     emb = 2 * 128256 * 4096 * 2
     assert qlora["weights"] - emb == pytest.approx((lora["weights"] - emb) / 4 * (1 + 1 / 32 + 1 / 2048), rel=0.005)
-    full = planner.plan(_cfg(tmp_path, *base, "method=full"), recommend=False)["bytes"]
-    full8 = planner.plan(_cfg(tmp_path, *base, "method=full", "optim=paged_adamw_8bit"), recommend=False)["bytes"]
+    full = planner.plan(resolve(_cfg(tmp_path, *base, "method=full")), recommend=False)["bytes"]
+    full8 = planner.plan(resolve(_cfg(tmp_path, *base, "method=full", "optim=paged_adamw_8bit")), recommend=False)["bytes"]
     assert full["optimizer_state"] == 2 * full["trainable_weights"]  # bf16 state: 2 x 2 B/param
     assert full8["optimizer_state_paged"] > 0.9 * 2 * 8.03e9 and full8["optimizer_state"] < 0.02 * 8.03e9 * 2
 
@@ -555,7 +557,7 @@ BYTES = ("weights", "trainable_weights", "grads", "optimizer_state", "optimizer_
 
 def test_run_plan_writes_plan_json_and_prints_table(tmp_path, capsys):
     cfg = _cfg(tmp_path, "model=qwen2-7b", "method=qlora", "memory.budget=40GiB", "backend=cuda")
-    p = planner.run_plan(cfg)
+    p = planner.run_plan(resolve(cfg))
     out = capsys.readouterr().out
     written = json.loads((Path(cfg.run_dir) / "plan.json").read_text())
     assert written == json.loads(json.dumps(p))
@@ -570,10 +572,11 @@ def test_plan_imports_no_framework(tmp_path):
     code = (
         "import sys; sys.path.insert(0, 'tests');"
         "from omegaconf import OmegaConf; from finetune.config import Config; from finetune import planner;"
+        "from finetune.resolver import resolve;"
         "c = OmegaConf.structured(Config(run_dir=sys.argv[1]));"
         "c.model = OmegaConf.merge(c.model, OmegaConf.load('conf/model/qwen2-72b.yaml'));"
         "c.method.name = 'qlora'; c.memory.budget = '80GiB';"
-        "planner.run_plan(c)"
+        "planner.run_plan(resolve(c))"
     )
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code, str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=60, check=False)
@@ -585,8 +588,8 @@ def test_plan_imports_no_framework(tmp_path):
 
 def test_mlx_backend_rejects_what_mlx_cannot_run(tmp_path):
     with pytest.raises(UserError, match="mlx supports"):
-        planner.plan(_cfg(tmp_path, "backend=mlx", "optim=adamw_8bit"))
+        planner.plan(resolve(_cfg(tmp_path, "backend=mlx", "optim=adamw_8bit")))
     with pytest.raises(UserError, match="mlx supports"):
-        planner.plan(_cfg(tmp_path, "backend=mlx", "precision=bf16-mixed"))
+        planner.plan(resolve(_cfg(tmp_path, "backend=mlx", "precision=bf16-mixed")))
     with pytest.raises(UserError, match="choose from"):
-        planner.plan(_cfg(tmp_path, "method.lora.keys=[qproj]"))
+        planner.plan(resolve(_cfg(tmp_path, "method.lora.keys=[qproj]")))

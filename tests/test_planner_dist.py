@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_cfg, needs_torch
+from finetune.resolver import resolve
+from conftest import REPO, make_cfg, make_spec, needs_torch
 
 from finetune import planner
 from finetune.errors import UserError
@@ -25,7 +26,7 @@ SEVEN_B = ("mode=plan", "model=llama2-7b", "method=full", "backend=cuda")
 
 
 def _plan(tmp_path: Path, *over: str) -> dict:
-    return planner.plan(make_cfg(tmp_path, *over), recommend=False)
+    return planner.plan(make_spec(tmp_path, *over), recommend=False)
 
 
 def _local(t: planner.Tensor, n: int) -> int:
@@ -46,7 +47,7 @@ def _units(tensors: list[planner.Tensor]) -> dict:
 
 def _expected_fsdp(tmp_path: Path, n: int, *over: str) -> dict:
     """Per-rank state and FSDP buffers of the config, from its inventory."""
-    arch, s = planner.resolve(make_cfg(tmp_path, *over))
+    arch, s = planner.resolve(make_spec(tmp_path, *over))
     inv = planner.inventory(arch, s)
     trainable = [t for t in inv if t.trainable]
     units = _units(inv)
@@ -73,7 +74,7 @@ def _peak_allocated(tmp_path: Path, p: dict, *over: str) -> int:
     """The per-rank peak rebuilt from the plan's own categories and named buffers: weights +
     state + rounding + the larger phase (forward/backward with the forward/backward buffers;
     the step's workspace; the gradient sum's bucket)."""
-    _, s = planner.resolve(make_cfg(tmp_path, *over))
+    _, s = planner.resolve(make_spec(tmp_path, *over))
     b = p["bytes"]
     W, S, G = b["weights"], b["optimizer_state"], b["grads"]
     bufs = p["collective_buffers"]
@@ -158,7 +159,7 @@ def test_fsdp_under_autocast_gathers_in_bf16_and_reduces_in_fp32(tmp_path: Path)
     want = _expected_fsdp(tmp_path, 2, *over)
     assert {k: v["bytes"] for k, v in p["collective_buffers"].items()} == {
         k: want[k] for k in ("all_gather", "unsharded_grads", "reduce_scatter")}
-    arch, s = planner.resolve(make_cfg(tmp_path, *over))
+    arch, s = planner.resolve(make_spec(tmp_path, *over))
     inv = planner.inventory(arch, s)
     assert s.weight_dtype == "float32" and s.compute_dtype == "bfloat16"
     layer = max(sum(t.numel for t in inv if t.layer == i) for i in range(arch.layers))
@@ -234,7 +235,7 @@ def test_ddp_over_4_ranks_is_the_one_process_plan_plus_the_bucket(tmp_path: Path
     one = _plan(tmp_path, *base)
     four = _plan(tmp_path, *base, "backend.num_devices=4")
     assert four["bytes"] == one["bytes"] and four["devices"] == 1 and four["world_size"] == 4
-    arch, s = planner.resolve(make_cfg(tmp_path, *base))
+    arch, s = planner.resolve(make_spec(tmp_path, *base))
     grads = [t.numel * t.dtype_bytes for t in planner.inventory(arch, s) if t.trainable]  # one dtype here
     bucket = four["collective_buffers"]["ddp_bucket"]["bytes"]
     assert four["collective_buffers"] == {"ddp_bucket": {"bytes": bucket, "phase": "grad_sync"}}
@@ -267,10 +268,10 @@ def test_fit_to_budget_works_per_rank(tmp_path: Path) -> None:
     fsdp = _plan(tmp_path, *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8")
     ddp = _plan(tmp_path, *SEVEN_B, "backend.num_devices=8")
     budget = (fsdp["peak_bytes"] + ddp["peak_bytes"]) // 2  # a rank fits under fsdp only
-    res = planner.fit_to_budget(make_cfg(tmp_path, *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8"),
+    res = planner.fit_to_budget(make_spec(tmp_path, *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8"),
                                 budget)
     assert res.fits and res.events == [] and res.plan["peak_bytes"] == fsdp["peak_bytes"]
-    p = planner.plan(make_cfg(tmp_path, *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8",
+    p = planner.plan(make_spec(tmp_path, *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8",
                               "train.batch_size=64", f"memory.budget={budget}"))
     # levers never offer what the runtime refuses under fsdp (8-bit optimizers, 4-bit weights)
     assert not any(lv["change"].startswith(("optim=", "method=qlora"))
@@ -303,7 +304,7 @@ def test_mlx_ranks_replicate_and_hold_one_summed_gradient_tree(tmp_path: Path) -
     one = _plan(tmp_path, "backend=mlx", "method=full")
     two = _plan(tmp_path, "backend=mlx", "method=full", "backend.num_devices=2")
     assert two["bytes"] == one["bytes"] and two["world_size"] == 2 and two["strategy"] == "ddp"
-    arch, s = planner.resolve(make_cfg(tmp_path, "backend=mlx", "method=full"))
+    arch, s = planner.resolve(make_spec(tmp_path, "backend=mlx", "method=full"))
     tree = sum(t.numel * t.dtype_bytes for t in planner.inventory(arch, s) if t.trainable)
     assert tree == one["bytes"]["grads"]
     assert two["collective_buffers"] == {"all_sum_output": {"bytes": tree, "phase": "optimizer_step"}}

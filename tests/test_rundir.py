@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import finetune_cmd, make_cfg, needs_torch
+from conftest import finetune_cmd, make_cfg, make_spec, needs_torch
 
 from finetune import checkpoints
 from finetune.errors import UserError
@@ -118,9 +118,9 @@ def test_resume_without_a_checkpoint_is_refused_before_loading(tmp_path):
 def test_the_data_identity_changes_with_the_file(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n')
-    cfg = make_cfg(tmp_path / "run", "data=jsonl", f"data.path={data}")
+    cfg = make_spec(tmp_path / "run", "data=jsonl", f"data.path={data}")
     before = data_identity(cfg.data)
     data.write_text('{"text": "a"}\n{"text": "b"}\n')
     after = data_identity(cfg.data)
     assert before["path"] == after["path"] == str(data.resolve()) and before["size"] != after["size"]
-    assert data_identity(make_cfg(tmp_path / "run", "data.num_samples=5").data)["num_samples"] == 5
+    assert data_identity(make_spec(tmp_path / "run", "data.num_samples=5").data)["num_samples"] == 5

@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import math
 
+import functools
+from dataclasses import replace
+
 import pytest
-from omegaconf import OmegaConf
+from conftest import make_spec
 
 from finetune.loop import lr_at
 
 
+@functools.cache
+def _base():
+    return make_spec("/tmp/unused-schedule")  # resolved once; each case replaces its four numbers
+
+
 def _cfg(schedule: str, steps: int, warmup: int, lr: float = 1.0):
-    return OmegaConf.create({"optim": {"lr": lr}, "train": {"steps": steps, "warmup_steps": warmup,
-                                                           "schedule": schedule}})
+    b = _base()
+    return replace(b, optim=replace(b.optim, lr=lr),
+                   train=replace(b.train, steps=steps, warmup_steps=warmup, schedule=schedule))
 
 
 def _lrs(schedule: str, steps: int, warmup: int, lr: float = 1.0) -> list[float]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from finetune.resolver import resolve
 from conftest import needs_mlx, needs_torch
 
 COMMON = ("train.steps=3", "train.eval_every=0", "train.progress=false", "data.num_samples=200")
@@ -113,7 +114,7 @@ def test_optuna_search_prunes_by_plan_before_loading(tmp_path: Path) -> None:
     from finetune import planner
     from finetune.config import compose
 
-    peak = {b: planner.plan(compose(tmp_path / "p", "backend=cuda", f"train.batch_size={b}"),
+    peak = {b: planner.plan(resolve(compose(tmp_path / "p", "backend=cuda", f"train.batch_size={b}")),
                             recommend=False)["max_device_peak_bytes"] for b in (1, 8)}
     budget = (peak[1] + peak[8]) // 2  # micro-batch 1 fits, 8 does not
     out = _sweep(tmp_path, "opt", "search=throughput", "backend=cuda", f"memory.budget={budget}",

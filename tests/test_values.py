@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from finetune.resolver import resolve
 from finetune import data as data_mod
 from finetune import planner
 from finetune.loop import train
@@ -88,7 +89,7 @@ def _check_plan_error(r: dict[str, Any]) -> None:
     length = int(r["src"].train_batch(0).lengths.max())
     as_run = OmegaConf.merge(cfg, {"train": {"batch_size": summary["micro_batch"]},
                                    "backend": {"name": summary["backend"]}})
-    p = planner.plan(as_run, seq_len=length)
+    p = planner.plan(resolve(as_run), seq_len=length)
     census = {k[len("census_"):-len("_bytes")]: v for k, v in first.items() if k.startswith("census_")}
     assert census == {k[:-len("_bytes")]: v for k, v in summary["memory"]["census_first_optimizer"].items()
                       if k != "step"}

@@ -24,7 +24,8 @@ from finetune.modeldesc import (
     Linear,
     ModelDesc,
 )
-from finetune.planspec import MIB, Setup, Tensor, cfg_get
+from finetune.planspec import MIB, Setup, Tensor
+from finetune.spec import RunSpec
 from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.budget import DeviceMemory, cuda_devices, host_memory
 
@@ -67,26 +68,26 @@ def bnb4_bytes(numel: int, double_quant: bool, blocksize: int = BNB_4BIT_BLOCK) 
 
 # ---- resolving the device ------------------------------------------------------------------------
 
-def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
+def resolve_device(spec: RunSpec, mode: str, method: str) -> tuple[str, int, list[str]]:
     """(device, GPUs the model is split over, notes) for this config, and the refusals the
     runtime would give. In ``mode=plan``, ``backend=cuda`` means a GPU whether or not this
     machine has one (``backend.device=cpu`` plans the CPU run); ``backend.num_devices`` plans a
     ``device_map=auto`` split over N GPUs this machine need not have."""
-    b, m = cfg_get(cfg, "backend"), cfg_get(cfg, "method")
-    want_device = str(cfg_get(b, "device", "auto"))
+    b, q = spec.backend, spec.method.quant
+    want_device = b.device
     count, _ = cuda_devices()
-    if mode == "plan" and str(cfg_get(b, "name", "auto")) == "cuda" and want_device == "auto":
+    if mode == "plan" and b.name == "cuda" and want_device == "auto":
         device = "cuda"
     else:
         device = run_device(want_device)
-    split = cfg_get(b, "device_map") == "auto" and device == "cuda"
-    n_wanted = cfg_get(b, "num_devices")
+    split = b.device_map == "auto" and device == "cuda"
+    n_wanted = spec.world.num_devices
     n_devices = (int(n_wanted) if n_wanted else max(count, 1)) if split else 1
     notes = []
     if split and count == 0 and not n_wanted:
         notes.append("backend.device_map=auto: no GPU visible here, planned for 1 device "
                      "(set backend.num_devices=N to plan a split over N GPUs)")
-    bits, qtype = int(cfg_get(m, "quant_bits", 4)), str(cfg_get(m, "quant_type", "nf4"))
+    bits, qtype = q.bits, q.type
     if method == "qlora" and (bits != 4 or qtype not in ("nf4", "fp4")):
         raise UserError("method=qlora on backend=cuda quantizes to 4 bits as nf4 or fp4; "
                         "set method.quant_bits=4 method.quant_type=nf4")
@@ -102,10 +103,10 @@ def check_model(hf: dict[str, Any], seq_len: int) -> None:
     runtime names one it does not, with the fix, when it loads)."""
 
 
-def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
+def pre_quantized(spec: RunSpec, quant: dict[str, Any] | None) -> None:
     """An MLX pre-quantized checkpoint: transformers cannot load it."""
     if quant:
-        raise UserError(f"model.path={cfg_get(cfg_get(cfg, 'model'), 'path')} is MLX-quantized ({quant['bits']}-bit, "
+        raise UserError(f"model.path={spec.model.path} is MLX-quantized ({quant['bits']}-bit, "
                         "config.json 'quantization'), which transformers cannot load; use backend=mlx, "
                         "or the unquantized checkpoint with method=qlora")
 
@@ -327,18 +328,17 @@ DDP_BUCKET_BYTES = 25 << 20
 FSDP_OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
-def ranks(cfg: Any) -> tuple[int, str]:
+def ranks(spec: RunSpec) -> tuple[int, str]:
     """(data-parallel ranks, strategy) the plan is for: ``backend.num_devices`` ranks with
     ``backend.strategy`` unless ``backend.device_map=auto`` (one process split over the GPUs,
     planned by ``resolve_device``); 1 rank otherwise. Refuses fsdp with device_map=auto."""
-    b = cfg_get(cfg, "backend")
-    strategy = str(cfg_get(b, "strategy", "ddp") or "ddp")
-    split = cfg_get(b, "device_map") == "auto"
+    strategy = spec.backend.strategy
+    split = spec.backend.device_map == "auto"
     if strategy == "fsdp" and split:
         raise UserError("backend.strategy=fsdp shards the model over ranks and backend.device_map=auto splits one "
                         "process over GPUs; drop backend.device_map=auto (or use backend.strategy=ddp)")
-    n = cfg_get(b, "num_devices")
-    return (int(n) if n and not split else 1), strategy
+    n = spec.world.num_devices
+    return (n if n and not split else 1), strategy
 
 
 def _refuse_fsdp(s: Setup) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
-from finetune.planspec import Setup, Tensor, cfg_get
+from finetune.planspec import Setup, Tensor
+from finetune.spec import RunSpec
 from finetune.backends.mlx.capabilities import CAPABILITIES
 from finetune.backends.mlx.hfconfig import refusal
 from finetune.budget import DeviceMemory, apple_silicon, apple_working_set, host_memory
@@ -76,7 +77,7 @@ def mlx_quant_bytes(out_f: int, in_f: int, bits: int, group: int, scale_bytes: i
 
 # ---- resolving the device ------------------------------------------------------------------------
 
-def resolve_device(cfg: Any, mode: str, method: str) -> tuple[str, int, list[str]]:
+def resolve_device(spec: RunSpec, mode: str, method: str) -> tuple[str, int, list[str]]:
     """(device, devices, notes): the Apple GPU on Apple Silicon, the CPU elsewhere (mlx[cpu])."""
     return run_device(), 1, []
 
@@ -97,7 +98,7 @@ def check_model(hf: dict[str, Any], seq_len: int) -> None:
         raise UserError(why)
 
 
-def pre_quantized(cfg: Any, quant: dict[str, Any] | None) -> None:
+def pre_quantized(spec: RunSpec, quant: dict[str, Any] | None) -> None:
     """A pre-quantized checkpoint trains as mlx-lm trains it: nothing to refuse."""
 
 
@@ -264,12 +265,11 @@ def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float)
 
 # ---- several processes (mlx.launch) ---------------------------------------------------------------
 
-def ranks(cfg: Any) -> tuple[int, str]:
+def ranks(spec: RunSpec) -> tuple[int, str]:
     """(ranks, strategy): ``backend.num_devices`` processes under mlx.launch (1 when null), data
     parallel (capabilities: ddp only; backend.device_map is a cuda key and means nothing here)."""
-    b = cfg_get(cfg, "backend")
-    n = cfg_get(b, "num_devices")
-    return (int(n) if n else 1), str(cfg_get(b, "strategy", "ddp") or "ddp")
+    n = spec.world.num_devices
+    return (n if n else 1), spec.backend.strategy
 
 
 def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:

@@ -18,8 +18,7 @@ from finetune.modeldesc import ModelDesc
 from finetune.planner.model import SCHEMA_VERSION, Setup, resolve
 from finetune.planner.price import _core
 from finetune.records import Plan, PlanCore
-from finetune.planspec import cfg_get as _get
-from finetune.state import tokens_per_micro
+from finetune.spec import ModelSpec, RunSpec
 from finetune.state import RunState
 
 
@@ -34,12 +33,12 @@ def _setup_with(s: Setup, **changes: Any) -> Setup:
 def _fits(p: PlanCore, budget: int | None) -> bool | None:
     return None if budget is None else p["max_device_peak_bytes"] <= budget
 
-def chunk_lever_ok(cfg: Any, s: Setup) -> bool:
+def chunk_lever_ok(spec: RunSpec, s: Setup) -> bool:
     """Whether the governor may turn on ``train.loss_chunk`` for this run: it is off, the
     ranks are not FSDP shards (the head's weights are sharded outside FSDP's forward) and,
     on cuda, the loss is not compiled (the chunked loss picks rows on the host). The same
     refusals the runtimes give a user who sets it."""
-    compiled = bool(_get(_get(cfg, "train"), "compile", False))
+    compiled = spec.train.compile
     return (not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1)
             and not (compiled and not capabilities(s.backend).chunked_loss_with_compile))
 
@@ -149,7 +148,7 @@ class FitResult:
     loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
 
-def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state: Any = None) -> FitResult:
+def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
     First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
@@ -163,13 +162,13 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
     suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
     "train.seq_len=512".
     """
-    arch, s = resolve(cfg, seq_len, state)
+    arch, s = resolve(spec, seq_len, state)
     budget = int(budget_bytes)
     eff = s.batch * s.grad_accum
-    base = state or (RunState.from_config(cfg, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
+    base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
     def full_plan(batch: int, ckpt: bool) -> Plan:
-        return plan(cfg, seq_len=seq_len, budget_bytes=budget, recommend=False,
+        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
 
@@ -181,7 +180,7 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
                          tokens_per_micro=base.tokens_per_micro)
     events: list[dict[str, Any]] = []
     chunked = _setup_with(s, loss_chunk=LOSS_CHUNK_LEVER)
-    pc = _core(arch, chunked) if chunk_lever_ok(cfg, s) else p0
+    pc = _core(arch, chunked) if chunk_lever_ok(spec, s) else p0
     if pc["max_device_peak_bytes"] < p0["max_device_peak_bytes"]:  # a step of over LOSS_CHUNK_LEVER targets
         s = chunked
         events.append({"trigger": "plan_over_budget", "action": "enable_loss_chunk",
@@ -192,7 +191,7 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
                              loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
         before = {**before, "peak_bytes": pc["max_device_peak_bytes"]}
     if s.packed:
-        return _fit_packed(cfg, arch, s, base, budget, before, events, seq_len)
+        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -215,7 +214,7 @@ def fit_to_budget(cfg: Any, budget_bytes: int, seq_len: int | None = None, state
     return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)
 
 
-def _fit_packed(cfg: Any, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
+def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
                 events: list[dict[str, Any]], seq_len: int | None) -> FitResult:
     """train.packing: the micro-batch lever is tokens per micro-batch. Halve it (then with
     gradient checkpointing) until the plan fits; each step's samples stay the same, packed
@@ -223,7 +222,7 @@ def _fit_packed(cfg: Any, arch: ModelDesc, s: Setup, base: Any, budget: int, bef
     for ``c`` tokens is ``min(the width planned, max(c, the longest sample))`` (the longest:
     train.seq_len, the data's cap)."""
     tokens = base.tokens_per_micro
-    longest = min(int(_get(_get(cfg, "train"), "seq_len", 256)), s.seq_len)
+    longest = min(spec.train.seq_len, s.seq_len)
     candidates = [tokens]
     while candidates[-1] > longest:
         candidates.append(max(candidates[-1] // 2, longest))
@@ -253,14 +252,14 @@ def _fit_packed(cfg: Any, arch: ModelDesc, s: Setup, base: Any, budget: int, bef
                                "before": {**prev, "grad_checkpointing": False},
                                "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["max_device_peak_bytes"]}})
             state = base.with_(tokens_per_micro=c, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk)
-            full = plan(cfg, seq_len=width(c), budget_bytes=budget, recommend=False, state=state)
+            full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state)
             return FitResult(True, full, base.micro_batch, base.grad_accum, ckpt, events, loss_chunk=s.loss_chunk,
                              tokens_per_micro=c)
     last = candidates[-1]
     smallest = _setup_with(s, seq_len=width(last), ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
     state = base.with_(tokens_per_micro=last, grad_checkpointing=True, loss_chunk=s.loss_chunk)
-    return FitResult(False, plan(cfg, seq_len=width(last), budget_bytes=budget, recommend=False, state=state),
+    return FitResult(False, plan(spec, seq_len=width(last), budget_bytes=budget, recommend=False, state=state),
                      base.micro_batch, base.grad_accum, True, [], suggestions, loss_chunk=s.loss_chunk,
                      tokens_per_micro=last)
 
@@ -278,10 +277,10 @@ def _budget(s: Setup, override: int | None) -> tuple[int | None, str, int | None
     return dm.total_bytes, f"device: {label}", dm.total_bytes
 
 
-def _model_name(model_cfg: Any) -> str:
+def _model_name(model: ModelSpec) -> str:
     """What the plan calls the model: the preset's name, or the path when the default preset
     only carries a user's ``model.path`` (``model.path=Qwen/Qwen3-8B`` is not "tiny")."""
-    name, path = str(_get(model_cfg, "name", "")), _get(model_cfg, "path")
+    name, path = model.name, model.path
     return str(path) if path and name == "tiny" else name
 
 
@@ -302,22 +301,22 @@ def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     return out
 
 
-def _packing(cfg: Any, s: Setup, state: Any) -> dict[str, Any] | None:
+def _packing(spec: RunSpec, s: Setup, state: Any) -> dict[str, Any] | None:
     """train.packing as planned: the tokens of the micro-batch priced, and the attention path
     that keeps samples apart (the same one the runtime takes)."""
     if not s.packed:
         return None
     path = memory_model(s.backend).packed_attention(s)
-    return {"tokens_per_micro": state.tokens_per_micro if state is not None else tokens_per_micro(cfg),
+    return {"tokens_per_micro": state.tokens_per_micro if state is not None else spec.train.packed_tokens,
             "tokens_priced": s.seq_len, "attention": path}
 
 
-def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
+def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
-        cfg: the composed finetune.config.Config (DictConfig or dataclass).
+        spec: the run's resolved spec (finetune.resolver.resolve).
         seq_len: tokens per sample to plan for; default ``train.seq_len``. Pass the data's
             longest (truncated) sample for a tighter plan.
         budget_bytes: the budget to judge ``fits`` against; default ``memory.budget`` or the device.
@@ -327,7 +326,7 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
-    arch, s = resolve(cfg, seq_len, state)
+    arch, s = resolve(spec, seq_len, state)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)
@@ -338,7 +337,7 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "devices": s.n_devices,
         "world_size": s.world_size,
         "strategy": s.strategy if s.world_size > 1 else None,
-        "model": {"name": _model_name(_get(cfg, "model")), **arch.summary()},
+        "model": {"name": _model_name(spec.model), **arch.summary()},
         "method": s.method,
         "optim": s.optim,
         "precision": s.precision,
@@ -351,13 +350,12 @@ def plan(cfg: Any, seq_len: int | None = None, budget_bytes: int | None = None,
         "grad_accum": s.grad_accum,
         # per rank, as RunState.effective_batch (x world_size per step); packed, the samples
         # of a step whatever the number of micro-batches
-        "effective_batch": (state.effective_batch if state is not None else
-                            int(_get(_get(cfg, "train"), "batch_size", 1)) * int(_get(_get(cfg, "train"), "grad_accum", 1)))
+        "effective_batch": (state.effective_batch if state is not None else spec.train.effective_batch)
         if s.packed else s.batch * s.grad_accum,
         "seq_len": s.seq_len,
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
-        "packing": _packing(cfg, s, state),
+        "packing": _packing(spec, s, state),
         **core,
         "device_total_bytes": device_total,
         "budget_bytes": budget,

@@ -9,15 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from finetune import precision as prec_mod
-from finetune.backends import capabilities, concrete_name, memory_model
-from finetune.config import check_backend_support
+from finetune.backends import capabilities, memory_model
 from finetune.errors import UserError
 from finetune.model_source import model_config, stored_dtype, stored_quantization
 from finetune.modeldesc import ModelDesc
 from finetune.planner.describe import _EAGER_ONLY, HEAD, describe, lora_keys
 from finetune.planspec import DTYPE_BYTES, GIB, MIB, Setup, Tensor  # noqa: F401  (re-exported: the planner's names)
-from finetune.planspec import cfg_get as _get
-from finetune.state import tokens_per_micro
+from finetune.spec import ModelSpec, RunSpec
 
 SCHEMA_VERSION = 1
 
@@ -26,23 +24,13 @@ SCHEMA_VERSION = 1
 GRAD_ACTIVATION_OVERLAP = 0.5
 
 
-# ---- config access --------------------------------------------------------------------------
-
-def _seq(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return list(value)
-
-
 # ---- the model ---------------------------------------------------------------------------------
 
-def model_desc(model_cfg: Any, model_dir: Any = None) -> ModelDesc:
+def model_desc(model: ModelSpec, model_dir: Any = None) -> ModelDesc:
     """The description of the model ``model`` names: from ``model_dir`` (a loaded model's
     directory), a local ``model.path``, the hub's cached config of a hub id, or the preset's
     released config facts (finetune.model_source.model_config)."""
-    hf, source = model_config(model_cfg, model_dir)
+    hf, source = model_config(model, model_dir)
     return describe(hf, source)
 
 
@@ -65,18 +53,17 @@ def attention(desc: ModelDesc, wanted: str) -> str:
     return wanted
 
 
-def _packed_setup(setup: Setup, cfg: Any, state: Any, seq_len: int | None) -> None:
+def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None) -> None:
     """train.packing: price one row per micro-batch, as wide as ``seq_len`` when given (the
     longest packed micro-batch the data gives, ``finetune.data`` ``max_micro_tokens``), else
     ``tokens_per_micro``; the row's block mask is a [1, 1, T, T] bool on cuda (transformers
     builds it from position_ids for sdpa and eager). The head runs on target rows unless the
     cuda loss is compiled or sharded (backends/cuda/runtime.py _loss_sum)."""
-    t = _get(cfg, "train")
+    t = spec.train
     caps = capabilities(setup.backend)
-    if not caps.chunked_loss_with_compile and (bool(_get(t, "compile", False)) or
-                                               (setup.strategy == "fsdp" and setup.world_size > 1)):
+    if not caps.chunked_loss_with_compile and (t.compile or (setup.strategy == "fsdp" and setup.world_size > 1)):
         setup.target_head = False
-    tokens = state.tokens_per_micro if state is not None else tokens_per_micro(cfg)
+    tokens = state.tokens_per_micro if state is not None else t.packed_tokens
     if not tokens:
         return
     effective = setup.batch * setup.grad_accum
@@ -84,7 +71,7 @@ def _packed_setup(setup: Setup, cfg: Any, state: Any, seq_len: int | None) -> No
     setup.packed, setup.batch, setup.seq_len = True, 1, width
     # micro-batches per step: the step's samples at the widest over the packed width (at
     # least 2 wherever they do not fit one: gradients then accumulate)
-    setup.grad_accum = max(1, -(-effective * int(_get(t, "seq_len", 256)) // tokens))
+    setup.grad_accum = max(1, -(-effective * t.seq_len // tokens))
     setup.padding_mask = caps.packed_block_mask
 
 
@@ -123,60 +110,55 @@ def _pre_quantized_base(setup: Setup) -> None:
                            "LoRA trains on the quantized base")
 
 
-def resolve(cfg: Any, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
-    """Resolve the config (and the machine, for backend=auto and the GPU count) into an
-    architecture and a setup. ``state`` (a finetune.state.RunState) overrides the backend,
-    micro-batch, accumulation, checkpointing and loss chunk with the run's live values. Raises UserError
-    for a combination the backend would refuse."""
-    hf, hf_source = model_config(_get(cfg, "model"))
+def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
+    """Resolve the spec (and the machine, for the GPU count) into an architecture and a setup.
+    ``state`` (a finetune.state.RunState) overrides the backend, micro-batch, accumulation,
+    checkpointing and loss chunk with the run's live values. Raises UserError for a
+    combination the backend would refuse (finetune.resolver runs this once as a check)."""
+    hf, hf_source = model_config(spec.model)
     arch = describe(hf, hf_source)
-    b = _get(cfg, "backend")
-    backend = state.backend if state is not None else concrete_name(str(_get(b, "name", "auto")))
-    m, o, t = _get(cfg, "method"), _get(cfg, "optim"), _get(cfg, "train")
-    method, optim = str(_get(m, "name", "lora")), str(_get(o, "name", "adamw"))
-    precision = str(_get(_get(cfg, "precision"), "name", "32-true"))
+    backend = state.backend if state is not None else spec.backend.resolved
+    m, o, t = spec.method, spec.optim, spec.train
+    method, optim, precision = m.name, o.name, spec.precision.name
     if method not in ("lora", "dora", "qlora", "full"):
         raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
     notes: list[str] = []
-    check_backend_support(backend, cfg)  # the same refusal the backend gives at setup
-    model_cfg = _get(cfg, "model")
-    stored, dtype_source = stored_dtype(model_cfg)
-    pre_quant = stored_quantization(model_cfg)
+    stored, dtype_source = stored_dtype(spec.model)
+    pre_quant = stored_quantization(spec.model)
     mm = memory_model(backend)
-    mm.pre_quantized(cfg, pre_quant)
-    device, n_devices, dev_notes = mm.resolve_device(cfg, str(_get(cfg, "mode", "train") or "train"), method)
+    mm.pre_quantized(spec, pre_quant)
+    device, n_devices, dev_notes = mm.resolve_device(spec, spec.mode, method)
     notes += dev_notes
-    world_size, strategy = mm.ranks(cfg)  # the backend's refusals for a strategy come from here
+    world_size, strategy = mm.ranks(spec)  # the backend's refusals for a strategy come from here
     dt = _dtypes(backend, precision, method, stored, dtype_source, notes)
     weight_dtype, adapter_dtype, compute_dtype = dt.weights, dt.adapters, dt.compute
     autocast = dt.autocast is not None
-    lc = _get(m, "lora")
-    keys = lora_keys(arch, _get(lc, "keys"))
+    lc = m.lora
+    keys = lora_keys(arch, lc.keys)
     if method != "full":
         mm.check_lora_keys(keys)  # what the backend's library cannot adapt, in one line
-    layers = _adapted_layers(method, int(_get(lc, "num_layers", -1)), arch.layers, notes)
-    T = int(seq_len) if seq_len else int(_get(t, "seq_len", 256))
+    layers = _adapted_layers(method, lc.num_layers, arch.layers, notes)
+    T = int(seq_len) if seq_len else t.seq_len
     # transformers' attention choice; a backend with its own attention (mlx) names it in its memory model
-    wanted = str(_get(_get(cfg, "backend"), "attn_implementation", None) or "auto")
-    attn = attention(arch, wanted) if mm.ATTENTION_LABEL is None else "sdpa"
+    attn = attention(arch, spec.backend.attn_implementation) if mm.ATTENTION_LABEL is None else "sdpa"
     mm.check_model(hf, T)  # a family the backend's library cannot load faithfully: one line
     setup = Setup(
         backend=backend, device=device, n_devices=n_devices, method=method, optim=optim, precision=precision,
         weight_dtype=weight_dtype, adapter_dtype=adapter_dtype, compute_dtype=compute_dtype, autocast=autocast,
-        rank=int(_get(lc, "rank", 8)), dropout=float(_get(lc, "dropout", 0.0)), keys=keys, lora_layers=layers,
-        quant_bits=int(_get(m, "quant_bits", 4)), quant_group=int(_get(m, "quant_group_size", 64)),
-        quant_type=str(_get(m, "quant_type", "nf4")), double_quant=bool(_get(m, "double_quant", True)),
-        batch=state.micro_batch if state is not None else int(_get(t, "batch_size", 1)), seq_len=T,
-        grad_accum=state.grad_accum if state is not None else int(_get(t, "grad_accum", 1)),
-        ckpt=state.grad_checkpointing if state is not None else bool(_get(t, "grad_checkpointing", False)), attn=attn,
-        momentum=float(_get(o, "momentum", 0.0) or 0.0), clip=_get(o, "max_grad_norm", 1.0) is not None,
-        budget_text=_get(_get(cfg, "memory"), "budget"), notes=notes, dtype_source=dtype_source,
+        rank=lc.rank, dropout=lc.dropout, keys=keys, lora_layers=layers,
+        quant_bits=m.quant.bits, quant_group=m.quant.group_size, quant_type=m.quant.type,
+        double_quant=m.quant.double_quant,
+        batch=state.micro_batch if state is not None else t.batch_size, seq_len=T,
+        grad_accum=state.grad_accum if state is not None else t.grad_accum,
+        ckpt=state.grad_checkpointing if state is not None else t.grad_checkpointing, attn=attn,
+        momentum=o.momentum, clip=o.max_grad_norm is not None,
+        budget_text=spec.memory.budget, notes=notes, dtype_source=dtype_source,
         pre_quant=pre_quant if capabilities(backend).pre_quantized else None, world_size=world_size,
         strategy=strategy,
-        loss_chunk=state.loss_chunk if state is not None else int(_get(t, "loss_chunk", 0) or 0),
-        padding_mask=bool(_get(model_cfg, "trust_remote_code", False)),
+        loss_chunk=state.loss_chunk if state is not None else t.loss_chunk,
+        padding_mask=spec.model.trust_remote_code,
     )
-    _packed_setup(setup, cfg, state, seq_len)
+    _packed_setup(setup, spec, state, seq_len)
     _pre_quantized_base(setup)
     return arch, setup
 

@@ -13,6 +13,7 @@ from finetune.modeldesc import ModelDesc
 from finetune.planner.model import GRAD_ACTIVATION_OVERLAP, inventory, resolve
 from finetune.planspec import Setup, Tensor
 from finetune.records import PLAN_KEYS, RANK_KEYS, PlanBytes, PlanCore, PlanDevice, PlanTotals
+from finetune.spec import RunSpec
 
 
 def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
@@ -86,17 +87,17 @@ def _module_of(t: Tensor) -> str:
 def _count(tensors: list[Tensor]) -> tuple[int, int]:
     return sum(t.numel for t in tensors), sum(t.numel for t in tensors if t.trainable)
 
-def trainable_params(cfg: Any) -> int:
+def trainable_params(spec: RunSpec) -> int:
     """Parameters the optimizer updates, as the backends count them after building adapters:
     LoRA r * (in + out) per adapted Linear (+ out for DoRA's magnitude), or every parameter for
     method=full (tied embeddings once)."""
-    arch, s = resolve(cfg)
+    arch, s = resolve(spec)
     return _count(inventory(arch, s))[1]
 
-def params_total(cfg: Any) -> int:
+def params_total(spec: RunSpec) -> int:
     """Every parameter by logical element (a 4-bit weight counts its real shape), adapters
     included, tied embeddings once: backends' ModelInfo.params_total."""
-    arch, s = resolve(cfg)
+    arch, s = resolve(spec)
     return _count(inventory(arch, s))[0]
 
 _MODULE_KEYS = ("weights", "quant", "trainable_weights", "grads", "optimizer_state", "optimizer_state_paged", "round")

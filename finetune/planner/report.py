@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from finetune.io import atomic_write_json
 from finetune.planner.fit import plan
 from finetune.planspec import GIB
 from finetune.records import PLAN_KEYS, RANK_KEYS, WEIGHT_KEYS, Census, Plan, Sample
-from finetune.planspec import cfg_get as _get
+from finetune.spec import RunSpec
 from finetune.backends import capabilities
 
 
@@ -160,11 +159,10 @@ def _rank_table(pr: dict[str, Any], budget: int | None) -> list[str]:
     return out
 
 
-def run_plan(cfg: Any) -> Plan:
-    """mode=plan: compute the plan, write ``cfg.run_dir/plan.json`` atomically (temp file +
+def run_plan(spec: RunSpec) -> Plan:
+    """mode=plan: compute the plan, write ``paths.run_dir/plan.json`` atomically (temp file +
     rename), print the table, return the plan."""
-    p = plan(cfg)
-    run_dir = Path(str(_get(cfg, "run_dir")))
-    atomic_write_json(run_dir / "plan.json", p)
+    p = plan(spec)
+    atomic_write_json(spec.paths.run_dir / "plan.json", p)
     print(format_table(p))
     return p
