@@ -114,3 +114,18 @@ def cuda_backend_with_oom(raise_when: Any, on: str = "model") -> Any:
             return super().optimizer_step(lr)
 
     return PlantedOom()
+
+
+# The longest files first: xdist (--dist loadfile) hands whole files to the workers in
+# collection order, so a long file collected last (test_sweeps, test_train_e2e, test_values sort
+# late) kept one worker busy while the other sat idle. Within a file the order is unchanged.
+LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_gpu_bench_smoke.py", "test_dist_mlx.py",
+                 "test_security.py", "test_train_e2e.py", "test_inputs_as_they_come.py", "test_sweep_secrets.py",
+                 "test_sweep_failures.py", "test_family_plans.py", "test_families.py", "test_signals.py",
+                 "test_full_disk.py", "test_faults.py", "test_governor.py", "test_compile.py", "test_export.py",
+                 "test_values.py", "test_cli_runs.py", "test_rundir.py")
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda it: rank.get(Path(str(it.fspath)).name, len(rank)))
