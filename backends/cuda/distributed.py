@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from finetune.backends.base import Comm
-from finetune.backends.cuda.memory import DDP_BUCKET_BYTES, FSDP_OPTIMIZERS
+from finetune.backends.cuda.memory import DDP_BUCKET_BYTES
 from finetune.errors import UserError
 
 

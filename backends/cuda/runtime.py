@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.cuda.capabilities import CAPABILITIES
+from finetune.backends.cuda.memory import FSDP_OPTIMIZERS
 
 from finetune.errors import UserError
 from finetune import precision as precision_mod, quiet
@@ -432,7 +433,7 @@ class CudaBackend:
             if cfg.method.name == "qlora":
                 raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights here; use "
                                 "backend.strategy=ddp with method=qlora, or method=lora with fsdp")
-            if cfg.optim.name not in distributed.FSDP_OPTIMIZERS:
+            if cfg.optim.name not in FSDP_OPTIMIZERS:
                 raise UserError(f"optim={cfg.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
             autocast = self.autocast_dtype
