@@ -608,6 +608,9 @@ def test_mlx_tiny_real(tmp_path: Path) -> None:
     import mlx.core as mx
 
     gc.collect()  # MLX's counters are process-wide: an earlier test's model in a cycle is not ours
+    # what an earlier test in this worker still holds (a module fixture's arrays, a cycle the
+    # collector frees mid-test) is in MLX's active figure too: allow it, measured, not guessed
+    before = mx.get_active_memory()
     b, info, batch = _setup("mlx", "full")
     acct = Accountant(b)
     secs = _train(acct, b, batch, 4)
@@ -624,7 +627,7 @@ def test_mlx_tiny_real(tmp_path: Path) -> None:
         s = at[step, "optimizer"]
         assert s["census"]["trainable_weights"] == w and s["census"]["optimizer_state"] == 2 * w
         other = s["census"]["activations_and_other"]
-        assert 0 <= other <= 0.02 * s["allocated"] + (16 << 10), (step, other, s["allocated"])
+        assert 0 <= other <= 0.02 * s["allocated"] + (16 << 10) + before, (step, other, s["allocated"], before)
     # the lazy optimizer state, located: absent in step 1's backward, present after its optimizer phase
     assert at[1, "backward"]["census"]["optimizer_state"] == 0
     assert at[2, "backward"]["census"]["optimizer_state"] == 2 * w
