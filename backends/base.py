@@ -243,19 +243,21 @@ class Comm:
 class Backend(Protocol):
     name: str  # "cuda" | "mlx"
 
-    def connect(self, cfg: Any) -> Comm:
+    def connect(self, spec: RunSpec) -> Comm:
         """Join the launcher's process group when started by one (its environment says so),
-        before setup(); return the ranks' Comm (``Comm()`` for one process). Under several
+        before setup(); return the ranks' Comm (``Comm()`` for one process). ``spec`` is the
+        resolved run (its ``backend`` group: device, strategy, device_map). Under several
         ranks the backend keeps it: ``optimizer_step`` sums gradients over ranks first, and
         ``save_adapter``/``save_state`` write on rank 0 (or, sharded, on every rank into the
         one directory the loop names on each)."""
         ...
 
-    def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
+    def setup(self, spec: RunSpec, model_dir: Path) -> ModelInfo:
         """Load the base model from the HF-format ``model_dir``, apply the method (lora, dora,
-        qlora, full), precision and gradient checkpointing, build the optimizer. ``cfg`` is
-        the composed finetune.config.Config. Raise finetune.config.UserError for a choice the
-        backend cannot run (naming the ones it can)."""
+        qlora, full), precision and gradient checkpointing, build the optimizer. ``spec`` is
+        the resolved, checked run (``finetune.resolver.resolve``): the enumerated choices are
+        already the backend's. Raise finetune.errors.UserError, naming the fix, for what it still
+        cannot run: what only this machine, its libraries or the model directory show."""
         ...
 
     def forward_backward(self, batch: Batch, loss_scale: float, on_phase: PhaseHook | None = None) -> float:

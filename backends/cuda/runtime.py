@@ -41,17 +41,12 @@ from finetune.model_source import TOKENIZER_FILES, stored_dtype, stored_quantiza
 from finetune.records import CENSUS_KEYS, Census, CensusKey
 from finetune.planner.describe import EXPERTS, lora_keys
 from finetune.planner.model import attention, model_desc
+from finetune.spec import MethodSpec, OptimSpec, RunSpec
 
 log = logging.getLogger("finetune")
 
-METHODS, OPTIMIZERS = CAPABILITIES.methods, CAPABILITIES.optimizers
+OPTIMIZERS = CAPABILITIES.optimizers
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _choose(what: str, value: str, valid: tuple[str, ...] | dict) -> None:
-    if value not in valid:
-        raise UserError(f"{what}={value} is not supported by backend=cuda; "
-                        f"choose one of: {', '.join(valid)}")
 
 
 def _resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -105,6 +100,21 @@ def _check_architecture(model_dir: Path, trust_remote_code: bool) -> None:
     raise UserError(f"{model_dir}: architecture model_type={model_type!r} is not one transformers can load; "
                     "upgrade transformers, use a supported model, or set model.trust_remote_code=true if the "
                     "repository ships its own code and you trust it")
+
+
+def _check_loadable(spec: RunSpec, model_dir: Path) -> None:
+    """UserError, naming the fix, for a model this backend cannot train as asked: packing
+    under the repository's own modeling code, an MLX-quantized checkpoint, an architecture
+    transformers cannot build. The last two read the downloaded directory (the resolver's
+    planner saw a hub id's cached config at best)."""
+    if spec.train.packing and spec.model.trust_remote_code:
+        raise UserError("train.packing with model.trust_remote_code=true: the model's own code may not keep "
+                        "attention within a packed sample (transformers' position_ids path); set "
+                        "train.packing=false")
+    if stored_quantization(spec.model, model_dir):
+        raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
+                        "cannot load; use backend=mlx, or the unquantized checkpoint with method=qlora")
+    _check_architecture(model_dir, spec.model.trust_remote_code)
 
 
 def _compile_loss(device: torch.device, chunk: int, strategy: str | None) -> Callable:
@@ -176,7 +186,7 @@ def _quant_tensors(qs: Any) -> list[torch.Tensor]:
     return out
 
 
-def _adafactor(params: list[torch.nn.Parameter], o: Any) -> torch.optim.Optimizer:
+def _adafactor(params: list[torch.nn.Parameter], o: OptimSpec) -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
     # Fixed lr from the loop's schedule; eps = (regularizer of the squared grad, of the scale).
@@ -184,10 +194,10 @@ def _adafactor(params: list[torch.nn.Parameter], o: Any) -> torch.optim.Optimize
                      relative_step=False, warmup_init=False)
 
 
-def _bnb(name: str) -> Callable[[list[torch.nn.Parameter], Any], torch.optim.Optimizer]:
+def _bnb(name: str) -> Callable[[list[torch.nn.Parameter], OptimSpec], torch.optim.Optimizer]:
     # Paged optimizers put state >= 1e5 elements in CUDA unified memory; on CPU bitsandbytes
     # warns and falls back to ordinary tensors.
-    def make(params: list[torch.nn.Parameter], o: Any) -> torch.optim.Optimizer:
+    def make(params: list[torch.nn.Parameter], o: OptimSpec) -> torch.optim.Optimizer:
         import bitsandbytes as bnb
 
         return getattr(bnb.optim, name)(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -207,7 +217,7 @@ def _fused_on_cpu(params: list[torch.nn.Parameter]) -> dict[str, Any]:
 
 
 # One constructor per name in CAPABILITIES.optimizers (tests/test_capabilities.py checks both ways)
-OPTIMIZER_BUILDERS: dict[str, Callable[[list[torch.nn.Parameter], Any], torch.optim.Optimizer]] = {
+OPTIMIZER_BUILDERS: dict[str, Callable[[list[torch.nn.Parameter], OptimSpec], torch.optim.Optimizer]] = {
     "adamw": lambda p, o: torch.optim.AdamW(p, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                                             **_fused_on_cpu(p)),
     "adam": lambda p, o: torch.optim.Adam(p, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
@@ -220,7 +230,7 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[list[torch.nn.Parameter], Any], torch.op
 }
 
 
-def _build_optimizer(o: Any, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def _build_optimizer(o: OptimSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if o.name not in OPTIMIZER_BUILDERS:  # a lookup that misses raises, never falls through
         raise UserError(f"optim={o.name} is not supported by backend=cuda; choose one of: {', '.join(OPTIMIZERS)}")
     return OPTIMIZER_BUILDERS[o.name](params, o)
@@ -242,7 +252,7 @@ class CudaBackend:
         self.device = torch.device("cpu")  # where inputs go (the embedding's device)
         self.autocast_dtype: torch.dtype | None = None
         self.grad_checkpointing = False
-        self.cfg: Any = None
+        self.spec: RunSpec | None = None  # the run, set by setup()
         self.model_dir: Path | None = None
         self._contexts: dict[int, int | None] = {}  # CUDA context bytes per device, at setup
         self._totals: dict[int, int] | None = None  # device memory per CUDA index, read once
@@ -262,7 +272,7 @@ class CudaBackend:
         self._compiled_loss: Callable | None = None  # train.compile: token_loss_sum through torch.compile
 
     # ---- several processes -------------------------------------------------------------
-    def connect(self, cfg: Any) -> Comm:
+    def connect(self, spec: RunSpec) -> Comm:
         """Join torchrun's (or accelerate's, or SLURM's) process group when one launched us:
         nccl on GPUs, gloo on the CPU (backend.device=cpu or no GPU visible)."""
         from finetune.backends.cuda import distributed
@@ -271,68 +281,60 @@ class CudaBackend:
         if world is None:
             return self.comm
         rank, size, local_rank = world
-        use_cuda = torch.cuda.is_available() and str(cfg.backend.device) != "cpu"
+        b = spec.backend
+        use_cuda = torch.cuda.is_available() and b.device != "cpu"
         if use_cuda and local_rank >= torch.cuda.device_count():
             if torch.cuda.device_count() != 1:
                 raise UserError(f"rank {rank} has LOCAL_RANK={local_rank} but this node sees "
                                 f"{torch.cuda.device_count()} GPU(s); launch at most that many processes per node "
                                 "(--nproc-per-node, --ntasks-per-node)")
             local_rank = 0  # SLURM bound one GPU to this task (--gpus-per-task=1): it is cuda:0 here
-        if cfg.backend.strategy == "fsdp" and cfg.backend.device_map == "auto":
+        if b.strategy == "fsdp" and b.device_map == "auto":
             raise UserError("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
                             "(it splits one process's model over GPUs)")
         self.comm = distributed.TorchComm(rank, size, local_rank, use_cuda)
-        self.strategy = str(cfg.backend.strategy)
+        self.strategy = b.strategy
         self.sharded = self.strategy == "fsdp"
         return self.comm
 
     # ---- setup -------------------------------------------------------------------------
-    def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
+    def setup(self, spec: RunSpec, model_dir: Path) -> ModelInfo:
         """Load ``model_dir`` with transformers, apply method/precision/checkpointing, build the
-        optimizer. Raises UserError for a choice this backend cannot run here.
+        optimizer. ``spec`` is resolved and checked (finetune.resolver): the method, optimizer
+        and precision are ones this backend runs. Raises UserError for what it cannot run here.
 
         The stages, in order (each refuses what it cannot run before the next one starts)."""
-        self._check_choices(cfg, model_dir)
-        device = self._place(cfg, model_dir)
-        torch.manual_seed(cfg.train.seed)  # adapter init (LoRA A) and dropout are reproducible
-        self._load(cfg, model_dir, device)
-        self._adapt(cfg)
+        self._remember(spec, model_dir)
+        device = self._place(spec, model_dir)
+        torch.manual_seed(spec.train.seed)  # adapter init (LoRA A) and dropout are reproducible
+        self._load(spec, model_dir, device)
+        self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
-        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+        self.set_grad_checkpointing(spec.train.grad_checkpointing)
         if self.comm.world_size > 1:
-            self._distribute(cfg)
-        self._setup_loss(cfg)
-        trainable = self._setup_optimizer(cfg)
-        return self._model_info(cfg, model_dir, trainable)
+            self._distribute(spec)
+        self._setup_loss(spec)
+        trainable = self._setup_optimizer(spec)
+        return self._model_info(spec, model_dir, trainable)
 
-    def _check_choices(self, cfg: Any, model_dir: Path) -> None:
-        """Validation: method, optimizer and precision this backend runs, packing with the
-        model's own code, and a checkpoint transformers can load."""
-        m, o, prec = cfg.method, cfg.optim, cfg.precision.name
-        _choose("method", m.name, METHODS)
-        _choose("optim", o.name, OPTIMIZERS)
-        _choose("precision", prec, tuple(CAPABILITIES.precisions))
-        self.cfg, self.model_dir = cfg, Path(model_dir)
-        mn = cfg.optim.max_grad_norm
-        self._padding_mask = bool(cfg.model.trust_remote_code)
-        if self._padding_mask and cfg.train.packing:
-            raise UserError("train.packing with model.trust_remote_code=true: the model's own code may not keep "
-                            "attention within a packed sample (transformers' position_ids path); set "
-                            "train.packing=false")
+    def _remember(self, spec: RunSpec, model_dir: Path) -> None:
+        """The run and what the step reads at every call (clipping, the padding mask)."""
+        if spec.backend.resolved != self.name:  # the resolver checked its choices against that backend
+            raise ValueError(f"a spec resolved for backend={spec.backend.resolved} was handed to backend={self.name}")
+        self.spec, self.model_dir = spec, Path(model_dir)
+        mn = spec.optim.max_grad_norm
         self._max_norm = None if mn is None else float(mn)  # read once, not every step
-        if stored_quantization(cfg.model, model_dir):
-            raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
-                            "cannot load; use backend=mlx, or the unquantized checkpoint with method=qlora")
+        self._padding_mask = spec.model.trust_remote_code
 
-    def _place(self, cfg: Any, model_dir: Path) -> torch.device:
+    def _place(self, spec: RunSpec, model_dir: Path) -> torch.device:
         """Dtypes (the ones the planner priced, finetune/precision.py) and the device; on a GPU
         the CUDA context is measured before anything else touches CUDA in this process."""
-        prec = cfg.precision.name
-        stored, _ = stored_dtype(cfg.model, model_dir)
-        self.dtypes = precision_mod.resolve("cuda", prec, cfg.method.name, stored)
-        device = _resolve_device(cfg.backend.device, self.comm.local_rank)
+        prec = spec.precision.name
+        stored, _ = stored_dtype(spec.model, model_dir)
+        self.dtypes = precision_mod.resolve("cuda", prec, spec.method.name, stored)
+        device = _resolve_device(spec.backend.device, self.comm.local_rank)
         if device.type == "cuda":  # before anything else touches CUDA in this process
-            split_later = cfg.backend.device_map == "auto"
+            split_later = spec.backend.device_map == "auto"
             self._contexts = _measure_cuda_contexts(list(range(torch.cuda.device_count())) if split_later
                                                     else [device.index or 0])
         self.weight_dtype = _TORCH_DTYPES[self.dtypes.weights]
@@ -340,25 +342,25 @@ class CudaBackend:
         self._check_precision("bf16-true" if prec == "auto" and self.dtypes.weights == "bfloat16" else prec, device)
         return device
 
-    def _load(self, cfg: Any, model_dir: Path, device: torch.device) -> None:
+    def _load(self, spec: RunSpec, model_dir: Path, device: torch.device) -> None:
         """The base model through ``from_pretrained`` on ``device`` (or split over the GPUs),
         4-bit quantized there for qlora."""
         from transformers import AutoModelForCausalLM
 
-        m = cfg.method
-        _check_architecture(model_dir, bool(cfg.model.trust_remote_code))
-        self.desc = model_desc(cfg.model, model_dir)
-        wanted = str(cfg.backend.attn_implementation)
+        m = spec.method
+        _check_loadable(spec, model_dir)
+        self.desc = model_desc(spec.model, model_dir)
+        wanted = spec.backend.attn_implementation
         attention(self.desc, wanted)  # refuses, in one line, an attention this model does not run
         kwargs: dict[str, Any] = {"dtype": self.weight_dtype,
                                   # auto: transformers' own choice for the model
                                   "attn_implementation": None if wanted == "auto" else wanted,
                                   # the repository's own Python runs only when the user said so
-                                  "trust_remote_code": bool(cfg.model.trust_remote_code),
+                                  "trust_remote_code": spec.model.trust_remote_code,
                                   # pickle weights run code when loaded (model.allow_pickle)
-                                  "use_safetensors": None if getattr(cfg.model, "allow_pickle", False) else True}
+                                  "use_safetensors": None if spec.model.allow_pickle else True}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
-        split = cfg.backend.device_map == "auto" and device.type == "cuda"
+        split = spec.backend.device_map == "auto" and device.type == "cuda"
         kwargs["device_map"] = "auto" if split else {"": str(device)}
         if m.name == "qlora":
             kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or self.weight_dtype)
@@ -382,40 +384,40 @@ class CudaBackend:
                 if hasattr(mod, "support_avx512bf16_for_cpu"):
                     mod.support_avx512bf16_for_cpu = False
 
-    def _adapt(self, cfg: Any) -> None:
+    def _adapt(self, spec: RunSpec) -> None:
         """method=full trains every weight; the others wrap the model in PEFT adapters."""
-        m = cfg.method
+        m = spec.method
         if m.name == "full":
             self.hf.requires_grad_(True)
             self.model = self.hf
         else:
-            self.model = self._add_adapters(self.hf, m, cfg.precision.name, self.desc)
+            self.model = self._add_adapters(self.hf, m, spec.precision.name, self.desc)
 
-    def _setup_loss(self, cfg: Any) -> None:
+    def _setup_loss(self, spec: RunSpec) -> None:
         """train.loss_chunk (refused under FSDP shards) and train.compile's compiled loss."""
-        self._loss_chunk = int(getattr(cfg.train, "loss_chunk", 0) or 0)
+        self._loss_chunk = spec.train.loss_chunk
         if self._loss_chunk and self.sharded:
             raise UserError("train.loss_chunk calls the output head outside FSDP's forward, where its weights are "
                             "still sharded; use train.loss_chunk=0 with backend.strategy=fsdp (or strategy=ddp)")
-        if getattr(cfg.train, "compile", False):
+        if spec.train.compile:
             self._compiled_loss = _compile_loss(self.device, self._loss_chunk, self.strategy)
 
-    def _setup_optimizer(self, cfg: Any) -> list[torch.nn.Parameter]:
+    def _setup_optimizer(self, spec: RunSpec) -> list[torch.nn.Parameter]:
         """The optimizer over the trainable parameters (returned), and fp16's grad scaler."""
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = _build_optimizer(cfg.optim, trainable)
+        self.optimizer = _build_optimizer(spec.optim, trainable)
         if self.autocast_dtype == torch.float16:
             self.scaler = torch.amp.GradScaler(self.device.type)
         return trainable
 
-    def _model_info(self, cfg: Any, model_dir: Path, trainable: list[torch.nn.Parameter]) -> ModelInfo:
-        m, prec = cfg.method, cfg.precision.name
+    def _model_info(self, spec: RunSpec, model_dir: Path, trainable: list[torch.nn.Parameter]) -> ModelInfo:
+        m, prec = spec.method, spec.precision.name
         devices = sorted({str(p.device) for p in self.model.parameters()})
         return ModelInfo(
             params_total=sum(_logical_numel(p) for p in self.model.parameters()),
             params_trainable=sum(p.numel() for p in trainable),
             device=str(self.device),
-            dtype=m.quant_type if m.name == "qlora" else _dtype_name(self.weight_dtype),
+            dtype=m.quant.type if m.name == "qlora" else _dtype_name(self.weight_dtype),
             model_path=str(Path(model_dir).resolve()),
             extra={"devices": devices, "precision": prec, "dtypes": self.dtypes.__dict__,
                    "optimizer": type(self.optimizer).__name__,
@@ -424,17 +426,17 @@ class CudaBackend:
                    "grad_checkpointing": self.grad_checkpointing},
         )
 
-    def _distribute(self, cfg: Any) -> None:
+    def _distribute(self, spec: RunSpec) -> None:
         """Several ranks: equal trainable weights everywhere (ddp), or FSDP2 shards (fsdp);
         then each rank its own dropout stream (seed + rank)."""
         from finetune.backends.cuda import distributed
 
         if self.strategy == "fsdp":
-            if cfg.method.name == "qlora":
+            if spec.method.name == "qlora":
                 raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights here; use "
                                 "backend.strategy=ddp with method=qlora, or method=lora with fsdp")
-            if cfg.optim.name not in FSDP_OPTIMIZERS:
-                raise UserError(f"optim={cfg.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
+            if spec.optim.name not in FSDP_OPTIMIZERS:
+                raise UserError(f"optim={spec.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
             autocast = self.autocast_dtype
             comm = cast(distributed.TorchComm, self.comm)  # strategy=fsdp over ranks: connect() made a TorchComm
@@ -443,7 +445,7 @@ class CudaBackend:
             self.device = comm.device
         else:
             distributed.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])
-        torch.manual_seed(cfg.train.seed * 1_000_003 + self.comm.rank)
+        torch.manual_seed(spec.train.seed * 1_000_003 + self.comm.rank)
 
     @staticmethod
     def _check_precision(prec: str, device: torch.device) -> None:
@@ -459,23 +461,24 @@ class CudaBackend:
                                 "on CPU; use precision=bf16-mixed") from e
 
     @staticmethod
-    def _bnb_config(m: Any, compute_dtype: torch.dtype) -> Any:
+    def _bnb_config(m: MethodSpec, compute_dtype: torch.dtype) -> Any:
         from transformers import BitsAndBytesConfig
 
-        if m.quant_bits != 4 or m.quant_type not in ("nf4", "fp4"):
+        q = m.quant
+        if q.bits != 4 or q.type not in ("nf4", "fp4"):
             raise UserError(f"method=qlora on backend=cuda quantizes to 4 bits as nf4 or fp4, "
-                            f"not {m.quant_bits}-bit {m.quant_type}; "
+                            f"not {q.bits}-bit {q.type}; "
                             "set method.quant_bits=4 method.quant_type=nf4")
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as e:
             raise UserError("method=qlora needs bitsandbytes: pip install '.[cuda]'") from e
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=m.quant_type,
-                                  bnb_4bit_use_double_quant=bool(m.double_quant),
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.type,
+                                  bnb_4bit_use_double_quant=q.double_quant,
                                   bnb_4bit_compute_dtype=compute_dtype)
 
     @staticmethod
-    def _add_adapters(hf: torch.nn.Module, m: Any, prec: str, desc: Any) -> torch.nn.Module:
+    def _add_adapters(hf: torch.nn.Module, m: MethodSpec, prec: str, desc: Any) -> torch.nn.Module:
         """PEFT adapters on exactly the block weights the model description resolves from
         ``method.lora.keys`` (what the planner counted): modules by name, and the stacked expert
         parameters of an MoE model through ``target_parameters`` when ``experts`` is asked for."""
@@ -484,8 +487,7 @@ class CudaBackend:
         lc = m.lora
         n_layers = hf.config.num_hidden_layers
         # num_layers N > 0: adapters only on the top N decoder layers (as mlx-lm's --num-layers).
-        # DictConfig.keys is the mapping method, so index; a plain dataclass has no [].
-        keys = lora_keys(desc, lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
+        keys = lora_keys(desc, lc.keys)
         n = lc.num_layers
         top = list(range(n_layers - n, n_layers)) if 0 < n < n_layers else None
         experts = sorted({lin.path.split("mlp.", 1)[-1] for b in desc.blocks for lin in b.linears
@@ -677,10 +679,10 @@ class CudaBackend:
         if path is None:
             return
         path = Path(path)
-        if self.cfg.method.name == "full":
+        spec, src = self.spec, self.model_dir
+        assert spec is not None and src is not None, "save_adapter runs after setup()"
+        if spec.method.name == "full":
             self.hf.save_pretrained(str(path), state_dict=state)
-            src = self.model_dir
-            assert src is not None, "save_adapter runs after setup()"
             for name in TOKENIZER_FILES:
                 if (src / name).is_file():
                     shutil.copy2(src / name, path / name)

@@ -33,7 +33,6 @@ from finetune.backends.mlx.distributed import sum_over_ranks
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from finetune.config import check_backend_support
 from finetune.errors import UserError
 from finetune import precision as precision_mod
 from finetune.backends.mlx.generate import generate
@@ -42,6 +41,7 @@ from finetune.model_source import stored_dtype, stored_quantization
 from finetune.records import Census
 from finetune.planner.describe import EXPERTS, lora_keys
 from finetune.planner.model import model_desc
+from finetune.spec import OptimSpec, RunSpec
 
 log = logging.getLogger("finetune")
 
@@ -89,7 +89,7 @@ def _metal() -> bool:
     return mx.metal.is_available()
 
 
-def _adam(o: Any) -> optim.Optimizer:
+def _adam(o: OptimSpec) -> optim.Optimizer:
     if o.weight_decay:
         raise UserError("optim=adam has no weight decay on mlx; use optim=adamw optim.weight_decay=...")
     return optim.Adam(float(o.lr), betas=[float(b) for b in o.betas], eps=float(o.eps), bias_correction=True)
@@ -100,7 +100,7 @@ def _adam(o: Any) -> optim.Optimizer:
 # must mean the same update on both backends. Adafactor: the loop owns the schedule, so no
 # relative step or parameter scaling, as transformers' Adafactor(relative_step=False,
 # scale_parameter=False). mlx SGD keeps a "v" buffer even at momentum 0 (4 bytes/param).
-OPTIMIZER_BUILDERS: dict[str, Callable[[Any], optim.Optimizer]] = {
+OPTIMIZER_BUILDERS: dict[str, Callable[[OptimSpec], optim.Optimizer]] = {
     "adamw": lambda o: optim.AdamW(float(o.lr), betas=[float(b) for b in o.betas], eps=float(o.eps),
                                    weight_decay=float(o.weight_decay), bias_correction=True),
     "adam": _adam,
@@ -131,65 +131,69 @@ class MlxBackend:
         self._limits: dict[str, int | None] | None = None  # read once in memory(), then kept current
         self._device_info: dict[str, Any] = dict(mx.device_info())  # fixed for the process
         self.comm: Comm = Comm()
+        self.spec: RunSpec | None = None  # the run, set by setup()
 
     # ---- ranks -------------------------------------------------------------------------
-    def connect(self, cfg: Any) -> Comm:
+    def connect(self, spec: RunSpec) -> Comm:
         """Join ``mx.distributed`` when ``mlx.launch`` (or mpirun) started this process as one of
         several ranks; otherwise stay one process (``Comm()``) and change nothing."""
         self.comm = distributed.join()
         return self.comm
 
     # ---- setup -------------------------------------------------------------------------
-    def setup(self, cfg: Any, model_dir: Path) -> ModelInfo:
+    def setup(self, spec: RunSpec, model_dir: Path) -> ModelInfo:
         """Load ``model_dir`` with mlx-lm, cast, quantize, apply the method and checkpointing,
-        build the optimizer and the step. The stages, in order: each refuses what it cannot run
-        before the next one starts."""
-        self._check_choices(cfg, model_dir)
-        self._load(cfg, model_dir)
-        self._cast(cfg, model_dir)  # before quantizing, so the quantization scales get the dtype
-        self._quantize(cfg, model_dir)
-        self._adapt(cfg, model_dir)
-        if cfg.precision.name == "bf16-true":
+        build the optimizer and the step. ``spec`` is resolved and checked (finetune.resolver):
+        its choices are ones this backend runs. The stages, in order: each refuses what it
+        cannot run before the next one starts."""
+        self._remember(spec, model_dir)
+        self._load(spec, model_dir)
+        self._cast(spec, model_dir)  # before quantizing, so the quantization scales get the dtype
+        self._quantize(spec, model_dir)
+        self._adapt(spec, model_dir)
+        if spec.precision.name == "bf16-true":
             self.model.set_dtype(mx.bfloat16)  # floating params only: packed quant weights stay uint32
         mx.eval(self.model.parameters())
         if self.comm.world_size > 1:
             self._broadcast_trainable()
         self.model.train()
-        self.optimizer = self._make_optimizer(cfg.optim)
-        self._setup_step(cfg)
-        self.set_grad_checkpointing(bool(cfg.train.grad_checkpointing))
+        self.optimizer = self._make_optimizer(spec.optim)
+        self._setup_step(spec)
+        self.set_grad_checkpointing(spec.train.grad_checkpointing)
         if _metal():  # MLX has no getter for the wired limit: read it once by a swap
             self._wired_limit = mx.set_wired_limit(0)
             mx.set_wired_limit(self._wired_limit)
-        return self._model_info(cfg)
+        return self._model_info(spec)
 
-    def _check_choices(self, cfg: Any, model_dir: Path) -> None:
-        """Validation (the choices this backend runs, an architecture mlx-lm has), then seeding:
+    def _remember(self, spec: RunSpec, model_dir: Path) -> None:
+        """The run and what the step reads at every call (clipping, the seed), then seeding:
         LoRA init draws from the global key."""
-        check_backend_support("mlx", cfg)
-        self.cfg, self.model_dir, self.method = cfg, Path(model_dir), cfg.method.name
-        mn = cfg.optim.max_grad_norm
+        if spec.backend.resolved != self.name:  # the resolver checked its choices against that backend
+            raise ValueError(f"a spec resolved for backend={spec.backend.resolved} was handed to backend={self.name}")
+        self.spec, self.model_dir, self.method = spec, Path(model_dir), spec.method.name
+        mn = spec.optim.max_grad_norm
         self._max_norm = None if mn is None else float(mn)  # read once, not every step
-        self.seed = int(cfg.train.seed)
+        self.seed = spec.train.seed
         mx.random.seed(self.seed)  # LoRA init draws from the global key
-        _check_architecture(model_dir)
 
-    def _load(self, cfg: Any, model_dir: Path) -> None:
+    def _load(self, spec: RunSpec, model_dir: Path) -> None:
         """The base model and tokenizer through ``mlx_lm.load`` (a pre-quantized checkpoint
-        comes back with its quantized layers)."""
+        comes back with its quantized layers), after refusing an architecture mlx-lm has no
+        module for."""
         from mlx_lm.utils import load
 
-        trust = bool(cfg.model.trust_remote_code)  # the tokenizer's own code runs only when set
+        _check_architecture(model_dir)
+        trust = spec.model.trust_remote_code  # the tokenizer's own code runs only when set
         # transformers-5 keys (rope_parameters, ...) in mlx-lm's words; refuses before any weights
-        hf_keys = mlx_model_config(model_dir, seq_len=int(cfg.train.seq_len))
+        hf_keys = mlx_model_config(model_dir, seq_len=spec.train.seq_len)
         model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
                                                         tokenizer_config={"trust_remote_code": trust},
                                                         trust_remote_code=trust)
         self.model = model
 
-    def _cast(self, cfg: Any, model_dir: Path) -> None:
+    def _cast(self, spec: RunSpec, model_dir: Path) -> None:
         """The weights' dtype the planner priced (finetune/precision.py)."""
-        prec, method = cfg.precision.name, cfg.method.name
+        prec, method = spec.precision.name, spec.method.name
         if prec == "32-true":
             # mlx_lm.load keeps a checkpoint's stored dtype (often bf16 on the hub); 32-true
             # means fp32 weights, and the planner counts them so. Before quantizing, so the
@@ -197,62 +201,62 @@ class MlxBackend:
             self.model.set_dtype(mx.float32)
         elif prec == "auto" and method == "full":
             # the planner's rule (finetune/precision.py): an fp16 checkpoint trains in bf16
-            if precision_mod.resolve("mlx", prec, method, stored_dtype(cfg.model, model_dir)[0]).weights == "bfloat16":
+            if precision_mod.resolve("mlx", prec, method, stored_dtype(spec.model, model_dir)[0]).weights == "bfloat16":
                 self.model.set_dtype(mx.bfloat16)
         self._block_classes = [type(layer) for layer in self.model.layers]
 
-    def _quantize(self, cfg: Any, model_dir: Path) -> None:
+    def _quantize(self, spec: RunSpec, model_dir: Path) -> None:
         """A pre-quantized checkpoint stays as stored; method=qlora quantizes the base here."""
         self.quant: dict[str, int] | None = None
-        stored_q = stored_quantization(cfg.model, model_dir)
+        stored_q = stored_quantization(spec.model, model_dir)
         self.pre_quantized = stored_q is not None
         if stored_q:
             # A pre-quantized checkpoint (mlx_lm.convert -q, the mlx-community repos):
             # mlx_lm.load rebuilt its QuantizedLinear layers; LoRA trains on top of them, and
             # method=qlora has nothing more to quantize.
             self.quant = {"bits": stored_q["bits"], "group_size": stored_q["group_size"]}
-        elif cfg.method.name == "qlora":
-            self.quant = {"bits": int(cfg.method.quant_bits), "group_size": int(cfg.method.quant_group_size)}
+        elif spec.method.name == "qlora":
+            self.quant = {"bits": spec.method.quant.bits, "group_size": spec.method.quant.group_size}
             g = self.quant["group_size"]
             # As mlx_lm.utils.quantize_model: layers whose input width the group does not
             # divide stay in full precision.
             nn.quantize(self.model, g, self.quant["bits"],
                         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % g == 0)
 
-    def _adapt(self, cfg: Any, model_dir: Path) -> None:
+    def _adapt(self, spec: RunSpec, model_dir: Path) -> None:
         """method=full trains every weight; the others freeze the base and add mlx-lm's LoRA or
         DoRA layers on the keys the model description resolves."""
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
-        model, method = self.model, cfg.method.name
+        model, method = self.model, spec.method.name
         self.lora: dict[str, Any] | None = None
         if method == "full":
             model.unfreeze()
             return
-        lc = cfg.method.lora
-        n = int(lc.num_layers)
+        lc = spec.method.lora
+        n = lc.num_layers
         # the keys the model description resolves (null: the model's default ones), as the
-        # planner counted them; DictConfig.keys is the mapping method, so index
-        keys = lora_keys(model_desc(cfg.model, model_dir), lc["keys"] if hasattr(lc, "__getitem__") else lc.keys)
+        # planner counted them
+        keys = lora_keys(model_desc(spec.model, model_dir), lc.keys)
         if n > len(model.layers):
             raise UserError(f"method.lora.num_layers={n} but the model has {len(model.layers)} layers")
         self.lora_layers = n
-        self.lora = {"rank": int(lc.rank), "scale": float(lc.alpha) / int(lc.rank),
+        self.lora = {"rank": lc.rank, "scale": float(lc.alpha) / lc.rank,
                      "dropout": float(lc.dropout), "keys": self._block_keys(keys)}
         model.freeze()
         linear_to_lora_layers(model, n, self.lora, use_dora=(method == "dora"))
 
-    def _setup_step(self, cfg: Any) -> None:
+    def _setup_step(self, spec: RunSpec) -> None:
         """The step's loss (train.loss_chunk) and gradient function, and train.compile."""
-        self._loss_chunk = int(getattr(cfg.train, "loss_chunk", 0) or 0)
+        self._loss_chunk = spec.train.loss_chunk
         self._vg = nn.value_and_grad(self.model, self._loss)
-        self._compile = bool(getattr(cfg.train, "compile", False))
+        self._compile = spec.train.compile
         self._compiled = {}
-        if self._compile and cfg.train.packing:
+        if self._compile and spec.train.packing:
             raise UserError("train.compile with train.packing on backend=mlx: every packed micro-batch has its own "
                             "length and sample boundaries, so mx.compile would trace each one anew; set one of them off")
 
-    def _model_info(self, cfg: Any) -> ModelInfo:
+    def _model_info(self, spec: RunSpec) -> ModelInfo:
         first = tree_flatten(self.model.parameters())[0][1]  # the embedding: the base's dtype
         dtype = f"int{self.quant['bits']}" if self.quant else _dtype_name(first.dtype)
         return ModelInfo(
@@ -262,7 +266,7 @@ class MlxBackend:
             dtype=dtype,
             model_path=str(self.model_dir.resolve()),
             extra={"lora": self.lora, "quantization": self.quant and {"mode": "affine", **self.quant},
-                   "adam_bias_correction": cfg.optim.name in ("adam", "adamw")},
+                   "adam_bias_correction": spec.optim.name in ("adam", "adamw")},
         )
 
     def _broadcast_trainable(self) -> None:
@@ -299,7 +303,7 @@ class MlxBackend:
             out += [h for h in hits if h not in out]
         return out
 
-    def _make_optimizer(self, o: Any) -> optim.Optimizer:
+    def _make_optimizer(self, o: OptimSpec) -> optim.Optimizer:
         if o.name not in OPTIMIZER_BUILDERS:  # a lookup that misses raises, never falls through
             raise UserError(f"optim={o.name} is not supported by backend=mlx; "
                             f"choose one of: {', '.join(CAPABILITIES.optimizers)}")
