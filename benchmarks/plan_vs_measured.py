@@ -52,8 +52,9 @@ def measure(overrides: list[str]) -> tuple[int, int]:
         data = long_texts(Path(d) / "long.jsonl")
         cfg = make_cfg(Path(d) / "run", "backend=mlx", "train.steps=3", "train.eval_every=0", "train.progress=false",
                        "data=jsonl", f"data.path={data}", "memory.adapt=false", *overrides)
-        predicted = planner.plan(resolve(cfg))["peak_bytes"]
-        summary = train(cfg)
+        spec = resolve(cfg)
+        predicted = planner.plan(spec)["peak_bytes"]
+        summary = train(spec)
     return int(predicted), int(summary["memory"]["peaks"]["allocated_bytes"])
 
 

@@ -147,6 +147,7 @@ def watched(rows: list[dict[str, Any]], heap_free: Any, weigh_at: set[int]) -> I
 def soak(backend: str, steps: int, leak_bytes: int) -> dict[str, Any]:
     from finetune.config import compose
     from finetune.loop import train
+    from finetune.resolver import resolve
 
     if leak_bytes:
         os.environ["FINETUNE_FAULT_LEAK_BYTES"] = str(leak_bytes)
@@ -156,9 +157,9 @@ def soak(backend: str, steps: int, leak_bytes: int) -> dict[str, Any]:
     heap_free = _heap_free_reader()
     mid = steps // 2 + 1  # the second half's first step
     with tempfile.TemporaryDirectory() as d, watched(rows, heap_free, {mid, steps}):
-        train(compose(Path(d) / "run", f"backend={backend}", f"train.steps={steps}", "train.eval_every=0",
+        train(resolve(compose(Path(d) / "run", f"backend={backend}", f"train.steps={steps}", "train.eval_every=0",
                       "train.progress=false", "data.num_samples=400", "train.schedule=constant",
-                      "memory.sample_every=1"))
+                      "memory.sample_every=1")))
     os.environ.pop("FINETUNE_FAULT_LEAK_BYTES", None)
     half = [r for r in rows if r["step"] >= mid]
     first, last = half[0], half[-1]

@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from finetune.config import GROUPS, register_configs
 from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
@@ -57,15 +59,23 @@ def check_group_choices(argv: list[str]) -> None:
 
 
 def run(cfg: Any) -> Plan | dict[str, Any] | None:
-    """Dispatch a composed config by mode (the plan, or the run's summary). Tests and sweeps
+    """Resolve a composed config into its checked RunSpec (every check, once, for every mode)
+    and dispatch it by mode: the plan, the completion, or the run's summary. Tests and sweeps
     call this directly."""
-    if cfg.mode == "plan":
-        return run_plan(resolve(cfg))
-    if cfg.mode == "generate":
-        resolve(cfg)  # every check, once, for every mode (issue 22)
-        return generate(cfg)
+    spec = resolve(cfg)
+    if spec.mode == "plan":
+        return run_plan(spec)
+    if spec.mode == "generate":
+        return generate(spec)
+    return train(spec)
 
-    return train(cfg)
+
+def sweep_job(cfg: Any) -> sweep.Job:
+    """What the sweep reads of a multirun job's composed config (finetune.sweep.run_job)."""
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    return sweep.Job(run_dir=Path(str(cfg.run_dir)), mode=str(cfg.mode), objective=cfg.objective,
+                     isolate_jobs=bool(cfg.isolate_jobs), fail_fast=bool(cfg.fail_fast),
+                     tree={str(k): v for k, v in tree.items()} if isinstance(tree, dict) else {}, spec=lambda: resolve(cfg), run=lambda: run(cfg))
 
 
 def debug() -> bool:
@@ -188,9 +198,10 @@ def _task(cfg: Any) -> Any:
     global _TASK_STARTED
     _TASK_STARTED = True
     try:
-        redact_hydra_files(cfg)  # .hydra/*.yaml: no token or key a user passed or planted
+        # .hydra/*.yaml: no token or key a user passed or planted
+        redact_hydra_files(cfg.get("run_dir"), OmegaConf.to_container(cfg, resolve=False))
         if sweep.in_multirun():  # each job from its own baseline (a fresh process), pruned by plan
-            return sweep.run_job(cfg, run)
+            return sweep.run_job(sweep_job(cfg))
         return run(cfg)
     except UserError as e:
         if _GUARD is not None:

@@ -14,8 +14,6 @@ from typing import Any
 from omegaconf import MISSING
 
 from finetune.errors import UserError
-from finetune.backends import BACKENDS, capabilities, concrete_name
-from finetune.budget import parse_budget
 
 GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger", "search")
 
@@ -254,32 +252,6 @@ VALID = {
 BACKEND_KEYS = ("method.name", "optim.name", "precision.name", "backend.attn_implementation", "backend.strategy")
 
 
-def _value(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part] if isinstance(node, dict) else getattr(node, part)
-    return node
-
-
-def check_backend_support(backend: str, cfg: Any) -> None:
-    """Raise UserError if ``backend`` cannot run a choice in ``cfg``, naming what it can run
-    (and, where another backend runs it, why this one does not)."""
-    caps = capabilities(backend)
-    for dotted in BACKEND_KEYS:
-        value = _value(cfg, dotted)
-        allowed = caps.choices(dotted)
-        if value in allowed:
-            continue
-        group = dotted.removesuffix(".name")
-        elsewhere = [b for b in BACKENDS if b != backend and value in capabilities(b).choices(dotted)]
-        if elsewhere and dotted in caps.why_not:
-            raise UserError(f"{group}={value} {caps.why_not[dotted]}; {backend} supports: {', '.join(allowed)}")
-        if elsewhere:
-            raise UserError(f"{group}={value} is not run by backend={backend} (backend={elsewhere[0]} runs it); "
-                            f"{backend} supports: {', '.join(allowed)}")
-        raise UserError(f"{dotted}={value} is not valid; choose one of: {', '.join(allowed)}")
-
-
 def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
@@ -310,22 +282,6 @@ def compose(run_dir: Any, *overrides: str) -> Any:
     OmegaConf.set_struct(cfg, True)
     GlobalHydra.instance().clear()
     return cfg
-
-
-def validate(cfg: Any) -> None:
-    """Check enumerated choices (the backend's against its capabilities) and ranges; raise
-    UserError naming the fix."""
-    for dotted, choices in VALID.items():
-        node = _value(cfg, dotted)
-        if node not in choices:
-            raise UserError(f"{dotted}={node} is not valid; choose one of: {', '.join(choices)}")
-    check_backend_support(concrete_name(str(cfg.backend.name)), cfg)
-    check_known_keys(cfg)
-    check_ranges(cfg)
-    if cfg.data.name == "jsonl" and not cfg.data.path:
-        raise UserError("data=jsonl needs a file: add data.path=/path/to/train.jsonl")
-    if cfg.data.name == "hf" and not cfg.data.hf_name:
-        raise UserError("data=hf needs a data set: add data.hf_name=<hub id>")
 
 
 # Every numeric key of the schema and its range: (low, high, low inclusive, high inclusive,
@@ -378,7 +334,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "generate.temperature": (0, INF, True, False, False),
 }
 # why a bound is there, where it is not plain arithmetic
-_RANGE_HINTS = {
+RANGE_HINTS = {
     "train.seq_len": "shorter leaves no room for a prompt and its answer",
     "train.seed": "seeds are 32-bit",
     "method.lora.num_layers": "-1 adapts every layer",
@@ -391,45 +347,11 @@ _RANGE_HINTS = {
 }
 
 
-def _range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
-    if hi == INF:
-        return f">= {lo:g}" if lo_in else f"> {lo:g}"
-    return f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
-
-
-def check_ranges(cfg: Any) -> None:
-    """Raise UserError for the first numeric key outside its range (``RANGES``), or a string
-    or bool where a number belongs, naming the range."""
-    def fail(dotted: str, value: Any, rng: str) -> None:
-        hint = _RANGE_HINTS.get(dotted)
-        fix = "set optim.betas=[0.9,0.999]" if dotted.startswith("optim.betas.") else f"set {dotted} to a value {rng}"
-        raise UserError(f"{dotted}={value} must be {rng}{f' ({hint})' if hint else ''}; {fix}")
-
-    betas = list(cfg.optim.betas)
-    if len(betas) != 2:
-        raise UserError(f"optim.betas={betas} needs two values; set optim.betas=[0.9,0.999]")
-    for dotted, (lo, hi, lo_in, hi_in, nullable) in RANGES.items():
-        value = _value(cfg, dotted) if not dotted.startswith("optim.betas.") else betas[int(dotted[-1])]
-        if value is None and nullable:
-            continue
-        rng = _range_text(lo, hi, lo_in, hi_in)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            fail(dotted, value, f"a number {rng}")
-        if (value < lo if lo_in else value <= lo) or (value > hi if hi_in else value >= hi):
-            fail(dotted, value, rng)
-    n = cfg.method.lora.num_layers
-    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
-        fail("method.lora.num_layers", n, ">= 1 or -1")
-    budget = cfg.memory.budget
-    if budget is not None:
-        parse_budget(budget, 2**40)  # the size only checks a percentage's range here
-
-
 # Free-form nodes: their keys are the user's (extra) or each logger option's own YAML.
 _OPEN = ("extra",)
 
 
-def _schema_keys(node_type: Any) -> dict[str, Any]:
+def schema_keys(node_type: Any) -> dict[str, Any]:
     import dataclasses
     import typing
 
@@ -437,7 +359,7 @@ def _schema_keys(node_type: Any) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(node_type)}
 
 
-def _nearest(key: str, valid: list[str]) -> str:
+def nearest_keys(key: str, valid: list[str]) -> str:
     import difflib
 
     near = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
@@ -445,31 +367,7 @@ def _nearest(key: str, valid: list[str]) -> str:
     return f"{'did you mean' if near else 'valid keys'}: {', '.join(shown)}"
 
 
-def check_known_keys(cfg: Any) -> None:
-    """Raise UserError for a key the schema does not have (added with ``+key=...``), anywhere in
-    the tree, naming the nearest valid keys. A logger's keys are those of its option's YAML."""
-    import dataclasses
-
-    def walk(node: Any, node_type: Any, prefix: str) -> None:
-        valid = _schema_keys(node_type)
-        for key in list(node.keys()):
-            if key not in valid:
-                raise UserError(f"{prefix}{key} is not a config key; {_nearest(str(key), sorted(valid))}")
-            t = valid[key]
-            if dataclasses.is_dataclass(t) and node.get(key) is not None:
-                walk(node[key], t, f"{prefix}{key}.")
-
-    walk(cfg, Config, "")
-    for name, settings in (cfg.get("logger") or {}).items():
-        known = _logger_keys(str(name))
-        if known is None or settings is None:
-            continue  # an unknown logger is named by finetune.loggers.build
-        for key in settings.keys():
-            if key not in known:
-                raise UserError(f"logger.{name}.{key} is not a config key; {_nearest(str(key), sorted(known))}")
-
-
-def _logger_keys(name: str) -> set[str] | None:
+def logger_keys(name: str) -> set[str] | None:
     from importlib import resources
 
     import yaml
@@ -484,7 +382,12 @@ def _logger_keys(name: str) -> set[str] | None:
 def config_error_line(exc: BaseException) -> str | None:
     """One line naming the fix for a Hydra/OmegaConf composition error (an unknown key, a
     string where a number belongs, an unparsable override); None for anything else."""
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+    from omegaconf.errors import (
+        ConfigAttributeError,
+        ConfigKeyError,
+        OmegaConfBaseException,
+        ValidationError,
+    )
 
     try:
         from hydra.errors import HydraException
@@ -497,11 +400,11 @@ def config_error_line(exc: BaseException) -> str | None:
         try:
             node_type: Any = Config
             for part in parent.split(".") if parent else []:
-                node_type = _schema_keys(node_type)[part]
-            valid = sorted(_schema_keys(node_type))
+                node_type = schema_keys(node_type)[part]
+            valid = sorted(schema_keys(node_type))
         except (KeyError, TypeError):
-            valid = sorted(_logger_keys(parent.split(".")[-1]) or []) if parent.startswith("logger.") else []
-        near = f"; {_nearest(key, valid)}" if valid else ""
+            valid = sorted(logger_keys(parent.split(".")[-1]) or []) if parent.startswith("logger.") else []
+        near = f"; {nearest_keys(key, valid)}" if valid else ""
         return f"{full} is not a config key{near}"
     if isinstance(cause, ValidationError):
         full = str(getattr(cause, "full_key", "") or "")
@@ -510,7 +413,7 @@ def config_error_line(exc: BaseException) -> str | None:
         try:
             node_type = Config
             for part in full.split("."):
-                node_type = _schema_keys(node_type)[part]
+                node_type = schema_keys(node_type)[part]
             wanted: dict[type | None, str] = {int: "a whole number", float: "a number", bool: "true or false"}
             want = wanted.get(
                 next((t for t in (bool, int, float) if t in (node_type, *getattr(node_type, "__args__", ()))), None),

@@ -49,9 +49,9 @@ from finetune.backends.base import Batch, padded_length
 from finetune.errors import UserError
 from finetune.tokcache import Damaged, Ragged, TokenWriter
 from finetune import synthetic
-from finetune.backends import capabilities, concrete_name, run_device
-from finetune.state import tokens_per_micro
+from finetune.backends import capabilities, run_device
 from finetune.synthetic import generate
+from finetune.spec import DataSpec, RunSpec
 from finetune.tiny import cache_root
 
 log = logging.getLogger("finetune")
@@ -76,12 +76,12 @@ class Tokenized:
         return np.fromiter((len(x) for x in self.ids), np.int64, len(self.ids))
 
 
-def _jsonl_path(data_cfg: Any) -> Path:
-    path = Path(data_cfg.path).expanduser()
+def _jsonl_path(dspec: DataSpec) -> Path:
+    path = Path(str(dspec.path)).expanduser()
     if path.is_dir():
-        raise UserError(f"data.path={data_cfg.path} is a directory; point it at a .jsonl file inside it")
+        raise UserError(f"data.path={dspec.path} is a directory; point it at a .jsonl file inside it")
     if not path.is_file() and not is_pipe(path):
-        raise UserError(f"data.path={data_cfg.path} does not exist; point it at a .jsonl file")
+        raise UserError(f"data.path={dspec.path} does not exist; point it at a .jsonl file")
     return path
 
 
@@ -94,8 +94,8 @@ def is_pipe(path: Path) -> bool:
         return False
 
 
-def _unreadable(data_cfg: Any, e: OSError) -> UserError:
-    return UserError(f"data.path={data_cfg.path} cannot be read ({e.strerror or e}); check its permissions "
+def _unreadable(dspec: DataSpec, e: OSError) -> UserError:
+    return UserError(f"data.path={dspec.path} cannot be read ({e.strerror or e}); check its permissions "
                      "or copy it somewhere readable")
 
 
@@ -173,13 +173,13 @@ def _open_data(path: Path, stack: ExitStack) -> tuple[io.BufferedIOBase, str | N
                     + _DECOMPRESS_HINT[kind].format(p=path))
 
 
-def _jsonl_records(data_cfg: Any) -> Iterator[dict[str, Any]]:
+def _jsonl_records(dspec: DataSpec) -> Iterator[dict[str, Any]]:
     """Stream a JSONL file's records, one line in memory at a time, checking each; compressed
     (gzip, bz2, xz, zstd: told by their first bytes), from a pipe, with a byte-order mark and
     CRLF line ends alike. A file that is one JSON array is read whole (``_array_records``)."""
-    path = _jsonl_path(data_cfg)
+    path = _jsonl_path(dspec)
     kept = n = 0
-    cap = data_cfg.max_samples  # read once: a config lookup a line is measurable at a million lines
+    cap = dspec.max_samples  # read once: a config lookup a line is measurable at a million lines
     try:
         with ExitStack() as stack:
             f, kind = _open_data(path, stack)
@@ -203,7 +203,7 @@ def _jsonl_records(data_cfg: Any) -> Iterator[dict[str, Any]]:
     except OSError as e:
         if e.errno is None:  # gzip's BadGzipFile, bz2's "Invalid data stream": not the disk, the bytes
             raise _damaged(path, e) from None
-        raise _unreadable(data_cfg, e) from None
+        raise _unreadable(dspec, e) from None
     except Exception as e:
         if isinstance(e, EOFError) or type(e).__name__ in ("LZMAError", "ZstdError"):
             raise _damaged(path, e) from None  # a compressed stream cut short, or damaged
@@ -290,40 +290,40 @@ def _array_records(path: Path, first: bytes, rest: io.BufferedIOBase, kind: str 
                         "or one JSON object a line (JSONL)")
 
 
-def _hf_dataset(data_cfg: Any) -> Any:
+def _hf_dataset(dspec: DataSpec) -> Any:
     try:
         import datasets
     except ImportError:
         raise UserError("data=hf needs the datasets package: pip install 'finetune[hf]'") from None
-    ds = datasets.load_dataset(data_cfg.hf_name, data_cfg.hf_config, split=data_cfg.hf_split)
-    if data_cfg.max_samples:
-        ds = ds.select(range(min(data_cfg.max_samples, len(ds))))
+    ds = datasets.load_dataset(dspec.hf_name, dspec.hf_config, split=dspec.hf_split)
+    if dspec.max_samples:
+        ds = ds.select(range(min(dspec.max_samples, len(ds))))
     return ds
 
 
-def _hf_records(data_cfg: Any, ds: Any) -> Iterator[dict[str, Any]]:
+def _hf_records(dspec: DataSpec, ds: Any) -> Iterator[dict[str, Any]]:
     for i, r in enumerate(ds):  # an arrow table on disk: rows are read as they are asked for
         rec = dict(r)
-        check_record(rec, f"{data_cfg.hf_name} row {i}")
+        check_record(rec, f"{dspec.hf_name} row {i}")
         yield rec
 
 
-def iter_records(data_cfg: Any, seed: int) -> Iterator[dict[str, Any]]:
+def iter_records(dspec: DataSpec, seed: int) -> Iterator[dict[str, Any]]:
     """The configured source's records one at a time, each checked (``check_record``): a
     file of any size streams through in constant memory."""
-    if data_cfg.name == "synthetic":
-        return iter(generate(data_cfg.num_samples, seed=seed))
-    if data_cfg.name == "jsonl":
-        _jsonl_path(data_cfg)  # a missing file is reported now, not at the first record
-        return _jsonl_records(data_cfg)
-    if data_cfg.name == "hf":
-        return _hf_records(data_cfg, _hf_dataset(data_cfg))
-    raise UserError(f"data={data_cfg.name} is not valid; choose one of: synthetic, jsonl, hf")
+    if dspec.name == "synthetic":
+        return iter(generate(dspec.num_samples, seed=seed))
+    if dspec.name == "jsonl":
+        _jsonl_path(dspec)  # a missing file is reported now, not at the first record
+        return _jsonl_records(dspec)
+    if dspec.name == "hf":
+        return _hf_records(dspec, _hf_dataset(dspec))
+    raise UserError(f"data={dspec.name} is not valid; choose one of: synthetic, jsonl, hf")
 
 
-def load_records(data_cfg: Any, seed: int) -> list[dict[str, Any]]:
+def load_records(dspec: DataSpec, seed: int) -> list[dict[str, Any]]:
     """Read the configured source into a list of dict records."""
-    return list(iter_records(data_cfg, seed))
+    return list(iter_records(dspec, seed))
 
 
 _TEXT_FIELDS = ("text", "prompt", "completion", "question", "answer")
@@ -531,38 +531,38 @@ def _code_fingerprint(name: str) -> str:
     return hashlib.sha256(f"{tokcache.CACHE_FORMAT}\n{text}".encode()).hexdigest()
 
 
-def _source(data_cfg: Any, seed: int, keyed: bool) -> tuple[str, dict[str, Any] | None, Iterator[dict[str, Any]],
+def _source(dspec: DataSpec, seed: int, keyed: bool) -> tuple[str, dict[str, Any] | None, Iterator[dict[str, Any]],
                                                             int | None]:
     """(label, key of what is read or None, the records, how many lines or records to expect).
     Keyed, a JSONL file is read once here to hash its content (and count its lines)."""
-    if data_cfg.name == "jsonl":
-        path = _jsonl_path(data_cfg)
+    if dspec.name == "jsonl":
+        path = _jsonl_path(dspec)
         if not keyed or is_pipe(path):  # a pipe is read once, by the tokenizer: nothing to hash it with first
-            return path.name, None, _jsonl_records(data_cfg), data_cfg.max_samples or None
+            return path.name, None, _jsonl_records(dspec), dspec.max_samples or None
         try:
             st = path.stat()
             sha, lines = tokcache.digest_file(path, count_lines=True)
             with path.open("rb") as f:
                 head = f.read(4096)
         except OSError as e:
-            raise _unreadable(data_cfg, e) from None
+            raise _unreadable(dspec, e) from None
         key: dict[str, Any] | None = {"kind": "jsonl", "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-               "sha256": sha, "max_samples": data_cfg.max_samples}
+               "sha256": sha, "max_samples": dspec.max_samples}
         # newlines count records only in plain JSONL (not compressed bytes, not a pretty-printed array)
         plain = compression(head) is None and not head.removeprefix(_BOM).lstrip().startswith(b"[")
-        total = min(lines, data_cfg.max_samples or lines) if plain else data_cfg.max_samples or None
-        return path.name, key, _jsonl_records(data_cfg), total
-    if data_cfg.name == "synthetic":
-        key = {"kind": "synthetic", "num_samples": int(data_cfg.num_samples), "seed": int(seed)}
-        return "synthetic", key, iter_records(data_cfg, seed), int(data_cfg.num_samples)
-    if data_cfg.name == "hf":
-        ds = _hf_dataset(data_cfg)
-        key = {"kind": "hf", "name": data_cfg.hf_name, "config": data_cfg.hf_config, "split": data_cfg.hf_split,
-               "fingerprint": getattr(ds, "_fingerprint", None), "rows": len(ds), "max_samples": data_cfg.max_samples}
+        total = min(lines, dspec.max_samples or lines) if plain else dspec.max_samples or None
+        return path.name, key, _jsonl_records(dspec), total
+    if dspec.name == "synthetic":
+        key = {"kind": "synthetic", "num_samples": int(dspec.num_samples), "seed": int(seed)}
+        return "synthetic", key, iter_records(dspec, seed), int(dspec.num_samples)
+    if dspec.name == "hf":
+        ds = _hf_dataset(dspec)
+        key = {"kind": "hf", "name": dspec.hf_name, "config": dspec.hf_config, "split": dspec.hf_split,
+               "fingerprint": getattr(ds, "_fingerprint", None), "rows": len(ds), "max_samples": dspec.max_samples}
         if key["fingerprint"] is None:
             key = None  # a data set without a fingerprint cannot be told from an edited one
-        return f"{data_cfg.hf_name}-{data_cfg.hf_split}", key, _hf_records(data_cfg, ds), len(ds)
-    raise UserError(f"data={data_cfg.name} is not valid; choose one of: synthetic, jsonl, hf")
+        return f"{dspec.hf_name}-{dspec.hf_split}", key, _hf_records(dspec, ds), len(ds)
+    raise UserError(f"data={dspec.name} is not valid; choose one of: synthetic, jsonl, hf")
 
 
 def _progress_bar(enabled: bool, total: int | None) -> Any:
@@ -576,12 +576,12 @@ def _progress_bar(enabled: bool, total: int | None) -> Any:
                 mininterval=0.5, delay=1.0)
 
 
-def prepare(cfg: Any, tokenizer: Any) -> Tokenized:
+def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
     """The configured data tokenized: reused from the token cache when an entry for this data,
     tokenizer and settings exists; else tokenized chunk by chunk straight into a new entry
     (``data.cache=false``: into memory, nothing written). Says which in one line on stderr."""
-    d, seq_len, mask_prompt = cfg.data, int(cfg.train.seq_len), bool(cfg.data.mask_prompt)
-    seed, show, t0 = int(cfg.train.seed), bool(cfg.train.progress), time.perf_counter()
+    d, seq_len, mask_prompt = spec.data, spec.train.seq_len, spec.data.mask_prompt
+    seed, show, t0 = spec.train.seed, spec.train.progress, time.perf_counter()
     label, source_key, records, total = _source(d, seed, keyed=bool(d.cache))
     _remove_stale_temporaries(d.cache_dir)
     if not d.cache or source_key is None:
@@ -740,63 +740,64 @@ def rank_slice(batch: Batch, rank: int, world_size: int) -> Batch:
                  batch.indices[rows] if len(batch.indices) else batch.indices, batch.pad_multiple, batch.max_len)
 
 
-def pad_multiple(cfg: Any) -> int:
+def pad_multiple(spec: RunSpec) -> int:
     """``train.pad_multiple``, with 0 (auto) resolved: 32 on an Apple GPU, where MLX reuses a
     freed Metal buffer only for a request within two pages of its size (so repeated shapes
     matter) and mlx-lm pads the same way; 1 elsewhere (measured on CPU: padding cost speed
     and saved nothing once the cache is bounded)."""
-    m = int(cfg.train.pad_multiple)
+    m = spec.train.pad_multiple
     if m:
         return m
 
-    caps = capabilities(concrete_name(str(cfg.backend.name)))  # auto: mlx on Apple Silicon
+    caps = capabilities(spec.backend.resolved)  # auto: mlx on Apple Silicon
     if not caps.default_pad_multiple:
         return 1  # no device of this backend pads by default: nothing to probe
 
-    return caps.default_pad_multiple.get(run_device(caps.name, str(cfg.backend.device)), 1)
+    return caps.default_pad_multiple.get(run_device(caps.name, spec.backend.device), 1)
 
 
-def build(cfg: Any, tokenizer: Any, world_size: int = 1) -> tuple[DataSource, dict[str, Any]]:
+def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     """Load, tokenize and split the configured data. Returns the source and its stats.
 
-    ``world_size`` ranks share each optimizer step: the source's batches hold the effective
-    batch of all of them (train.batch_size * train.grad_accum per rank), and each rank trains
-    its own slice (``rank_slice``)."""
-    tok = prepare(cfg, tokenizer)
+    The world's ranks (``spec.world``) share each optimizer step: the source's batches hold the
+    effective batch of all of them (train.batch_size * train.grad_accum per rank), and each rank
+    trains its own slice (``rank_slice``)."""
+    t = spec.train
+    tok = prepare(spec, tokenizer)
     if not tok.ids and tok.dropped_no_target:
         raise UserError(f"no completion tokens left in any of the {tok.dropped_no_target} samples after truncating to "
-                        f"train.seq_len={cfg.train.seq_len} (the prompt fills it; longest sample {tok.longest} tokens); "
+                        f"train.seq_len={t.seq_len} (the prompt fills it; longest sample {tok.longest} tokens); "
                         f"raise train.seq_len (e.g. train.seq_len={tok.longest}) or shorten the prompts")
     if not tok.ids:
         raise UserError("no sample has any target token after tokenizing; check the data format or train.seq_len")
     if tok.truncated:
         log.warning("%d of %d samples were longer than train.seq_len=%d and were truncated (longest %d tokens); "
-                    "raise train.seq_len to keep them whole", tok.truncated, tok.records, cfg.train.seq_len, tok.longest)
+                    "raise train.seq_len to keep them whole", tok.truncated, tok.records, t.seq_len, tok.longest)
     if tok.dropped_no_target:
         log.warning("%d samples had no target token within train.seq_len and were dropped", tok.dropped_no_target)
 
-    cap, cut = tokens_per_micro(cfg), 0
+    cap, cut = t.packed_tokens, 0
     if cap:
-        tok, cut = fit_to_micro(tok, cap, str(cfg.train.pack_overflow))
+        tok, cut = fit_to_micro(tok, cap, t.pack_overflow)
         if cut:
             log.warning("%d samples were longer than train.tokens_per_micro=%d and were %s (train.pack_overflow)", cut,
-                        cap, "truncated" if cfg.train.pack_overflow == "truncate" else "split into pieces")
+                        cap, "truncated" if t.pack_overflow == "truncate" else "split into pieces")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    multiple = pad_multiple(cfg)
-    src = DataSource(tok, int(pad), cfg.train.batch_size * cfg.train.grad_accum * int(world_size), cfg.train.seed,
-                     cfg.data.val_fraction, cfg.data.max_val_samples, multiple, int(cfg.train.seq_len))
+    multiple = pad_multiple(spec)
+    src = DataSource(tok, int(pad), t.effective_batch * spec.world.world_size, t.seed, spec.data.val_fraction,
+                     spec.data.max_val_samples, multiple, t.seq_len)
     lens = src.lengths
     stats: dict[str, Any] = {"records": tok.records, "samples": len(tok.ids), "train_samples": len(src.train_idx),
              "val_samples": len(src.val_idx), "truncated": tok.truncated, "dropped_no_target": tok.dropped_no_target,
              "mean_tokens": float(lens.mean()), "max_tokens": int(lens.max()),
              # the widest micro-batch the run can see (train.pad_multiple): what plans price
              "pad_multiple": multiple,
-             "max_padded_tokens": padded_length(int(lens.max()), multiple, int(cfg.train.seq_len))}
+             "max_padded_tokens": padded_length(int(lens.max()), multiple, t.seq_len)}
     if cap:
         # the widest packed micro-batch of the run's steps: what the plan prices (a run that
         # survives it survives every step)
-        widest = max(packed_widths(src.step_lengths(i), cap).max() for i in range(int(cfg.train.steps)))
-        stats.update(tokens_per_micro=cap, pack_overflow=str(cfg.train.pack_overflow), pack_cut=cut,
+        widest = max(packed_widths(src.step_lengths(i), cap).max() for i in range(t.steps))
+        stats.update(tokens_per_micro=cap, pack_overflow=t.pack_overflow, pack_cut=cut,
                      max_micro_tokens=int(widest))
     return src, stats
 

@@ -25,22 +25,23 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.backends import capabilities, resolve_backend_name
+from finetune.backends import capabilities
 from finetune.backends.runtimes import get_backend
 from finetune.export import MLX_CONFIG, convert, detect_format, find_adapter_dir
 from finetune.model_source import check_weights, resolve_model_dir
+from finetune.spec import RunSpec
 
 
 def _full_model(d: Path) -> bool:
     return (d / "config.json").is_file() and any(d.glob("*.safetensors")) and not (d / "adapter_config.json").is_file()
 
 
-def resolve(cfg: Any) -> tuple[Path, Path | None, str | None]:
-    """(model directory, adapter directory or None, the adapter's format or None) for ``cfg``."""
-    spec = cfg.generate.adapter
-    if spec is None:
-        return resolve_model_dir(cfg.model), None, None
-    d = Path(str(spec)).expanduser()
+def locate(spec: RunSpec) -> tuple[Path, Path | None, str | None]:
+    """(model directory, adapter directory or None, the adapter's format or None) for ``spec``."""
+    given = spec.generate.adapter
+    if given is None:
+        return resolve_model_dir(spec.model), None, None
+    d = Path(str(given)).expanduser()
     for full in (d, d / "adapter"):
         if _full_model(full):  # a method=full run: its adapter/ is the whole model
             return full, None, None
@@ -50,34 +51,25 @@ def resolve(cfg: Any) -> tuple[Path, Path | None, str | None]:
         "base_model_name_or_path" if fmt == "peft" else "model")
     if named and (Path(str(named)).expanduser() / "config.json").is_file():
         return Path(str(named)).expanduser(), adapter, fmt
-    return resolve_model_dir(cfg.model), adapter, fmt
+    return resolve_model_dir(spec.model), adapter, fmt
 
 
-def generate(cfg: Any) -> dict[str, Any]:
-    """Print (and return) the completion of ``generate.prompt`` by the base + ``generate.adapter``."""
-    g = cfg.generate
-    if not g.prompt and cfg.get("prompt"):
-        g.prompt = cfg.prompt  # the top-level short form: finetune mode=generate prompt="..."
-    if not g.prompt:
-        raise UserError('mode=generate needs a prompt: add prompt="..." (or generate.prompt="...")')
-    if g.max_new_tokens < 1:
-        raise UserError(f"generate.max_new_tokens={g.max_new_tokens} must be >= 1")
-    if g.temperature < 0:
-        raise UserError(f"generate.temperature={g.temperature} must be >= 0 (0: greedy)")
-    backend, _ = resolve_backend_name(str(cfg.backend.name))
-
-    native_format = capabilities(backend).adapter_format  # an unknown name: UserError naming the valid ones
+def generate(spec: RunSpec) -> dict[str, Any]:
+    """Print (and return) the completion of ``generate.prompt`` by the base + ``generate.adapter``.
+    The prompt, the token count and the temperature were checked by the resolver."""
+    g, backend = spec.generate, spec.backend.resolved
+    native_format = capabilities(backend).adapter_format
     runtime = get_backend(backend)  # the framework is installed, else a UserError with the install line
 
-    model_dir, adapter, fmt = resolve(cfg)
-    check_weights(model_dir, cfg.model)  # no weights, or pickles without model.allow_pickle: one line
-    trust, pickle = bool(cfg.model.trust_remote_code), bool(getattr(cfg.model, "allow_pickle", False))
+    model_dir, adapter, fmt = locate(spec)
+    check_weights(model_dir, spec.model)  # no weights, or pickles without model.allow_pickle: one line
+    trust, pickle = spec.model.trust_remote_code, spec.model.allow_pickle
     with tempfile.TemporaryDirectory(prefix="finetune-generate-") as tmp:
         native = adapter
         if adapter is not None and fmt != native_format:
             native = convert(adapter, Path(tmp) / "adapter", native_format, base=str(model_dir), allow_pickle=pickle)
-        completion = runtime.generate(model_dir, native, str(g.prompt), int(g.max_new_tokens), float(g.temperature),
-                                      int(cfg.train.seed), trust_remote_code=trust, allow_pickle=pickle)
+        completion = runtime.generate(model_dir, native, str(g.prompt), g.max_new_tokens, g.temperature,
+                                      spec.train.seed, trust_remote_code=trust, allow_pickle=pickle)
     print(completion, flush=True)
     return {"backend": backend, "model_dir": str(model_dir), "adapter": str(adapter) if adapter else None,
             "adapter_format": fmt, "converted": fmt is not None and fmt != native_format,

@@ -36,7 +36,6 @@ from finetune import data as data_mod, planner
 from finetune.accounting import Accountant, ranks
 from finetune.governor import Governor
 from finetune.model_source import check_weights, resolve_model_dir
-from finetune.resolver import resolve
 from finetune.records import Plan, Sample
 from finetune.spec import RunSpec, World
 
@@ -70,9 +69,8 @@ class Trainer:
     through a Checkpointer (finetune/checkpointing.py), the run dir's files through
     finetune/checkpoints.py, signals and test-only faults through finetune/faults.py."""
 
-    def __init__(self, cfg: Any):
-        self.spec: RunSpec = resolve(cfg)  # every check, before anything is written; joined in connect()
-        self.cfg = cfg
+    def __init__(self, spec: RunSpec):
+        self.spec = spec  # resolved and checked (finetune.resolver) before anything is written; joined in connect()
         self.run_dir = self.spec.paths.run_dir
         self.created_run_dir = checkpoints.make_run_dir(self.run_dir)
         self.events: list[dict[str, Any]] = []
@@ -94,10 +92,9 @@ class Trainer:
         ``accelerate launch``, SLURM, ``mlx.launch``). Under several ranks rank 0's run dir is
         the run's (Hydra names each rank's by its own clock), rank 0 alone writes the run log,
         and the planner plans per rank for ``backend.num_devices`` = the world size."""
-        cfg = self.cfg
         self.backend_name, self._backend_reason = resolve_backend_name(self.spec.backend.name)
         self.backend = get_backend(self.backend_name)
-        self.comm = self.backend.connect(cfg)
+        self.comm = self.backend.connect(self.spec)
         if self.comm.world_size <= 1:
             return
         shared = Path(self.comm.all_gather_object(str(self.run_dir))[0])
@@ -134,7 +131,6 @@ class Trainer:
     def setup(self) -> None:
         """Plan against the budget, load the tokenizer, the data and the model, and build the
         run's governor, accountant and checkpointer."""
-        cfg = self.cfg
         if not hasattr(self, "backend"):
             self.connect()
         if self.comm.rank == 0:
@@ -146,7 +142,7 @@ class Trainer:
         self.model_dir = resolve_model_dir(self.spec.model, seed=0)
         check_weights(self.model_dir, self.spec.model)
         self.tokenizer = self._load_tokenizer()
-        self.data, self.data_stats = data_mod.build(cfg, self.tokenizer, world_size=self.comm.world_size)
+        self.data, self.data_stats = data_mod.build(self.spec, self.tokenizer)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:
         # the widest packed micro-batch of the run's steps)
         self.governor.before_load(seq_len=self.data_stats.get("max_micro_tokens") or self.data_stats["max_padded_tokens"])
@@ -155,7 +151,7 @@ class Trainer:
         # run left in reference cycles are collected now, not in the middle of this one.
         gc.collect()
         self.backend.reset_peak()
-        self.info = self.backend.setup(cfg, self.model_dir)
+        self.info = self.backend.setup(self.spec, self.model_dir)
         if self.governor.grad_checkpointing and not self.spec.train.grad_checkpointing:
             self.backend.set_grad_checkpointing(True)
         self.governor.attach(self.backend)
@@ -421,9 +417,9 @@ class Trainer:
         }
 
 
-def train(cfg: Any) -> dict[str, Any]:
-    """Run a training job for a composed config; return the summary (also in summary.json)."""
-    trainer = Trainer(cfg)
+def train(spec: RunSpec) -> dict[str, Any]:
+    """Run a training job for a resolved spec; return the summary (also in summary.json)."""
+    trainer = Trainer(spec)
     try:
         try:
             trainer.connect()  # the backend, and the launcher's ranks if several were started

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from finetune.errors import UserError
+from finetune.spec import ModelSpec
 from finetune.tiny import _arch, build_tiny, hf_config
 
 # What training needs from a hub repository; skips other formats (pytorch_model.bin twins,
@@ -19,29 +20,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tiktoken.model", "chat_template.jinja", "chat_template.json")
 
 
-def resolve_model_dir(model_cfg: Any, seed: int = 0) -> Path:
+def resolve_model_dir(model: ModelSpec, seed: int = 0) -> Path:
     """Return the local directory holding config.json, weights and tokenizer files."""
-    if model_cfg.path is None:
-        if model_cfg.name != "tiny":
-            raise UserError(f"model={model_cfg.name} has no model.path; set model.path=<hub id or local dir>")
+    if model.path is None:
+        if model.name != "tiny":
+            raise UserError(f"model={model.name} has no model.path; set model.path=<hub id or local dir>")
 
-        return build_tiny(model_cfg, seed=seed)
-    local = Path(str(model_cfg.path)).expanduser()
+        return build_tiny(model, seed=seed)
+    local = Path(str(model.path)).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
-            raise UserError(f"model.path={model_cfg.path} has no config.json; point it at an HF-format model directory")
+            raise UserError(f"model.path={model.path} has no config.json; point it at an HF-format model directory")
         return local.resolve()
-    if str(model_cfg.path).startswith((".", "/", "~")):
-        raise UserError(f"model.path={model_cfg.path} does not exist; give an existing directory or a hub id")
+    if str(model.path).startswith((".", "/", "~")):
+        raise UserError(f"model.path={model.path} does not exist; give an existing directory or a hub id")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(model_cfg.path), allow_patterns=HUB_PATTERNS,
-                                      revision=getattr(model_cfg, "revision", None), token=_hf_token()))
+        return Path(snapshot_download(str(model.path), allow_patterns=HUB_PATTERNS,
+                                      revision=model.revision, token=_hf_token()))
     except Exception as e:  # offline, gated, misspelt: all end the same way for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"could not get model {model_cfg.path} from the hub ({first[:160]}); "
+            f"could not get model {model.path} from the hub ({first[:160]}); "
             "download it (huggingface-cli download, with a token for gated models) or pass model.path=/local/dir"
         ) from None
 
@@ -80,16 +81,16 @@ def _presets(name: str = "*") -> dict[str, dict[str, Any]]:
     return out
 
 
-def _preset_is_of(model_cfg: Any) -> bool:
+def _preset_is_of(model: ModelSpec) -> bool:
     """Whether the preset describes ``model.path`` (its YAML's own path is that path): only then
     do its facts (``model.config``, ``model.dtype``) stand for the checkpoint."""
-    name = str(getattr(model_cfg, "name", ""))
-    return _presets(name).get(name, {}).get("path", False) == getattr(model_cfg, "path", None)
+    name = str(model.name)
+    return _presets(name).get(name, {}).get("path", False) == model.path
 
 
-def _preset_facts(model_cfg: Any) -> dict[str, Any] | None:
-    facts = getattr(model_cfg, "config", None)
-    return _plain(facts) if facts is not None and _preset_is_of(model_cfg) else None
+def _preset_facts(model: ModelSpec) -> dict[str, Any] | None:
+    facts = model.config
+    return _plain(facts) if facts is not None and _preset_is_of(model) else None
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -151,7 +152,7 @@ def _hub_failure(e: BaseException, revision: str | None) -> str:
     return f"the hub is unreachable ({first[:120]})"
 
 
-def model_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[dict[str, Any], str]:
+def model_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[dict[str, Any], str]:
     """The checkpoint's ``config.json`` as a dict, and a short label of where it was read.
 
     Looked for in order: ``model_dir`` (a loaded model's directory); a local ``model.path``;
@@ -168,12 +169,12 @@ def model_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[d
         if not cj.is_file():
             raise UserError(f"{model_dir} has no config.json; point model.path at an HF-format model directory")
         return _read_config_json(cj), str(cj)
-    path = getattr(model_cfg, "path", None)
-    name = str(getattr(model_cfg, "name", "?"))
+    path = model.path
+    name = str(model.name)
     if path is None:
         if name == "tiny":
-            return hf_config(_arch(model_cfg)), "preset tiny (the config.json build_tiny writes)"
-        facts = getattr(model_cfg, "config", None)
+            return hf_config(_arch(model)), "preset tiny (the config.json build_tiny writes)"
+        facts = model.config
         if facts is None:
             raise UserError(f"model={name} has no model.path and no model.config; "
                             "set model.path=<hub id or local dir>")
@@ -185,7 +186,7 @@ def model_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[d
         if not (local / "config.json").is_file():
             raise UserError(f"model.path={path} has no config.json; point it at an HF-format model directory")
         return _read_config_json(local / "config.json"), str(local / "config.json")
-    repo, revision = str(path), getattr(model_cfg, "revision", None)
+    repo, revision = str(path), model.revision
     from huggingface_hub import constants
 
     cached = _cached_config(repo, revision)
@@ -207,7 +208,7 @@ def model_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[d
             why = _hub_failure(e, revision)
         finally:
             hf_logging.set_verbosity(level)
-    facts = _preset_facts(model_cfg)
+    facts = _preset_facts(model)
     if facts is not None:
         return facts, f"model.config of preset {name} (released config.json facts; {repo}: {why})"
     match = [n for n, doc in sorted(_presets().items()) if doc.get("path") == repo and doc.get("config")]
@@ -223,11 +224,11 @@ _DTYPE_NAMES = {"float32": "float32", "float": "float32", "fp32": "float32", "bf
                 "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
-def local_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+def local_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """The model's ``config.json`` as a dict and its path, read from ``model_dir``, a local
     ``model.path`` or, for a hub id, the hub cache (never the network); (None, None) for a hub
     id not in the cache (or ``tiny`` not built)."""
-    path = getattr(model_cfg, "path", None) if model_dir is None else None
+    path = model.path if model_dir is None else None
     for d in (model_dir, path):
         if d is None:
             continue
@@ -235,41 +236,41 @@ def local_config(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[d
         if cj.is_file():
             return _read_config_json(cj), str(cj)
     if _is_hub_id(path):  # the hub cache only: no download here
-        cached = _cached_config(str(path), getattr(model_cfg, "revision", None))
+        cached = _cached_config(str(path), model.revision)
         if cached is not None:
             return _read_config_json(cached), str(cached)
     return None, None
 
 
-def stored_dtype(model_cfg: Any, model_dir: Path | str | None = None) -> tuple[str, str]:
+def stored_dtype(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[str, str]:
     """The dtype the checkpoint stores its floating weights in, and where that was read:
     ``config.json`` ``dtype``/``torch_dtype`` (also inside ``text_config``; a hub id's from the
     hub cache), else the preset's ``model.dtype``, else float32 (transformers' own default when a
     config names none). A hub id neither cached nor of this preset is read with ``model_config``."""
-    hf, where = local_config(model_cfg, model_dir)
-    if hf is None and model_dir is None and _is_hub_id(getattr(model_cfg, "path", None)) \
-            and not (getattr(model_cfg, "dtype", None) and _preset_is_of(model_cfg)):
+    hf, where = local_config(model, model_dir)
+    if hf is None and model_dir is None and _is_hub_id(model.path) \
+            and not (model.dtype and _preset_is_of(model)):
         # a hub id not in the cache, and a preset of another model (tiny's float32 says nothing
         # of it): read its config.json (downloaded alone, or the one line naming the fix)
-        hf, where = model_config(model_cfg)
+        hf, where = model_config(model)
     if hf is not None:
         for node in (hf, hf.get("text_config") or {}):
             for key in ("dtype", "torch_dtype"):
                 v = node.get(key)
                 if isinstance(v, str) and v.removeprefix("torch.") in _DTYPE_NAMES:
                     return _DTYPE_NAMES[v.removeprefix("torch.")], f"{where} {key}"
-    preset = getattr(model_cfg, "dtype", None)
+    preset = model.dtype
     if preset:
         if str(preset) not in _DTYPE_NAMES:
             raise UserError(f"model.dtype={preset} is not a dtype; choose one of: float32, bfloat16, float16")
-        return _DTYPE_NAMES[str(preset)], f"model.dtype of preset {getattr(model_cfg, 'name', '?')}"
+        return _DTYPE_NAMES[str(preset)], f"model.dtype of preset {model.name}"
     return "float32", "no dtype in config.json or model.dtype: float32 (transformers' default)"
 
 
-def stored_quantization(model_cfg: Any, model_dir: Path | str | None = None) -> dict[str, Any] | None:
+def stored_quantization(model: ModelSpec, model_dir: Path | str | None = None) -> dict[str, Any] | None:
     """An MLX pre-quantized checkpoint's ``quantization`` block (``{"group_size": 64, "bits":
     4, ...}``, as ``mlx_lm.convert -q`` and the mlx-community repos write it), or None."""
-    hf, where = local_config(model_cfg, model_dir)
+    hf, where = local_config(model, model_dir)
     q = (hf or {}).get("quantization")  # HF "quantization_config" (bnb, GPTQ, AWQ) is another format
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         return None
@@ -280,7 +281,7 @@ def stored_quantization(model_cfg: Any, model_dir: Path | str | None = None) -> 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def check_weights(model_dir: Path | str, model_cfg: Any) -> None:
+def check_weights(model_dir: Path | str, model: ModelSpec) -> None:
     """UserError, naming the fix, for a model directory without weights, or with pickle-only
     weights (loading a pickle runs code from the file) unless ``model.allow_pickle=true``."""
     d = Path(model_dir)
@@ -292,11 +293,11 @@ def check_weights(model_dir: Path | str, model_cfg: Any) -> None:
             why = safetensors_damage(f)
             if why is not None:
                 raise UserError(f"{f} is damaged ({why}), as an interrupted download leaves it; "
-                                f"{_download_again(f, model_cfg)}")
-        _check_shards(d, model_cfg)
+                                f"{_download_again(f, model)}")
+        _check_shards(d, model)
         return
     if pickles:
-        if getattr(model_cfg, "allow_pickle", False):
+        if model.allow_pickle:
             return
         raise UserError(f"model.path={d} has only pickle weights ({pickles[0].name}), which run code when loaded; "
                         "convert them to safetensors, or set model.allow_pickle=true if you trust the source")
@@ -358,8 +359,8 @@ def safetensors_damage(path: Path | str) -> str | None:
     return None
 
 
-def _download_again(f: Path, model_cfg: Any) -> str:
-    path = getattr(model_cfg, "path", None)
+def _download_again(f: Path, model: ModelSpec) -> str:
+    path = model.path
     if path is None:  # tiny: built here, so building it again is the download
         return f"delete {f.parent} and run again to rebuild it"
     if _is_hub_id(path):
@@ -367,7 +368,7 @@ def _download_again(f: Path, model_cfg: Any) -> str:
     return f"download it again (huggingface-cli download <repo> --local-dir {f.parent}) or copy it whole"
 
 
-def _check_shards(d: Path, model_cfg: Any) -> None:
+def _check_shards(d: Path, model: ModelSpec) -> None:
     """A sharded checkpoint's index (``model.safetensors.index.json``) names every shard; one
     missing is an incomplete download."""
     import json
@@ -378,8 +379,8 @@ def _check_shards(d: Path, model_cfg: Any) -> None:
     try:
         shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
     except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{index} is unreadable ({e}); {_download_again(index, model_cfg)}") from None
+        raise UserError(f"{index} is unreadable ({e}); {_download_again(index, model)}") from None
     missing = [s for s in shards if not (d / s).is_file()]
     if missing:
         raise UserError(f"{d / missing[0]} is missing ({len(missing)} of {len(shards)} shards that "
-                        f"{index.name} names); {_download_again(d / missing[0], model_cfg)}")
+                        f"{index.name} names); {_download_again(d / missing[0], model)}")

@@ -168,16 +168,13 @@ def redact_multirun_yaml(path: Path, secrets: list[str]) -> None:
         pass
 
 
-def redact_hydra_files(cfg: Any) -> None:
-    """Rewrite the run dir's ``.hydra/*.yaml`` (config, overrides, hydra) with secrets masked.
+def redact_hydra_files(run_dir: str | None, tree: Any) -> None:
+    """Rewrite ``run_dir``'s ``.hydra/*.yaml`` (config, overrides, hydra) with secrets masked:
+    those in the environment and in ``tree`` (the composed config, interpolations unresolved).
     Hydra writes them before the task runs; nothing else reads them back."""
-    from omegaconf import OmegaConf
-
-    run_dir = cfg.get("run_dir") if hasattr(cfg, "get") else None
     if not run_dir:
         return
-    secrets = sorted(set(env_secrets()) | set(config_secrets(OmegaConf.to_container(cfg, resolve=False))),
-                     key=len, reverse=True)
+    secrets = sorted(set(env_secrets()) | set(config_secrets(tree)), key=len, reverse=True)
     hydra_dir = Path(str(run_dir)) / ".hydra"
     if not hydra_dir.is_dir():
         return

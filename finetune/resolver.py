@@ -20,13 +20,143 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from finetune.backends import concrete_name
-from finetune.config import Config, validate
+from finetune.backends import BACKENDS, capabilities, concrete_name
+from finetune.budget import parse_budget
+from finetune.config import (
+    BACKEND_KEYS,
+    INF,
+    RANGE_HINTS,
+    RANGES,
+    VALID,
+    Config,
+    logger_keys,
+    nearest_keys,
+    schema_keys,
+)
 from finetune.errors import UserError
 from finetune.planner.model import resolve as resolve_setup
-from finetune.spec import (BackendSpec, DataSpec, GenerateSpec, LoraSpec, MemorySpec, MethodSpec, ModelSpec,
-                           OptimSpec, PathsSpec, PrecisionSpec, QuantSpec, RunSpec, SweepSpec, TrainSpec, World)
+from finetune.spec import (
+    BackendSpec,
+    DataSpec,
+    GenerateSpec,
+    LoraSpec,
+    MemorySpec,
+    MethodSpec,
+    ModelSpec,
+    OptimSpec,
+    PathsSpec,
+    PrecisionSpec,
+    QuantSpec,
+    RunSpec,
+    SweepSpec,
+    TrainSpec,
+    World,
+)
 
+# -- the config's checks: choices, the backend's capabilities, ranges, unknown keys ------------
+
+def _value(cfg: DictConfig, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def check_backend_support(backend: str, cfg: DictConfig) -> None:
+    """Raise UserError if ``backend`` cannot run a choice in ``cfg``, naming what it can run
+    (and, where another backend runs it, why this one does not)."""
+    caps = capabilities(backend)
+    for dotted in BACKEND_KEYS:
+        value = _value(cfg, dotted)
+        allowed = caps.choices(dotted)
+        if value in allowed:
+            continue
+        group = dotted.removesuffix(".name")
+        elsewhere = [b for b in BACKENDS if b != backend and value in capabilities(b).choices(dotted)]
+        if elsewhere and dotted in caps.why_not:
+            raise UserError(f"{group}={value} {caps.why_not[dotted]}; {backend} supports: {', '.join(allowed)}")
+        if elsewhere:
+            raise UserError(f"{group}={value} is not run by backend={backend} (backend={elsewhere[0]} runs it); "
+                            f"{backend} supports: {', '.join(allowed)}")
+        raise UserError(f"{dotted}={value} is not valid; choose one of: {', '.join(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check enumerated choices (the backend's against its capabilities) and ranges; raise
+    UserError naming the fix."""
+    for dotted, choices in VALID.items():
+        node = _value(cfg, dotted)
+        if node not in choices:
+            raise UserError(f"{dotted}={node} is not valid; choose one of: {', '.join(choices)}")
+    check_backend_support(concrete_name(str(cfg.backend.name)), cfg)
+    check_known_keys(cfg)
+    check_ranges(cfg)
+    if cfg.data.name == "jsonl" and not cfg.data.path:
+        raise UserError("data=jsonl needs a file: add data.path=/path/to/train.jsonl")
+    if cfg.data.name == "hf" and not cfg.data.hf_name:
+        raise UserError("data=hf needs a data set: add data.hf_name=<hub id>")
+
+
+def _range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    if hi == INF:
+        return f">= {lo:g}" if lo_in else f"> {lo:g}"
+    return f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
+def check_ranges(cfg: DictConfig) -> None:
+    """Raise UserError for the first numeric key outside its range (``RANGES``), or a string
+    or bool where a number belongs, naming the range."""
+    def fail(dotted: str, value: Any, rng: str) -> None:
+        hint = RANGE_HINTS.get(dotted)
+        fix = "set optim.betas=[0.9,0.999]" if dotted.startswith("optim.betas.") else f"set {dotted} to a value {rng}"
+        raise UserError(f"{dotted}={value} must be {rng}{f' ({hint})' if hint else ''}; {fix}")
+
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2:
+        raise UserError(f"optim.betas={betas} needs two values; set optim.betas=[0.9,0.999]")
+    for dotted, (lo, hi, lo_in, hi_in, nullable) in RANGES.items():
+        value = _value(cfg, dotted) if not dotted.startswith("optim.betas.") else betas[int(dotted[-1])]
+        if value is None and nullable:
+            continue
+        rng = _range_text(lo, hi, lo_in, hi_in)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            fail(dotted, value, f"a number {rng}")
+        if (value < lo if lo_in else value <= lo) or (value > hi if hi_in else value >= hi):
+            fail(dotted, value, rng)
+    n = cfg.method.lora.num_layers
+    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+        fail("method.lora.num_layers", n, ">= 1 or -1")
+    budget = cfg.memory.budget
+    if budget is not None:
+        parse_budget(budget, 2**40)  # the size only checks a percentage's range here
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Raise UserError for a key the schema does not have (added with ``+key=...``), anywhere in
+    the tree, naming the nearest valid keys. A logger's keys are those of its option's YAML."""
+    import dataclasses
+
+    def walk(node: Any, node_type: Any, prefix: str) -> None:
+        valid = schema_keys(node_type)
+        for key in list(node.keys()):
+            if key not in valid:
+                raise UserError(f"{prefix}{key} is not a config key; {nearest_keys(str(key), sorted(valid))}")
+            t = valid[key]
+            if dataclasses.is_dataclass(t) and node.get(key) is not None:
+                walk(node[key], t, f"{prefix}{key}.")
+
+    walk(cfg, Config, "")
+    for name, settings in (cfg.get("logger") or {}).items():
+        known = logger_keys(str(name))
+        if known is None or settings is None:
+            continue  # an unknown logger is named by finetune.loggers.build
+        for key in settings.keys():
+            if key not in known:
+                raise UserError(f"logger.{name}.{key} is not a config key; {nearest_keys(str(key), sorted(known))}")
+
+
+
+# -- the spec -------------------------------------------------------------------------------
 
 def _plain(node: Any) -> Any:
     """A config node as plain Python (interpolations resolved): dicts, and lists as tuples."""
@@ -117,4 +247,6 @@ def resolve(cfg: Any, world: World | None = None) -> RunSpec:
     spec = _spec(cfg, world or World())
     if spec.mode in ("plan", "train"):
         _check_model_choices(spec)
+    if spec.mode == "generate" and not spec.generate.prompt:
+        raise UserError('mode=generate needs a prompt: add prompt="..." (or generate.prompt="...")')
     return spec

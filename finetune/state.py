@@ -42,12 +42,3 @@ class RunState:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "grad_accum": self.grad_accum}
-
-
-def tokens_per_micro(cfg: Any) -> int:
-    """``train.tokens_per_micro`` as configured, null resolved to ``train.batch_size *
-    train.seq_len`` (the most an unpacked micro-batch holds); 0 when ``train.packing`` is off."""
-    t = cfg.train
-    if not getattr(t, "packing", False):
-        return 0
-    return int(getattr(t, "tokens_per_micro", None) or int(t.batch_size) * int(t.seq_len))

@@ -34,6 +34,8 @@ import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,7 @@ from finetune.redact import (
 )
 from finetune import planner
 from finetune.errors import UserError
-from finetune.resolver import resolve
+from finetune.spec import RunSpec
 from finetune.io import atomic_write_json
 from finetune.report import SweepReportCallback
 
@@ -91,13 +93,29 @@ def objective_value(summary: dict[str, Any] | None, objective: str | None) -> An
     return worst(objective) if v is None else float(v)
 
 
-def prune_by_plan(cfg: Any, run_dir: Path) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Job:
+    """A multirun job as finetune.cli hands it over: what the sweep reads of the job's config.
+    ``spec`` resolves the config (its checks may refuse it: a failed job), ``run`` runs it in
+    this process (``finetune.cli.run``)."""
+
+    run_dir: Path
+    mode: str
+    objective: str | None
+    isolate_jobs: bool
+    fail_fast: bool
+    tree: dict[str, Any]  # the job's config as composed, interpolations unresolved: its secrets
+    spec: Callable[[], RunSpec]
+    run: Callable[[], Any]
+
+
+def prune_by_plan(spec: RunSpec, run_dir: Path) -> dict[str, Any] | None:
     """When ``memory.budget`` is set and the job's plan (as configured: its micro-batch,
     precision, method...) peaks above it, write ``pruned.json`` and return its content; else None."""
-    if cfg.memory.budget is None:
+    if spec.memory.budget is None:
         return None
 
-    p = planner.plan(resolve(cfg), recommend=False)
+    p = planner.plan(spec, recommend=False)
     budget = p["budget_bytes"]
     if p["fits"] is not False or budget is None:  # fits is False only against a budget
         return None
@@ -193,15 +211,15 @@ def _run_child(cmd: list[str], env: dict[str, str], log_path: Path) -> tuple[int
     return rc, _error_line(tail.decode(errors="replace"), rc)
 
 
-def _secrets(cfg: Any) -> list[str]:
-    return sorted(set(env_secrets()) | set(config_secrets(OmegaConf.to_container(cfg, resolve=False))),
+def _secrets(job: Job) -> list[str]:
+    return sorted(set(env_secrets()) | set(config_secrets(job.tree)),
                   key=len, reverse=True)
 
 
-def record_failure(cfg: Any, num: Any, overrides: list[str], error: str, exit_code: int, log: Path) -> dict[str, Any]:
+def record_failure(job: Job, num: Any, overrides: list[str], error: str, exit_code: int, log: Path) -> dict[str, Any]:
     """Write the job's ``failed.json`` (secrets masked) and print its one line; returns the record."""
-    secrets = _secrets(cfg)
-    run_dir = Path(str(cfg.run_dir))
+    secrets = _secrets(job)
+    run_dir = job.run_dir
     rec = {"failed": True, "job": num, "overrides": redact_overrides(overrides, secrets),
            "error": redact_text(error, secrets), "exit_code": exit_code, "log": str(log)}
     try:
@@ -213,27 +231,27 @@ def record_failure(cfg: Any, num: Any, overrides: list[str], error: str, exit_co
     return rec
 
 
-def run_job(cfg: Any, run: Any) -> Any:
+def run_job(job: Job) -> Any:
     """One multirun job: pruned by plan where the sweep searches, else run in a fresh process
     (or in this one where ``isolate_jobs=false`` or the launcher already gave it one). A job
     that fails is recorded (``record_failure``) and returns None (the worst value to a search);
     with ``fail_fast=true`` it ends the sweep (SweepStopped)."""
     from hydra.core.hydra_config import HydraConfig
 
-    objective = cfg.get("objective")
+    objective = job.objective
     if objective and objective not in OBJECTIVES:
         raise UserError(f"objective={objective} is not valid; choose one of: {', '.join(OBJECTIVES)}")
     hc = HydraConfig.get()
-    run_dir = Path(str(cfg.run_dir))
-    redact_multirun_yaml(Path(str(hc.sweep.dir)) / "multirun.yaml", _secrets(cfg))
+    run_dir = job.run_dir
+    redact_multirun_yaml(Path(str(hc.sweep.dir)) / "multirun.yaml", _secrets(job))
     (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a job run again into the same sweep dir
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.run.dir=", "hydra.sweep."))]
     try:
-        if objective and cfg.mode == "train" and prune_by_plan(cfg, run_dir) is not None:
+        if objective and job.mode == "train" and prune_by_plan(job.spec(), run_dir) is not None:
             return worst(objective)
         fresh = os.environ.get(FRESH_ENV) or any(os.environ.get(k) for k in SUBMITIT_ENV)
-        if not cfg.get("isolate_jobs", True) or fresh or cfg.mode != "train":
-            return objective_value(run(cfg), objective)
+        if not job.isolate_jobs or fresh or job.mode != "train":
+            return objective_value(job.run(), objective)
     except Exception as e:  # in this process: the error as the CLI would say it, the traceback in the job's log
         log = run_dir / f"{hc.job.name}.log"
         try:
@@ -242,9 +260,9 @@ def run_job(cfg: Any, run: Any) -> Any:
         except OSError:
             pass
         line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        failure = record_failure(cfg, hc.job.num, overrides, line if isinstance(e, UserError) else
+        failure = record_failure(job, hc.job.num, overrides, line if isinstance(e, UserError) else
                                  f"{type(e).__name__}: {line}", 2 if isinstance(e, UserError) else 1, log)
-        return _failed(cfg, hc, failure, objective)
+        return _failed(job, hc, failure, objective)
     quoted = str(run_dir).replace("\\", "\\\\").replace("'", "\\'")  # the job dir holds '=' and ','
     cmd = [sys.executable, "-m", "finetune", *overrides, f"hydra.run.dir='{quoted}'",
            # the job's own dir already holds the multirun's .hydra/; the child writes its own beside
@@ -254,13 +272,13 @@ def run_job(cfg: Any, run: Any) -> Any:
     log = run_dir / JOB_STDERR
     rc, error = _run_child(cmd, env, log)
     if rc != 0:
-        return _failed(cfg, hc, record_failure(cfg, hc.job.num, overrides, error, rc, log), objective)
+        return _failed(job, hc, record_failure(job, hc.job.num, overrides, error, rc, log), objective)
     summary = run_dir / "summary.json"
     return objective_value(json.loads(summary.read_text()) if summary.is_file() else None, objective)
 
 
-def _failed(cfg: Any, hc: Any, failure: dict[str, Any], objective: str | None) -> Any:
-    if cfg.get("fail_fast", False):
+def _failed(job: Job, hc: Any, failure: dict[str, Any], objective: str | None) -> Any:
+    if job.fail_fast:
         raise SweepStopped(Path(str(hc.sweep.dir)), failure)
     return worst(objective) if objective else None
 

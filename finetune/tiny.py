@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from finetune.synthetic import generate
+from finetune.spec import ModelSpec
 
 BUILDER_VERSION = 1
 CHAT_TEMPLATE = (
@@ -32,7 +33,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
-def _arch(m: Any) -> dict[str, Any]:
+def _arch(m: ModelSpec) -> dict[str, Any]:
     keys = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
             "vocab_size", "tie_embeddings", "attn_bias", "max_position", "rope_theta", "rms_norm_eps")
     return {k: getattr(m, k) for k in keys}
@@ -120,13 +121,13 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_tiny(model_cfg: Any, seed: int = 0) -> Path:
+def build_tiny(model: ModelSpec, seed: int = 0) -> Path:
     """Return the directory of the tiny model for these architecture numbers, building it once.
 
     The directory is assembled under a temporary name and renamed into place, so a reader
     never sees a half-written model, and two processes building at once both end well.
     """
-    arch = _arch(model_cfg)
+    arch = _arch(model)
     key = hashlib.sha256(json.dumps([BUILDER_VERSION, arch, seed], sort_keys=True).encode()).hexdigest()[:12]
     final = cache_root() / f"tiny-qwen2-{key}"
     if (final / "config.json").exists():

@@ -37,6 +37,7 @@ def record(name: str, overrides: list[str]) -> None:
 
     from finetune.accounting.accountant import Accountant
     from finetune.loop import train
+    from finetune.resolver import resolve
 
     original = Accountant.write_plot
 
@@ -53,7 +54,7 @@ def record(name: str, overrides: list[str]) -> None:
     Accountant.write_plot = capture
     try:
         with tempfile.TemporaryDirectory() as d:
-            train(make_cfg(Path(d) / "run", "train.progress=false", *overrides))
+            train(resolve(make_cfg(Path(d) / "run", "train.progress=false", *overrides)))
     finally:
         Accountant.write_plot = original
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from finetune.cli import run
-from finetune.config import RANGES, compose, validate
+from finetune.config import RANGES, compose
+from finetune.resolver import validate
 from finetune.errors import UserError
 
 from conftest import finetune_cmd, needs_mlx, needs_torch
@@ -153,7 +154,7 @@ def test_every_numeric_key_out_of_range_is_refused(tmp_path):
     import dataclasses
     import typing
 
-    from finetune.config import Config, _RANGE_HINTS
+    from finetune.config import Config, RANGE_HINTS
 
     numeric = set()
 
@@ -194,7 +195,7 @@ def test_every_numeric_key_out_of_range_is_refused(tmp_path):
             if shown not in str(e) or "\n" in str(e):
                 failures.append(f"{override}: {e}")
     assert not failures, "\n".join(failures)
-    assert _RANGE_HINTS  # the hints name why a bound is there
+    assert RANGE_HINTS  # the hints name why a bound is there
 
 
 def _get(cfg, dotted):

@@ -14,7 +14,7 @@ from conftest import REPO, make_cfg, make_spec
 
 from finetune import planner
 from finetune.backends import BACKENDS, capabilities
-from finetune.config import check_backend_support
+from finetune.resolver import check_backend_support
 from finetune.errors import UserError
 
 RUNTIME_NEEDS = {"cuda": "torch", "mlx": "mlx"}

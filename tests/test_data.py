@@ -7,14 +7,13 @@ import json
 
 import numpy as np
 import pytest
+from conftest import make_spec
 from transformers import AutoTokenizer
 
 from finetune import data as data_mod
 from finetune.config import ModelConfig
 from finetune.errors import UserError
 from finetune.tiny import build_tiny
-
-from conftest import make_cfg
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +59,15 @@ def test_unknown_format_and_bad_jsonl_are_user_errors(tok, tmp_path):
         data_mod.tokenize([{"foo": 1}], tok, 64, True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{not json\n')
-    cfg = make_cfg(tmp_path, "data=jsonl", f"data.path={bad}")
+    cfg = make_spec(tmp_path, "data=jsonl", f"data.path={bad}")
     with pytest.raises(UserError, match=r"bad.jsonl:2 is not valid JSON"):
         data_mod.load_records(cfg.data, 0)
 
 
 def test_order_depends_on_effective_batch_only(tok, tmp_path):
     """micro 4 x accum 1 and micro 1 x accum 4 see the same samples at every step."""
-    a, _ = data_mod.build(make_cfg(tmp_path, "train.batch_size=4", "train.grad_accum=1"), tok)
-    b, _ = data_mod.build(make_cfg(tmp_path, "train.batch_size=1", "train.grad_accum=4"), tok)
+    a, _ = data_mod.build(make_spec(tmp_path, "train.batch_size=4", "train.grad_accum=1"), tok)
+    b, _ = data_mod.build(make_spec(tmp_path, "train.batch_size=1", "train.grad_accum=4"), tok)
     for s in (0, 1, 7, a.steps_per_epoch + 3):  # across an epoch boundary too
         ba, bb = a.train_batch(s), b.train_batch(s)
         assert np.array_equal(ba.indices, bb.indices)
@@ -80,7 +79,7 @@ def test_order_depends_on_effective_batch_only(tok, tmp_path):
 
 
 def test_length_grouping_reduces_padding(tok, tmp_path):
-    src, _ = data_mod.build(make_cfg(tmp_path, "train.batch_size=8"), tok)
+    src, _ = data_mod.build(make_spec(tmp_path, "train.batch_size=8"), tok)
     real = padded = 0
     for s in range(src.steps_per_epoch):
         b = src.train_batch(s)
@@ -94,7 +93,7 @@ def test_length_grouping_reduces_padding(tok, tmp_path):
 
 
 def test_gsm8k_real_text(tok, tmp_path, gsm8k):
-    cfg = make_cfg(tmp_path, "data=jsonl", f"data.path={gsm8k}", "data.max_samples=500", "train.seq_len=128")
+    cfg = make_spec(tmp_path, "data=jsonl", f"data.path={gsm8k}", "data.max_samples=500", "train.seq_len=128")
     src, stats = data_mod.build(cfg, tok)
     assert stats["records"] == 500 and stats["truncated"] > 0
     first = json.loads(gsm8k.read_text().splitlines()[0])

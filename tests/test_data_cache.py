@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import GSM8K, REPO, make_spec, needs_torch
 from transformers import AutoTokenizer
 
 from finetune import data as data_mod
@@ -23,8 +24,6 @@ from finetune import tokcache
 from finetune.config import ModelConfig
 from finetune.errors import UserError
 from finetune.tiny import build_tiny
-
-from conftest import GSM8K, REPO, make_cfg, needs_torch
 
 RECORDS = [{"prompt": f"Question: {n} + {n}?\nAnswer: ", "completion": f"{2 * n} apples."} for n in range(60)]
 
@@ -40,7 +39,7 @@ def _jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def _cfg(tmp_path: Path, data: Path, *extra: str):
-    return make_cfg(tmp_path / "run", "data=jsonl", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}",
+    return make_spec(tmp_path / "run", "data=jsonl", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}",
                     "train.progress=false", "train.batch_size=2", *extra)
 
 
@@ -89,7 +88,7 @@ def test_second_run_reuses_the_cache_with_the_same_bytes(tmp_path, tok, capsys):
 
 def test_the_cache_matches_tokenizing_in_memory_on_gsm8k(tmp_path, tok, gsm8k, capsys):
     """Real text with truncation: the cached entry holds exactly what ``tokenize`` makes."""
-    cfg = make_cfg(tmp_path / "run", "data=jsonl", f"data.path={gsm8k}", "data.max_samples=300", "train.seq_len=128",
+    cfg = make_spec(tmp_path / "run", "data=jsonl", f"data.path={gsm8k}", "data.max_samples=300", "train.seq_len=128",
                    f"data.cache_dir={tmp_path / 'cache'}", "train.progress=false")
     cached = data_mod.prepare(cfg, tok)
     data_mod.prepare(cfg, tok)
@@ -109,9 +108,9 @@ def test_losses_equal_with_a_reused_cache_and_without_one(tmp_path, tok, capfd):
     data_mod.prepare(_cfg(tmp_path, data), tok)  # the entry the run will find
     common = ("data=jsonl", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", "train.progress=false",
               "train.batch_size=2", *run)
-    train(make_cfg(tmp_path / "cached", *common))
+    train(resolve(make_spec(tmp_path / "cached", *common)))
     assert "reused the token cache" in capfd.readouterr().err
-    train(make_cfg(tmp_path / "plain", *common, "data.cache=false"))
+    train(resolve(make_spec(tmp_path / "plain", *common, "data.cache=false")))
 
     def losses(run_dir: Path) -> list[float]:
         return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -220,9 +219,10 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from finetune import data
 from finetune.config import compose
+from finetune.resolver import resolve
 root, me, other = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-cfg = compose(root / ("run" + me), "data=jsonl", f"data.path={root / 'train.jsonl'}", f"data.cache_dir={root / 'cache'}",
-              "train.progress=false", "train.seq_len=4096")
+cfg = resolve(compose(root / ("run" + me), "data=jsonl", f"data.path={root / 'train.jsonl'}", f"data.cache_dir={root / 'cache'}",
+              "train.progress=false", "train.seq_len=4096"))
 tok = AutoTokenizer.from_pretrained(sys.argv[4])
 (root / ("ready" + me)).touch()
 while not (root / ("ready" + other)).exists():  # start together: both miss, both build

@@ -14,6 +14,7 @@ from conftest import make_cfg, make_spec, needs_mlx, needs_torch
 
 from finetune import planner
 from finetune.model_source import stored_dtype
+from finetune.resolver import resolve
 
 GiB = 1 << 30
 
@@ -88,7 +89,7 @@ def test_plan_cli_prints_the_target_table(tmp_path: Path) -> None:
 def test_tiny_trains_in_fp32_by_default_on_cuda_backend(tmp_path: Path) -> None:
     from finetune.loop import train
 
-    s = train(make_cfg(tmp_path / "run", "backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress=false"))
+    s = train(resolve(make_cfg(tmp_path / "run", "backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress=false")))
     assert s["precision"] == "auto" and s["dtype"] == "float32"
 
 
@@ -117,7 +118,7 @@ def test_prequantized_checkpoint_trains_lora_and_plans_its_bytes(quantized_tiny:
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["group_size"] == 64
     over = ("backend=mlx", "method=lora", f"model.path={quantized_tiny}", "train.steps=4", "train.eval_every=0",
             "train.progress=false", "optim.lr=1e-2", "train.warmup_steps=0")
-    s = train(make_cfg(tmp_path / "run", *over))
+    s = train(resolve(make_cfg(tmp_path / "run", *over)))
     assert s["last_step_loss"] < s["first_loss"]
     census = s["memory"]["census_first_optimizer"]
     plan = planner.plan(make_spec(tmp_path / "p", *over), recommend=False)
@@ -143,8 +144,8 @@ def test_prequantized_checkpoint_is_refused_by_cuda_in_one_line(quantized_tiny: 
 def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
     from finetune.loop import train
 
-    s = train(make_cfg(tmp_path / "run", "backend=mlx", "train.steps=3", "train.eval_every=0", "train.progress=false",
-                       "train.batch_size=8", "train.seq_len=128"))
+    s = train(resolve(make_cfg(tmp_path / "run", "backend=mlx", "train.steps=3", "train.eval_every=0", "train.progress=false",
+                       "train.batch_size=8", "train.seq_len=128")))
     assert s["precision"] == "auto" and s["dtype"] == "float32"  # tiny is stored in fp32
     ev = [e for e in s["adaptations"] if e["action"] == "set_mlx_cache_limit"]
     assert len(ev) == 1 and ev[0]["step"] == 1 and ev[0]["trigger"] == "measured_step_peak"
@@ -157,8 +158,8 @@ def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
     assert ev[0]["after"]["cache_limit"] < s["budget_bytes"] // 16
     assert s["memory"]["last"]["mlx_cache_limit_bytes"] == ev[0]["after"]["cache_limit"]
     # a fixed size is applied at load; null leaves MLX's own
-    fixed = train(make_cfg(tmp_path / "r2", "backend=mlx", "train.steps=1", "train.eval_every=0",
-                           "train.progress=false", "memory.cache_limit=64MiB"))
+    fixed = train(resolve(make_cfg(tmp_path / "r2", "backend=mlx", "train.steps=1", "train.eval_every=0",
+                           "train.progress=false", "memory.cache_limit=64MiB")))
     ev2 = [e for e in fixed["adaptations"] if e["action"] == "set_mlx_cache_limit"]
     assert [(e["step"], e["after"]["cache_limit"]) for e in ev2] == [(0, 64 << 20)]
     assert fixed["memory"]["last"]["mlx_cache_limit_bytes"] == 64 << 20
@@ -169,8 +170,8 @@ def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
 
 def test_padding_to_a_multiple_keeps_the_math() -> None:
     import numpy as np
-
     from finetune.backends.base import padded_length
+
     from finetune.data import collate
 
     assert [padded_length(t, 32) for t in (1, 2, 33, 34, 65)] == [1, 33, 33, 65, 65]

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
 
+from finetune.resolver import resolve
+
 pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
 
 TOL = 1e-4  # max abs logit difference allowed between the two libraries (fp32)
@@ -41,9 +43,9 @@ def trained_run(root: Path, name: str) -> Path:
         from finetune.loop import train
 
         backend, method, extra = RUNS[name]
-        train(make_cfg(run, f"backend={backend}", f"method={method}", "train.steps=3", "optim.lr=1e-2",
+        train(resolve(make_cfg(run, f"backend={backend}", f"method={method}", "train.steps=3", "optim.lr=1e-2",
                        "train.warmup_steps=0", "train.eval_every=0", "train.progress=false",
-                       "data.num_samples=64", *extra))
+                       "data.num_samples=64", *extra)))
     return run
 
 

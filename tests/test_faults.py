@@ -22,6 +22,7 @@ from conftest import finetune_cmd, make_cfg, needs_torch
 from finetune import checkpoints
 from finetune.errors import UserError
 from finetune.loop import train
+from finetune.resolver import resolve
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=0", "optim.lr=1e-2", "train.eval_every=0",
         "train.progress=false", "data.num_samples=100", "memory.sample_every=0", "train.save_every=1")
@@ -39,7 +40,7 @@ def _leftovers(run: Path) -> list[str]:
 def reference(tmp_path_factory):
     """An uninterrupted 4-step run: the losses every resumed run must reproduce."""
     d = tmp_path_factory.mktemp("ref") / "run"
-    train(make_cfg(d, *ARGS, "train.steps=4"))
+    train(resolve(make_cfg(d, *ARGS, "train.steps=4")))
     return _losses(d)
 
 
@@ -49,11 +50,11 @@ def test_failed_save_keeps_previous_checkpoint_and_resume_uses_it(tmp_path, monk
     monkeypatch.setenv("FINETUNE_FAULT_SAVE", "3")
     with pytest.raises(UserError, match=r"checkpoint at step 3 not saved \(No space left on device\); the previous "
                                         r"checkpoint step_0000002 is intact; free space or fix permissions"):
-        train(make_cfg(run, *ARGS, "train.steps=4"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=4")))
     assert [p.name for p in checkpoints.list_checkpoints(run)] == ["step_0000001", "step_0000002"]
     assert _leftovers(run) == [] and not (run / "summary.json").exists()
     monkeypatch.delenv("FINETUNE_FAULT_SAVE")
-    resumed = train(make_cfg(run, *ARGS, "train.steps=4", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, "train.steps=4", "train.resume=true")))
     assert "resumed from" in capsys.readouterr().err and resumed["steps_this_run"] == 2
     assert _losses(run) == pytest.approx(reference, abs=1e-5)
 
@@ -62,7 +63,7 @@ def test_failed_save_keeps_previous_checkpoint_and_resume_uses_it(tmp_path, monk
 def test_failed_save_with_continue_goes_on_and_keep_checkpoints(tmp_path, monkeypatch, reference):
     run = tmp_path / "run"
     monkeypatch.setenv("FINETUNE_FAULT_SAVE", "2")
-    summary = train(make_cfg(run, *ARGS, "train.steps=4", "train.on_save_error=continue", "train.keep_checkpoints=1"))
+    summary = train(resolve(make_cfg(run, *ARGS, "train.steps=4", "train.on_save_error=continue", "train.keep_checkpoints=1")))
     assert summary["steps_this_run"] == 4 and (run / "summary.json").is_file() and (run / "adapter").is_dir()
     assert [p.name for p in checkpoints.list_checkpoints(run)] == ["step_0000004"]  # keep_checkpoints=1
     events = [json.loads(ln)["event"] for ln in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in ln]
@@ -77,20 +78,20 @@ def test_a_file_where_the_checkpoints_dir_goes_stops_cleanly(tmp_path):
     run.mkdir()
     (run / "checkpoints").write_text("not a directory")
     with pytest.raises(UserError, match=r"checkpoint at step 1 not saved .*no earlier checkpoint exists"):
-        train(make_cfg(run, *ARGS, "train.steps=2"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=2")))
     assert not (run / "summary.json").exists()
 
 
 @needs_torch
 def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys, reference):
     run = tmp_path / "run"
-    train(make_cfg(run, *ARGS, "train.steps=3"))  # checkpoints step_2, step_3 (keep 2)
+    train(resolve(make_cfg(run, *ARGS, "train.steps=3")))  # checkpoints step_2, step_3 (keep 2)
     newest = checkpoints.latest_checkpoint(run)
     assert newest.name == "step_0000003"
     weights = newest / "backend" / "trainable.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # a torn write
     capsys.readouterr()
-    resumed = train(make_cfg(run, *ARGS, "train.steps=4", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, "train.steps=4", "train.resume=true")))
     err = capsys.readouterr().err
     assert "checkpoint step_0000003 is damaged" in err and "(the previous good checkpoint) at step 2" in err, err
     assert resumed["steps_this_run"] == 2
@@ -99,7 +100,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys, reference):
     for c in checkpoints.list_checkpoints(run):
         (c / checkpoints.STATE_FILE).write_text("{not json")
     with pytest.raises(UserError, match="every checkpoint in .* is damaged"):
-        train(make_cfg(run, *ARGS, "train.steps=5", "train.resume=true"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=5", "train.resume=true")))
 
 
 @needs_torch
@@ -136,7 +137,7 @@ def test_second_sigterm_during_a_save_exits_at_once_keeping_the_last_good_checkp
     assert names and _leftovers(run) == [], (names, _leftovers(run))
     assert all(int(n[5:]) <= half for n in names), names
     last = checkpoints.read_state(checkpoints.latest_checkpoint(run))["step"]
-    resumed = train(make_cfg(run, *ARGS, f"train.steps={last + 1}", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, f"train.steps={last + 1}", "train.resume=true")))
     assert resumed["steps_this_run"] == 1
 
 
@@ -180,7 +181,7 @@ def full_disk_run(tmp_path_factory):
     Yields (the finished CLI process, the run dir, the filler file to delete to free space)."""
     work = tmp_path_factory.mktemp("full-disk")
     sizing = work / "sizing"
-    train(make_cfg(sizing, *ARGS, "train.steps=1"))  # one checkpoint, to size the filesystem by
+    train(resolve(make_cfg(sizing, *ARGS, "train.steps=1")))  # one checkpoint, to size the filesystem by
     run = work / "run"
     ckdir = run / "checkpoints"
     ckdir.mkdir(parents=True)
@@ -216,7 +217,7 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint_and_resume_continues(ful
     assert _leftovers(run) == [".filler"] and not (run / "summary.json").exists()
     assert checkpoints.read_state(checkpoints.latest_checkpoint(run))["step"] == 2
     filler.unlink()  # space freed
-    resumed = train(make_cfg(run, *ARGS, "train.steps=4", "train.keep_checkpoints=3", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, "train.steps=4", "train.keep_checkpoints=3", "train.resume=true")))
     assert resumed["steps_this_run"] == 2
     assert [p.name for p in checkpoints.list_checkpoints(run)] == ["step_0000002", "step_0000003", "step_0000004"]
     assert _losses(run) == pytest.approx(reference, abs=1e-5)

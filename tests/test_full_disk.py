@@ -21,6 +21,7 @@ from conftest import finetune_cmd, make_cfg, needs_torch
 from finetune import checkpoints
 from finetune.errors import UserError
 from finetune.loop import train
+from finetune.resolver import resolve
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=0", "optim.lr=1e-2", "train.eval_every=0",
         "train.progress=false", "data.num_samples=100", "memory.sample_every=0", "train.save_every=1")
@@ -35,7 +36,7 @@ def reference(tmp_path_factory):
     """Losses of uninterrupted runs, by number of steps (constant lr: a longer run's first N
     steps are the N-step run's)."""
     d = tmp_path_factory.mktemp("ref") / "run"
-    train(make_cfg(d, *ARGS, "train.steps=24"))
+    train(resolve(make_cfg(d, *ARGS, "train.steps=24")))
     return _losses(d)
 
 
@@ -121,7 +122,7 @@ def test_full_disk_at_a_metrics_line_stops_in_one_line_and_resume_continues(smal
     filler.unlink()
     if at + 1 > len(reference):
         pytest.skip(f"the disk filled after step {full_after}; the reference has {len(reference)} steps")
-    resumed = train(make_cfg(run, *ARGS, f"train.steps={at + 1}", "train.keep_checkpoints=3", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, f"train.steps={at + 1}", "train.keep_checkpoints=3", "train.resume=true")))
     assert resumed["steps_this_run"] == 2
     assert _losses(run) == pytest.approx(reference[:at + 1], abs=1e-5)
 
@@ -130,11 +131,11 @@ def test_full_disk_at_a_metrics_line_stops_in_one_line_and_resume_continues(smal
 def test_a_torn_last_line_is_dropped_on_resume(tmp_path, capsys, reference):
     """A power cut in the middle of a metrics line: resume drops it, says so, and continues."""
     run = tmp_path / "run"
-    train(make_cfg(run, *ARGS, "train.steps=3"))
+    train(resolve(make_cfg(run, *ARGS, "train.steps=3")))
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "loss": 6.2')  # the start of step 4's line, cut off
     capsys.readouterr()
-    resumed = train(make_cfg(run, *ARGS, "train.steps=4", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, "train.steps=4", "train.resume=true")))
     err = capsys.readouterr().err
     assert f"{run / 'metrics.jsonl'}: dropped a torn last line" in err, err
     assert resumed["steps_this_run"] == 1
@@ -171,7 +172,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_to_the_same_losses(tmp_path, r
     last = checkpoints.read_state(checkpoints.latest_checkpoint(run))["step"]
     if last + 2 > len(reference):
         pytest.skip(f"the run got to step {last} before the signal; the reference has {len(reference)}")
-    resumed = train(make_cfg(run, *ARGS, f"train.steps={last + 2}", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, f"train.steps={last + 2}", "train.resume=true")))
     assert resumed["steps_this_run"] == 2
     assert _losses(run) == pytest.approx(reference[:last + 2], abs=1e-5)
 
@@ -186,10 +187,10 @@ def test_an_unwritable_final_adapter_keeps_the_trained_state_and_resume_writes_i
     with pytest.raises(UserError, match=r"adapter not saved to .* \(No space left on device\); the trained state after "
                                         r"step 3 is kept as checkpoints/step_0000003: .* then train.resume=true "
                                         r"hydra.run.dir=.* writes the adapter \(no step is trained again\)"):
-        train(make_cfg(run, *args, "train.steps=3"))
+        train(resolve(make_cfg(run, *args, "train.steps=3")))
     assert not (run / "adapter").exists() and not (run / "summary.json").exists()
     monkeypatch.delenv("FINETUNE_FAULT_WRITE")
-    summary = train(make_cfg(run, *args, "train.steps=3", "train.resume=true"))
+    summary = train(resolve(make_cfg(run, *args, "train.steps=3", "train.resume=true")))
     assert summary["steps_this_run"] == 0 and (run / "adapter" / "adapter_model.safetensors").is_file()
     assert (run / "summary.json").is_file() and len(_losses(run)) == 3
 
@@ -203,7 +204,7 @@ def test_a_full_disk_at_the_final_adapter_says_what_is_lost(small_fs, tmp_path, 
     monkeypatch.setenv("FINETUNE_FAULT_PAUSE_AFTER", f"3:{marker}")
     filler = _fill_when(marker, small_fs)
     with pytest.raises(UserError) as e:
-        train(make_cfg(run, *args, "train.steps=3"))
+        train(resolve(make_cfg(run, *args, "train.steps=3")))
     filler.join()
     msg = str(e.value)
     assert msg.startswith(f"adapter not saved to {run / 'adapter'} (No space left on device), nor a checkpoint of step "
@@ -218,7 +219,7 @@ def test_export_and_report_onto_a_full_disk_fail_in_one_line(small_fs, tmp_path,
     from finetune import export, report
 
     run = tmp_path / "run"
-    train(make_cfg(run, *ARGS, "train.steps=1"))
+    train(resolve(make_cfg(run, *ARGS, "train.steps=1")))
     _fill(small_fs)
     capsys.readouterr()
     for argv in (["--to", "mlx", str(run), str(small_fs / "mlx")], ["--merge", str(run), str(small_fs / "merged")]):
@@ -238,7 +239,7 @@ def test_a_full_disk_at_the_summary_keeps_the_adapter_and_says_what_is_missing(t
     run = tmp_path / "run"
     monkeypatch.setenv("FINETUNE_FAULT_WRITE", "summary")
     with pytest.raises(UserError) as e:
-        train(make_cfg(run, *ARGS, "train.steps=2"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=2")))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"summary.json not written to {run} (No space left on device); the "
                                               f"adapter in {run / 'adapter'} is complete")
@@ -251,7 +252,7 @@ def test_a_full_disk_at_the_summary_keeps_the_adapter_and_says_what_is_missing(t
 def test_a_full_disk_at_memory_png_costs_only_the_chart(tmp_path, monkeypatch, caplog):
     run = tmp_path / "run"
     monkeypatch.setenv("FINETUNE_FAULT_WRITE", "memory.png")
-    summary = train(make_cfg(run, *ARGS, "train.steps=2", "memory.sample_every=1"))
+    summary = train(resolve(make_cfg(run, *ARGS, "train.steps=2", "memory.sample_every=1")))
     assert summary["steps_this_run"] == 2 and (run / "summary.json").is_file() and not (run / "memory.png").exists()
     assert any("memory.png not written" in r.getMessage() for r in caplog.records)
 
@@ -262,7 +263,7 @@ def test_a_killed_writers_temporaries_are_removed_when_the_next_run_begins(tmp_p
     summary's temporary file, a chart's) goes once a run holds the dir and its checks passed; a
     refused command removes nothing."""
     run = tmp_path / "run"
-    train(make_cfg(run, *ARGS, "train.steps=2"))
+    train(resolve(make_cfg(run, *ARGS, "train.steps=2")))
     left = [run / "checkpoints" / ".step_0000003.abcd1234.tmp", run / ".adapter.x1y2.tmp"]
     for d in left:
         d.mkdir(parents=True)
@@ -270,10 +271,10 @@ def test_a_killed_writers_temporaries_are_removed_when_the_next_run_begins(tmp_p
     (run / ".summary.json.q9.tmp").write_text("{")
     (run / ".tmp-zz.png").write_bytes(b"\x89PNG")
     with pytest.raises(UserError):  # refused (a new run onto a finished one): nothing removed
-        train(make_cfg(run, *ARGS, "train.steps=2"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=2")))
     assert all(p.exists() for p in left) and (run / ".summary.json.q9.tmp").exists()
     capsys.readouterr()
-    train(make_cfg(run, *ARGS, "train.steps=3", "train.resume=true"))
+    train(resolve(make_cfg(run, *ARGS, "train.steps=3", "train.resume=true")))
     assert not any(p.exists() for p in left)
     assert not (run / ".summary.json.q9.tmp").exists() and not (run / ".tmp-zz.png").exists()
     assert "removed 4 temporary file(s) a killed run left" in capsys.readouterr().err

@@ -7,14 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
-from finetune.resolver import resolve
 import finetune.loop as loop_mod
 from finetune.errors import UserError
 from finetune.governor import smaller_divisor
 from finetune.loop import train
-
-from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
+from finetune.resolver import resolve
 
 COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=6", "train.warmup_steps=1")
 
@@ -35,9 +34,9 @@ def test_cuda_oom_lowers_micro_batch_and_redoes_the_step(cfg_factory, tmp_path, 
     used micro-batch 2 from the start."""
     monkeypatch.setattr(loop_mod, "get_backend",
                         lambda name: cuda_backend_with_oom(lambda be, ids: be.steps_done >= 2 and ids.shape[0] > 2))
-    adapted = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=8", run_dir=tmp_path / "oom"))
+    adapted = train(resolve(cfg_factory("backend=cuda", *COMMON, "train.batch_size=8", run_dir=tmp_path / "oom")))
     monkeypatch.undo()
-    plain = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=4", run_dir=tmp_path / "plain"))
+    plain = train(resolve(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=4", run_dir=tmp_path / "plain")))
     ev = adapted["adaptations"]
     assert [(e["step"], e["trigger"], e["before"]["batch_size"], e["after"]["batch_size"]) for e in ev] == \
         [(3, "oom", 8, 4), (3, "oom", 4, 2)]
@@ -48,7 +47,6 @@ def test_cuda_oom_lowers_micro_batch_and_redoes_the_step(cfg_factory, tmp_path, 
 @needs_torch
 def test_oom_with_adapt_off_is_a_clear_error(cfg_factory, tmp_path, monkeypatch):
     import torch
-
     from finetune.backends.cuda.runtime import CudaBackend
 
     class AlwaysOom(CudaBackend):
@@ -62,20 +60,20 @@ def test_oom_with_adapt_off_is_a_clear_error(cfg_factory, tmp_path, monkeypatch)
 
     monkeypatch.setattr(loop_mod, "get_backend", lambda name: AlwaysOom())
     with pytest.raises(UserError, match="memory.adapt=false"):
-        train(cfg_factory("backend=cuda", *COMMON, "memory.adapt=false", run_dir=tmp_path / "x"))
+        train(resolve(cfg_factory("backend=cuda", *COMMON, "memory.adapt=false", run_dir=tmp_path / "x")))
 
 
 @needs_mlx
 def test_mlx_budget_below_need_adapts_with_equal_losses(cfg_factory, tmp_path):
     """Measure the peak at micro-batch 8 and 4, set the budget between them: the adapted run
     must finish with the tokens and losses of the run whose micro-batch fits."""
-    big = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", run_dir=tmp_path / "big"))
-    small = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=4", "train.grad_accum=2", run_dir=tmp_path / "small"))
+    big = train(resolve(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", run_dir=tmp_path / "big")))
+    small = train(resolve(cfg_factory("backend=mlx", *COMMON, "train.batch_size=4", "train.grad_accum=2", run_dir=tmp_path / "small")))
     p_big, p_small = big["memory"]["peaks"]["allocated_bytes"], small["memory"]["peaks"]["allocated_bytes"]
     assert p_big > p_small, (p_big, p_small)
     budget = (p_big + p_small) // 2
-    adapted = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", f"memory.budget={budget}",
-                                run_dir=tmp_path / "adapted"))
+    adapted = train(resolve(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", f"memory.budget={budget}",
+                                run_dir=tmp_path / "adapted")))
     assert adapted["adaptations"], "nothing adapted"
     assert adapted["micro_batch"] < 8 and adapted["effective_batch"] == 8
     assert adapted["tokens"] == big["tokens"] == small["tokens"]

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import HAS_MLX, IN_CI, make_cfg
 
+from finetune.resolver import resolve
+
 STEPS = 3
 ARGS = ["backend=mlx", f"train.steps={STEPS}", "train.eval_every=2", "train.warmup_steps=1", "train.progress=false",
         "data.num_samples=200"]
@@ -222,9 +224,9 @@ def test_resume_keeps_each_logger_one_point_per_step(tmp_path):
     run = tmp_path / "r"
     args = ["backend=mlx", "train.steps=4", "train.save_every=2", "train.eval_every=0", "train.warmup_steps=1",
             "train.progress=false", "data.num_samples=200", "logger=[csv,tensorboard]"]
-    train(make_cfg(run, *args))
+    train(resolve(make_cfg(run, *args)))
     shutil.rmtree(run / "checkpoints" / "step_0000004")
-    train(make_cfg(run, *args, "train.resume=true"))
+    train(resolve(make_cfg(run, *args, "train.resume=true")))
     steps, _ = _jsonl(run)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     with (run / "metrics.csv").open(newline="") as f:

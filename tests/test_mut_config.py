@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from finetune.config import check_ranges, compose
+from finetune.config import compose
+from finetune.resolver import check_ranges
 from finetune.errors import UserError
 
 # counts that must be at least 1: 1 is accepted, 0 refused
@@ -95,7 +96,7 @@ def test_betas_need_exactly_two(base: Any, betas: list[float]) -> None:
 
 
 def test_each_data_source_names_what_it_lacks(tmp_path: Path) -> None:
-    from finetune.config import validate
+    from finetune.resolver import validate
 
     with pytest.raises(UserError, match=r"^data=hf needs a data set: add data.hf_name=<hub id>$"):
         validate(compose(tmp_path / "a", "data=hf"))

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from finetune.config import compose
+from finetune.resolver import resolve
 from finetune.sweep import prune_by_plan
 
 
 def test_pruned_job_names_its_planned_peak_and_the_budget_in_gib(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     cfg = compose(tmp_path / "run", "backend=cuda", "memory.budget=2MB")
-    rec = prune_by_plan(cfg, tmp_path / "job")
+    rec = prune_by_plan(resolve(cfg), tmp_path / "job")
     assert rec is not None and rec["pruned"] == "plan_over_budget"
     assert json.loads((tmp_path / "job" / "pruned.json").read_text()) == rec
     assert rec["budget_bytes"] == 2_000_000 < rec["planned_peak_bytes"]  # MB: 10**6 bytes
@@ -26,8 +27,8 @@ def test_pruned_job_names_its_planned_peak_and_the_budget_in_gib(tmp_path: Path,
 
 
 def test_a_job_that_fits_or_has_no_budget_is_not_pruned(tmp_path: Path) -> None:
-    assert prune_by_plan(compose(tmp_path / "a", "backend=cuda"), tmp_path / "a") is None
-    assert prune_by_plan(compose(tmp_path / "b", "backend=cuda", "memory.budget=64GB"), tmp_path / "b") is None
+    assert prune_by_plan(resolve(compose(tmp_path / "a", "backend=cuda")), tmp_path / "a") is None
+    assert prune_by_plan(resolve(compose(tmp_path / "b", "backend=cuda", "memory.budget=64GB")), tmp_path / "b") is None
     assert not (tmp_path / "a" / "pruned.json").exists() and not (tmp_path / "b" / "pruned.json").exists()
 
 
@@ -61,6 +62,9 @@ def sweep_job(tmp_path: Path):
 
 def test_a_job_whose_process_finished_returns_its_summary(sweep_job, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from finetune.cli import sweep_job as job_of
     from finetune.sweep import run_job
 
     cfg, job = sweep_job
@@ -70,5 +74,5 @@ def test_a_job_whose_process_finished_returns_its_summary(sweep_job, tmp_path: P
     child.write_text("#!/bin/sh\nexit 0\n")
     child.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(child))
-    assert run_job(cfg, lambda c: pytest.fail("an isolated job runs in its own process")) == {
+    assert run_job(replace(job_of(cfg), run=lambda: pytest.fail("an isolated job runs in its own process"))) == {
         "tokens_per_sec": 123.0, "final_train_loss": 1.5}

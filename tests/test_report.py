@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import csv
 
+from conftest import needs_torch
+
 from finetune.loop import train
 from finetune.report import main
-
-from conftest import needs_torch
+from finetune.resolver import resolve
 
 
 @needs_torch
 def test_report_puts_runs_side_by_side(cfg_factory, tmp_path, capsys):
     sweep = tmp_path / "sweep"
     for name, optim in (("1_optim=adamw_8bit", "adamw_8bit"), ("0_optim=adamw", "adamw")):  # finish out of order
-        train(cfg_factory("backend=cuda", f"optim={optim}", "method=full", "train.steps=3", "train.eval_every=0",
-                          "train.progress=false", "data.num_samples=100", run_dir=sweep / name))
+        train(resolve(cfg_factory("backend=cuda", f"optim={optim}", "method=full", "train.steps=3", "train.eval_every=0",
+                          "train.progress=false", "data.num_samples=100", run_dir=sweep / name)))
     assert main([str(sweep)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:5] == ["job", "status", "backend", "method", "optim"]

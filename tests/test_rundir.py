@@ -19,6 +19,7 @@ from finetune import checkpoints
 from finetune.errors import UserError
 from finetune.io import lock_dir
 from finetune.loop import data_identity, train
+from finetune.resolver import resolve
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=0", "optim.lr=1e-2", "train.eval_every=0",
         "train.progress=false", "data.num_samples=100", "memory.sample_every=0", "train.save_every=1")
@@ -80,10 +81,10 @@ def test_a_refused_command_leaves_a_finished_run_byte_for_byte(two_at_once, extr
 @needs_torch
 def test_overwrite_replaces_the_earlier_run(tmp_path):
     run = tmp_path / "run"
-    train(make_cfg(run, *ARGS, "train.steps=3"))
+    train(resolve(make_cfg(run, *ARGS, "train.steps=3")))
     with pytest.raises(UserError, match="holds another run"):
-        train(make_cfg(run, *ARGS, "train.steps=2"))
-    summary = train(make_cfg(run, *ARGS, "train.steps=2", "train.save_every=0", "train.overwrite=true"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=2")))
+    summary = train(resolve(make_cfg(run, *ARGS, "train.steps=2", "train.save_every=0", "train.overwrite=true")))
     assert summary["steps_this_run"] == 2 and _steps(run) == [1, 2]
     assert checkpoints.list_checkpoints(run) == []  # the old run's checkpoints went: nothing to resume into
 
@@ -100,7 +101,7 @@ def test_a_locked_dir_is_refused_before_loading_and_kill_9_leaves_no_stale_lock(
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
         with pytest.raises(UserError, match=r"is in use by another run"):
-            train(make_cfg(run, *ARGS, "train.steps=1"))
+            train(resolve(make_cfg(run, *ARGS, "train.steps=1")))
         assert time.monotonic() - t0 < 30  # refused before the model is loaded
     finally:
         holder.kill()  # SIGKILL: the OS drops its lock
@@ -111,7 +112,7 @@ def test_a_locked_dir_is_refused_before_loading_and_kill_9_leaves_no_stale_lock(
 def test_resume_without_a_checkpoint_is_refused_before_loading(tmp_path):
     run = tmp_path / "run"
     with pytest.raises(UserError, match="holds no checkpoint"):
-        train(make_cfg(run, *ARGS, "train.steps=1", "train.resume=true"))
+        train(resolve(make_cfg(run, *ARGS, "train.steps=1", "train.resume=true")))
     assert not run.exists()  # made by this command, removed again
 
 

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import finetune_cmd, make_cfg, needs_torch
 
 from finetune.loop import train
-
-from conftest import finetune_cmd, make_cfg, needs_torch
+from finetune.resolver import resolve
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=2", "optim.lr=1e-2", "train.eval_every=0",
         "train.progress=false", "data.num_samples=200", "method.lora.dropout=0.1")  # dropout: the RNG must resume too
@@ -65,9 +65,9 @@ def test_signal_checkpoints_exits_and_resumes_to_equal_losses(tmp_path, sig, cod
     state = json.loads((run / "checkpoints" / ckpts[0] / "trainer_state.json").read_text())
     assert state["step"] == last and state["samples"] == 4 * last
     total = last + 2
-    resumed = train(make_cfg(run, *ARGS, f"train.steps={total}", "train.resume=true"))
+    resumed = train(resolve(make_cfg(run, *ARGS, f"train.steps={total}", "train.resume=true")))
     assert resumed["steps_this_run"] == 2
-    reference = train(make_cfg(tmp_path / "reference", *ARGS, f"train.steps={total}"))
+    reference = train(resolve(make_cfg(tmp_path / "reference", *ARGS, f"train.steps={total}")))
     got, want = _steps(run), _steps(tmp_path / "reference")
     assert [r["step"] for r in got] == list(range(1, total + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_mlx, needs_torch
 
 from finetune.loop import train
-
-from conftest import needs_mlx, needs_torch
+from finetune.resolver import resolve
 
 FAST = ("train.steps=30", "train.eval_every=15", "train.progress=false", "data.num_samples=400",
         "train.warmup_steps=2", "optim.lr=1e-2")
@@ -58,7 +58,7 @@ def _loss_fell(run: Path, by: float) -> None:
 ], ids=lambda o: "+".join(x.split("=")[1] for x in o))
 def test_cuda_backend_trains_tiny_on_cpu(cfg_factory, tmp_path, overrides):
     cfg = cfg_factory("backend=cuda", *FAST, *overrides)
-    summary = train(cfg)
+    summary = train(resolve(cfg))
     run = Path(cfg.run_dir)
     _check_run_dir(run, summary, "cuda")
     _loss_fell(run, DROP[cfg.method.name])
@@ -70,7 +70,7 @@ def test_cuda_backend_trains_tiny_on_cpu(cfg_factory, tmp_path, overrides):
 @pytest.mark.parametrize("method", ["lora", "dora", "full"])
 def test_mlx_backend_trains_tiny(cfg_factory, method):
     cfg = cfg_factory("backend=mlx", f"method={method}", *FAST)
-    summary = train(cfg)
+    summary = train(resolve(cfg))
     run = Path(cfg.run_dir)
     _check_run_dir(run, summary, "mlx")
     _loss_fell(run, DROP[method])
@@ -83,7 +83,7 @@ def test_cuda_trains_on_real_text(cfg_factory, gsm8k):
     cfg = cfg_factory("backend=cuda", "data=jsonl", f"data.path={gsm8k}", "data.max_samples=600",
                       "train.seq_len=192", *FAST[1:], "train.steps=60",
                       "method.lora.keys=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
-    summary = train(cfg)
+    summary = train(resolve(cfg))
     assert summary["data"]["records"] == 600 and summary["data"]["truncated"] > 0
     _loss_fell(Path(cfg.run_dir), by=0.07)  # real text is harder than the built-in arithmetic: measured 0.097
 
@@ -92,14 +92,14 @@ def test_cuda_trains_on_real_text(cfg_factory, gsm8k):
 def test_resume_equals_uninterrupted(cfg_factory, tmp_path, backend):
     common = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "method.lora.dropout=0.1",
               f"backend={backend}", "train.steps=8", "train.save_every=4")
-    straight = train(cfg_factory(*common, run_dir=tmp_path / "a"))
+    straight = train(resolve(cfg_factory(*common, run_dir=tmp_path / "a")))
     # The same job, then rewound to its step-4 checkpoint as if killed after step 4; the resumed
     # run rebuilds the backend from scratch and loads only what the checkpoint holds.
-    train(cfg_factory(*common, run_dir=tmp_path / "b"))
+    train(resolve(cfg_factory(*common, run_dir=tmp_path / "b")))
     import shutil
 
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_0000008")
-    resumed = train(cfg_factory(*common, "train.resume=true", run_dir=tmp_path / "b"))
+    resumed = train(resolve(cfg_factory(*common, "train.resume=true", run_dir=tmp_path / "b")))
     assert resumed["steps_this_run"] == 4
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
     assert [r["step"] for r in b] == list(range(1, 9))
@@ -118,12 +118,12 @@ def test_resume_needs_the_same_effective_batch_not_the_same_split(cfg_factory, t
     common = ("backend=cuda", "train.progress=false", "data.num_samples=100", "train.eval_every=0",
               "train.save_every=1")
     run = tmp_path / "r"
-    train(cfg_factory(*common, "train.steps=1", "train.batch_size=4", "train.grad_accum=1", run_dir=run))
+    train(resolve(cfg_factory(*common, "train.steps=1", "train.batch_size=4", "train.grad_accum=1", run_dir=run)))
     with pytest.raises(UserError, match=r"effective batch 4, this run has 2; keep train.batch_size \* train.grad_accum"):
-        train(cfg_factory(*common, "train.steps=2", "train.batch_size=2", "train.grad_accum=1", "train.resume=true",
-                          run_dir=run))
-    resumed = train(cfg_factory(*common, "train.steps=2", "train.batch_size=2", "train.grad_accum=2",
-                                "train.resume=true", run_dir=run))
+        train(resolve(cfg_factory(*common, "train.steps=2", "train.batch_size=2", "train.grad_accum=1", "train.resume=true",
+                          run_dir=run)))
+    resumed = train(resolve(cfg_factory(*common, "train.steps=2", "train.batch_size=2", "train.grad_accum=2",
+                                "train.resume=true", run_dir=run)))
     assert resumed["steps_this_run"] == 1 and resumed["samples"] == 8
 
 

@@ -10,3 +10,7 @@ from typing import Any
 
 def resolve(cfg: Any, world: Any = None) -> Any:
     return cfg
+
+
+# the config's checks lived in finetune/config.py before the resolver took them
+from finetune.config import check_backend_support, check_known_keys, check_ranges, validate  # noqa: E402,F401
