@@ -10,29 +10,33 @@ imported, so the other platform's framework never is.
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import shutil
 import sys
 
 from finetune.backends.base import Backend, Batch, Capabilities, MemoryModel, ModelInfo, OutOfMemory
-from finetune.backends.cuda import capabilities as cuda_capabilities
-from finetune.backends.cuda import memory as cuda_memory
-from finetune.backends.cuda import rules as cuda_rules  # noqa: F401  registers its explanations
-from finetune.backends.mlx import capabilities as mlx_capabilities
-from finetune.backends.mlx import memory as mlx_memory
-from finetune.backends.mlx import rules as mlx_rules  # noqa: F401  registers its explanations
 from finetune.budget import DeviceMemory, apple_silicon
 from finetune.errors import UserError
 
 __all__ = ["BACKENDS", "Backend", "Batch", "Capabilities", "MemoryModel", "ModelInfo", "OutOfMemory", "capabilities",
            "device_memory", "memory_model", "resolve_backend_name", "run_device"]
 
-BACKENDS = ("cuda", "mlx")  # a folder each; a third backend adds its name here, and its two parts below
+# The one registry line: a backend is its folder backends/<name>/ (capabilities.py, memory.py,
+# rules.py, runtime.py), its conf/backend/<name>.yaml, and its name here.
+BACKENDS = ("cuda", "mlx")
 
-# Each backend's framework-free parts, imported with the registry (neither imports its framework).
-_CAPABILITIES: dict[str, Capabilities] = {"cuda": cuda_capabilities.CAPABILITIES, "mlx": mlx_capabilities.CAPABILITIES}
-_MEMORY_MODELS: dict[str, MemoryModel] = {"cuda": cuda_memory, "mlx": mlx_memory}  # type: ignore[dict-item]
+
+# Each backend's framework-free parts, loaded with the registry (none imports its framework);
+# importing its rules registers its accounting explanations.
+_CAPABILITIES: dict[str, Capabilities] = {
+    n: importlib.import_module(f"finetune.backends.{n}.capabilities").CAPABILITIES for n in BACKENDS}
+_MEMORY_MODELS: dict[str, MemoryModel] = {n: importlib.import_module(f"finetune.backends.{n}.memory") for n in BACKENDS}
+for _name, _model in _MEMORY_MODELS.items():
+    importlib.import_module(f"finetune.backends.{_name}.rules")
+    if not isinstance(_model, MemoryModel):  # a module checked against the Protocol, as mypy cannot here
+        raise TypeError(f"finetune.backends.{_name}.memory lacks part of the MemoryModel Protocol (backends/base.py)")
 
 
 def capabilities(name: str) -> Capabilities:

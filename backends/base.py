@@ -159,6 +159,9 @@ class Capabilities:
     adapter_format: str = "peft"  # the adapter format its library loads (finetune.export's names)
     limits_event: str = "set_memory_limits"  # the governor's event when it applies the budget's limits
     cache_limit_event: str = "set_cache_limit"  # the governor's event when it caps the cache
+    # the module its runtime imports (found before the runtime is loaded) and the line that installs it
+    framework: str = ""
+    install: str = ""
 
     def choices(self, key: str) -> tuple[str, ...]:
         return {"method.name": self.methods, "optim.name": self.optimizers,
@@ -351,6 +354,7 @@ class Backend(Protocol):
         ...
 
 
+@runtime_checkable
 class MemoryModel(Protocol):
     """A backend's memory model (``finetune/backends/<name>/memory.py``, a module; the registry's
     ``memory_model(name)`` loads it): what its framework holds for each tensor, optimizer state,

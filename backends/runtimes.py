@@ -10,19 +10,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from finetune.backends import BACKENDS
+from finetune.backends import capabilities
 from finetune.backends.base import Backend
 from finetune.errors import UserError
 
 
 def get_backend(name: str) -> Backend:
     """Instantiate a backend by concrete name, importing only its module."""
-    needs = {"cuda": ("torch", "backend=cuda needs torch: run `bash scripts/setup.sh` (or pip install '.[cuda]')"),
-             "mlx": ("mlx", "backend=mlx needs mlx: pip install '.[mlx]' (on Linux this brings mlx[cpu])")}
-    if name not in needs:
-        raise UserError(f"backend={name} is not valid; choose one of: auto, {', '.join(BACKENDS)}")
-    module, fix = needs[name]
-    if importlib.util.find_spec(module) is None:
-        raise UserError(fix)
+    caps = capabilities(name)  # an unknown name: UserError naming the registered ones
+    if caps.framework and importlib.util.find_spec(caps.framework) is None:
+        raise UserError(caps.install)
     runtime = importlib.import_module(f"finetune.backends.{name}.runtime")
     return runtime.BACKEND()

@@ -239,8 +239,8 @@ class Config:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# backend.name is checked against the registry (finetune.backends.BACKENDS), never restated here
 VALID = {
-    "backend.name": ("auto", "cuda", "mlx"),
     "data.name": ("synthetic", "jsonl", "hf"),
     "train.schedule": ("constant", "linear", "cosine"),
     "train.on_save_error": ("stop", "continue"),

@@ -84,11 +84,12 @@ def check_backend_support(backend: str, cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> None:
     """Check enumerated choices (the backend's against its capabilities) and ranges; raise
     UserError naming the fix."""
+    backend = concrete_name(str(cfg.backend.name))  # an unregistered name: one line naming the registered ones
     for dotted, choices in VALID.items():
         node = _value(cfg, dotted)
         if node not in choices:
             raise UserError(f"{dotted}={node} is not valid; choose one of: {', '.join(choices)}")
-    check_backend_support(concrete_name(str(cfg.backend.name)), cfg)
+    check_backend_support(backend, cfg)
     check_known_keys(cfg)
     check_ranges(cfg)
     if cfg.data.name == "jsonl" and not cfg.data.path:

@@ -25,4 +25,6 @@ CAPABILITIES = Capabilities(
     adapter_format="peft",
     # the event's name since the governor first set limits on mlx; kept so runs' files compare
     limits_event="set_mlx_limits",
+    framework="torch",
+    install="backend=cuda needs torch: run `bash scripts/setup.sh` (or pip install '.[cuda]')",
 )

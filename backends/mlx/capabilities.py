@@ -29,4 +29,6 @@ CAPABILITIES = Capabilities(
     adapter_format="mlx",
     limits_event="set_mlx_limits",
     cache_limit_event="set_mlx_cache_limit",
+    framework="mlx",
+    install="backend=mlx needs mlx: pip install '.[mlx]' (on Linux this brings mlx[cpu])",
 )
