@@ -11,7 +11,7 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
@@ -270,7 +270,25 @@ def main() -> None:
         hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(_task)()
     except sweep.SweepStopped as stop:  # fail_fast=true: the first failed job ended the sweep
         sys.exit(sweep.stopped(stop))
-    sys.exit(sweep.multirun_exit_code())  # a multirun with failed jobs: 1, naming them in one line
+    code = sweep.multirun_exit_code()  # a multirun with failed jobs: 1, naming them in one line
+    if _several_ranks():
+        _leave_rank(code)
+    sys.exit(code)
+
+
+def _leave_rank(code: int) -> NoReturn:
+    """One rank of several, its run written and its process group destroyed: leave without the
+    interpreter's teardown. A collective library's threads can still hold work whose teardown
+    aborts the process there (pytorch/pytorch#179291; CI saw one rank of a finished gloo run end
+    in SIGABRT, "terminate called without an active exception"), turning a finished run into a
+    failed launch. Everything the run writes is closed by now; the streams are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Predict a run's memory from the config alone: no weights loaded, no torch, no mlx.
 
-``plan(cfg)`` builds the parameter inventory the backends would build (every tensor, its
+``plan(spec)`` builds the parameter inventory the backends would build (every tensor, its
 shape, dtype, whether it trains, how it is quantized), then prices each mechanism that holds
 memory during a step:
 
