@@ -58,10 +58,11 @@ class Batch:
 
     @property
     def samples(self) -> int:
-        """Samples in the batch (rows, or the samples packed into its row)."""
+        """Samples in the batch (rows, or the samples packed into its row: its real tokens,
+        ``lengths``, lead the row; pads fill it)."""
         if self.position_ids is None:
             return len(self.lengths)
-        return int((self.position_ids == 0).sum())
+        return int((self.position_ids[0, : int(self.lengths[0])] == 0).sum())
 
     @property
     def tokens(self) -> int:
@@ -93,26 +94,37 @@ class Batch:
         return out
 
 
-def pack(batch: Batch, tokens_per_micro: int) -> list[Batch]:
+def pack(batch: Batch, tokens_per_micro: int, pad_id: int = 0) -> list[Batch]:
     """The samples of ``batch`` (a padded step, rows in the sampler's order) end to end in
-    micro-batches of at most ``tokens_per_micro`` tokens, in the same order: a sample goes into
-    the current micro-batch while it fits, else starts the next one. A sample longer than
+    micro-batches of ``tokens_per_micro`` tokens, in the same order: a sample goes into the
+    current micro-batch while it fits, else starts the next one. A sample longer than
     ``tokens_per_micro`` gets a micro-batch of its own, whole (cutting it would change the
     loss; the data pipeline cuts samples once, at the configured value: ``train.pack_overflow``).
-    No pad is kept: each micro-batch is [1, N] with N its samples' tokens. Each sample's first
+
+    Each micro-batch is one row [1, N]. Every one but the step's last is filled to exactly
+    ``tokens_per_micro`` columns: the few columns its next sample did not fit into are pads,
+    a segment of their own (positions from 0, no loss), so no real token attends to them or
+    they to it. The step's widest micro-batch, and with it its memory, is then the same at
+    every step (``packed_widths``). The last holds what is left, unpadded. Each sample's first
     token is masked out of the loss (it is column 0 of its sample), so the label tokens and
     the loss sum equal the unpacked batch's."""
     out: list[Batch] = []
     start, used = 0, 0
     lengths = [int(n) for n in batch.lengths]
     for i, n in enumerate(lengths + [0]):
-        if i == len(lengths) or (i > start and used + n > tokens_per_micro):
+        last = i == len(lengths)
+        if last or (i > start and used + n > tokens_per_micro):
             rows = range(start, i)
-            ids = np.concatenate([batch.input_ids[r, : lengths[r]] for r in rows])
+            ids = np.concatenate([batch.input_ids[r, : lengths[r]] for r in rows]).astype(np.int32, copy=False)
             mask = np.concatenate([batch.loss_mask[r, : lengths[r]] for r in rows]).copy()
             pos = np.concatenate([np.arange(lengths[r], dtype=np.int32) for r in rows])
             mask[pos == 0] = 0
-            out.append(Batch(ids[None].astype(np.int32, copy=False), mask[None], np.array([len(ids)], np.int32),
+            fill = 0 if last else tokens_per_micro - len(ids)
+            if fill > 0:
+                ids = np.concatenate([ids, np.full(fill, pad_id, np.int32)])
+                mask = np.concatenate([mask, np.zeros(fill, mask.dtype)])
+                pos = np.concatenate([pos, np.arange(fill, dtype=np.int32)])
+            out.append(Batch(ids[None], mask[None], np.array([used], np.int32),
                              batch.indices[start:i] if len(batch.indices) else batch.indices,
                              position_ids=pos[None]))
             start, used = i, 0

@@ -803,11 +803,12 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
 
 
 def packed_widths(lengths: np.ndarray, tokens_per_micro: int) -> np.ndarray:
-    """Tokens of each micro-batch ``backends.base.pack`` makes of samples of ``lengths``."""
+    """Columns of each micro-batch ``backends.base.pack`` makes of samples of ``lengths``: every
+    one but the last filled to ``tokens_per_micro`` (wider only for a sample longer than that)."""
     out, used = [], 0
     for n in (int(x) for x in lengths):
         if used and used + n > tokens_per_micro:
-            out.append(used)
+            out.append(max(used, tokens_per_micro))
             used = 0
         used += n
     out.append(used)

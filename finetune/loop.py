@@ -298,8 +298,8 @@ class Trainer:
         tokens = self.governor.state.tokens_per_micro
         if not tokens:
             return mine.split(self.governor.micro)
-        parts = pack(mine, tokens)
-        self._step_max_len = max(p.tokens for p in parts)  # the widest row: what calibration plans
+        parts = pack(mine, tokens, self.data.pad_id)
+        self._step_max_len = max(int(p.input_ids.shape[1]) for p in parts)  # the widest row: what calibration plans
         return parts
 
     def _agreed_sample(self, step: int, sample: Sample | None) -> Mapping[str, Any] | None:
