@@ -112,6 +112,14 @@ def _cached_config(repo_id: str, revision: str | None) -> Path | None:
     return Path(hit) if isinstance(hit, str) else None
 
 
+def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The local hub cache's snapshot directory of ``repo_id`` (where its config.json is), no network."""
+    if not _is_hub_id(repo_id):
+        return None
+    hit = _cached_config(repo_id, revision)
+    return hit.parent if hit is not None else None
+
+
 def _hub_unreachable() -> str | None:
     """Why the hub cannot be reached, or None when it can (or a proxy stands between). One
     connection attempt of at most 3 s: hf_hub_download itself retries a dead network for

@@ -190,7 +190,13 @@ class PlanCore(PlanTotals):
     per_rank: dict[str, Any] | None
 
 
-class Plan(PlanCore):
+class PlanData(TypedDict, total=False):
+    """What only mode=plan adds, where it could read the data (finetune.plandata): the samples'
+    lengths, the tokens planned, and the train.seq_len plan kept as the upper bound."""
+    data: dict[str, Any]
+
+
+class Plan(PlanCore, PlanData):
     """A run's predicted memory (plan.json), from planner.plan()."""
     schema_version: int
     backend: str

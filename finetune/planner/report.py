@@ -6,6 +6,7 @@ from typing import Any
 
 from finetune.io import atomic_write_json
 from finetune.planner.fit import plan
+from finetune.plandata import data_lengths
 from finetune.planspec import GIB
 from finetune.records import PLAN_KEYS, RANK_KEYS, WEIGHT_KEYS, Census, Plan, Sample
 from finetune.spec import RunSpec
@@ -122,9 +123,22 @@ def format_table(plan: Plan) -> str:
             lines.append(f"  nothing fits: micro-batch 1 with gradient checkpointing peaks at "
                          f"{rec['smallest_peak_bytes'] / GIB:.2f} GiB, and no single lever (8-bit optimizer, qlora, "
                          "bf16-true, fewer adapted layers, shorter seq_len) brings it under the budget")
+    data = plan.get("data")
+    if data:
+        lines += _data_lines(plan, data)
     for n in plan.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _data_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
+    """The data the plan read: its length distribution, what was planned, and the upper bound."""
+    b = data["seq_len_bound"]
+    what = "packed micro-batch of the run's steps" if data["packed"] else "sample (padded as the run pads)"
+    return [f"  data: {data['samples']:,} training samples ({data['source']}), tokens per sample: min {data['min']}, "
+            f"median {data['median']}, p90 {data['p90']}, p99 {data['p99']}, max {data['max']}",
+            f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
+            f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB"]
 
 _RANK_COLS = (("weights", "weights"), ("grads", "grads"), ("optimizer_state", "optim"), ("activations", "activ"),
               ("logits", "logits"))
@@ -161,8 +175,24 @@ def _rank_table(pr: dict[str, Any], budget: int | None) -> list[str]:
 
 def run_plan(spec: RunSpec) -> Plan:
     """mode=plan: compute the plan, write ``paths.run_dir/plan.json`` atomically (temp file +
-    rename), print the table, return the plan."""
-    p = plan(spec)
+    rename), print the table, return the plan.
+
+    Where the data can be read as the run reads it (finetune.plandata), the plan prices the
+    widest micro-batch the run will really see, with the samples' length distribution and the
+    ``train.seq_len`` plan as the upper bound in ``data``; else it plans ``train.seq_len`` and
+    a note says why the data was not read."""
+    lengths, why = data_lengths(spec)
+    if lengths is None:
+        p = plan(spec)
+        p["notes"].append(f"planned at train.seq_len: the data's lengths were not read ({why})")
+    else:
+        bound = plan(spec, recommend=False)
+        p = plan(spec, seq_len=min(lengths.planned_tokens, bound["seq_len"]) if not lengths.packed
+                 else lengths.planned_tokens)
+        p["data"] = {**lengths.as_dict(),
+                     "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
+                                       "max_device_peak_bytes": bound["max_device_peak_bytes"],
+                                       "fits": bound["fits"]}}
     atomic_write_json(spec.paths.run_dir / "plan.json", p)
     print(format_table(p))
     return p

@@ -1,0 +1,89 @@
+"""``mode=plan`` reads the data (issue 23): the lengths of the samples the run will train on.
+
+A plan at ``train.seq_len`` prices the longest sample the configuration allows; the run's
+governor re-plans at the data's own longest micro-batch before it loads the model. The plan a
+user reads first says the same: ``mode=plan`` tokenizes the data as the run does (through the
+token cache, reused or built: ``finetune.data.build``), plans the widest micro-batch the run
+will really see (packed: the widest packed micro-batch of its steps; unpacked: the longest
+sample, padded as the run pads), and keeps the ``train.seq_len`` plan as the upper bound.
+
+The tokenizer comes from where the run would load it without downloading anything: the tiny
+model (built here), a local ``model.path``, or a hub id's snapshot already in the hub cache.
+Where none is there (a preset whose weights were never downloaded), the plan stays at
+``train.seq_len`` and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from finetune import data as data_mod
+from finetune.model_source import TOKENIZER_FILES, cached_snapshot, resolve_model_dir
+from finetune.spec import ModelSpec, RunSpec
+
+
+@dataclass(frozen=True)
+class DataLengths:
+    """Tokens per training sample (after truncation and packing's cut), and what the plan prices."""
+
+    source: str  # the data as the run names it (synthetic, the file's name, the hub data set)
+    samples: int  # training samples (the validation split left out)
+    min: int
+    median: int
+    p90: int
+    p99: int
+    max: int
+    mean: float
+    planned_tokens: int  # the widest micro-batch the run sees: what the run's governor plans
+    packed: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def local_model_dir(model: ModelSpec) -> tuple[Path | None, str]:
+    """(the model's directory where the run would find it without a download, or None; why not)."""
+    if model.path is None:
+        if model.name == "tiny":
+            return resolve_model_dir(model), ""
+        return None, f"model={model.name} has no model.path"
+    local = Path(str(model.path)).expanduser()
+    if local.is_dir():
+        return local, ""
+    snap = cached_snapshot(str(model.path), model.revision)
+    if snap is None:
+        return None, f"{model.path} is not in the local hub cache (the run downloads it)"
+    return snap, ""
+
+
+def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
+    """The data's lengths as the run will see them, or (None, why they were not read).
+
+    Raises:
+        UserError: the data itself cannot be read (the run would stop the same way).
+    """
+    model_dir, why = local_model_dir(spec.model)
+    if model_dir is None:
+        return None, why
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
+        return None, f"{model_dir} holds no tokenizer files (the run downloads them)"
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=spec.model.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, f"the tokenizer in {model_dir} cannot be loaded ({first[:160]})"
+    src, stats = data_mod.build(spec, tokenizer)
+    lens = np.asarray(src.lengths)[src.train_idx]
+    pct = np.percentile(lens, [50, 90, 99]) if len(lens) else np.zeros(3)
+    d = spec.data
+    source = {"synthetic": "synthetic", "jsonl": Path(str(d.path)).name, "hf": f"{d.hf_name}:{d.hf_split}"}[d.name]
+    planned = int(stats.get("max_micro_tokens") or stats["max_padded_tokens"])
+    return DataLengths(source=source, samples=int(len(lens)), min=int(lens.min()), median=int(pct[0]),
+                       p90=int(pct[1]), p99=int(pct[2]), max=int(lens.max()), mean=round(float(lens.mean()), 1),
+                       planned_tokens=planned, packed=bool(spec.train.packing)), ""
