@@ -1,7 +1,8 @@
-"""``finetune``: the thin command-line entry. The work lives in finetune.loop.train(cfg).
+"""``finetune``: the thin command-line entry. It resolves the composed config into a RunSpec
+(finetune.resolver) and hands it to the mode: finetune.loop.train, the planner, generate.
 
-Imports stay light here (hydra, omegaconf): ``finetune --help`` and ``mode=plan`` never import
-torch or mlx.
+Imports stay light here (hydra, omegaconf): ``finetune --help`` never imports torch or mlx, nor
+does ``mode=plan`` unless it reads the data's lengths with a tokenizer (finetune.plandata).
 """
 
 from __future__ import annotations
