@@ -95,6 +95,20 @@ def test_two_ranks_train_the_one_process_losses(runs, strategy: str) -> None:
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
+def test_two_ranks_packed_train_the_one_process_packed_losses(runs, tmp_path: Path) -> None:
+    """train.packing under two ranks: each rank packs its own slice of the step's samples; the
+    loss is still 1 over the label tokens of the whole step, so the losses are the one process's
+    (packed, the same 4 samples a step), which are the unpacked ones too."""
+    over = ("train.packing=true", "train.tokens_per_micro=128")
+    one = _run(tmp_path / "one", "train.batch_size=4", *over, ranks=1)
+    two = _run(tmp_path / "two", "train.batch_size=2", "backend.strategy=ddp", *over)
+    ref, got, unpacked = _steps(tmp_path / "one"), _steps(tmp_path / "two"), _steps(runs["one"][0])
+    assert [s["loss"] for s in got] == pytest.approx([s["loss"] for s in ref], rel=1e-5)
+    assert [s["loss"] for s in ref] == pytest.approx([s["loss"] for s in unpacked], rel=1e-5)
+    assert [s["tokens"] for s in got] == [s["tokens"] for s in ref] == [s["tokens"] for s in unpacked]
+    assert "2 ranks (ddp)" in two.stderr and one.returncode == 0
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_every_rank_reported_with_an_overall_row(runs, strategy: str) -> None:
     d, r = runs[strategy]
