@@ -72,6 +72,12 @@ class Setup:
     target_fraction: float = 1.0
     target_head: bool = True
 
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step and rank: the micro-batch x accumulation (the planner's
+        levers change the two and keep their product)."""
+        return self.batch * self.grad_accum
+
     def head_rows(self, n: int, softcap: bool) -> int:
         """Rows of the output head for ``n`` positions: the target rows where the head runs on
         targets only; every position for a model whose logits are not its head applied to its

@@ -46,7 +46,7 @@ def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 def _largest_fitting_micro(arch: ModelDesc, s: Setup, budget: int, ckpt: bool) -> int | None:
-    eff = s.batch * s.grad_accum
+    eff = s.effective_batch
     for d in _divisors_desc(eff):
         if _fits(_core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt)), budget):
             return d
@@ -120,7 +120,7 @@ def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] 
     same), with and without checkpointing, and single levers that make the run fit."""
     if budget is None:
         return None
-    eff = s.batch * s.grad_accum
+    eff = s.effective_batch
     micro = _largest_fitting_micro(arch, s, budget, s.ckpt)
     rec: dict[str, Any] = {"max_micro_batch": micro,
                            "max_micro_batch_note": f"largest divisor of the effective batch ({eff}) that fits"}
@@ -164,7 +164,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     """
     arch, s = resolve(spec, seq_len, state)
     budget = int(budget_bytes)
-    eff = s.batch * s.grad_accum
+    eff = s.effective_batch
     base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
     def full_plan(batch: int, ckpt: bool) -> Plan:
@@ -351,7 +351,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         # per rank, as RunState.effective_batch (x world_size per step); packed, the samples
         # of a step whatever the number of micro-batches
         "effective_batch": (state.effective_batch if state is not None else spec.train.effective_batch)
-        if s.packed else s.batch * s.grad_accum,
+        if s.packed else s.effective_batch,
         "seq_len": s.seq_len,
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,

@@ -66,7 +66,7 @@ def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None) 
     tokens = state.tokens_per_micro if state is not None else t.packed_tokens
     if not tokens:
         return
-    effective = setup.batch * setup.grad_accum
+    effective = setup.effective_batch
     width = int(seq_len) if seq_len else tokens
     setup.packed, setup.batch, setup.seq_len = True, 1, width
     # micro-batches per step: the step's samples at the widest over the packed width (at
