@@ -95,8 +95,8 @@ def cuda_backend_with_oom(raise_when: Any, on: str = "model") -> Any:
     class PlantedOom(CudaBackend):
         steps_done = 0
 
-        def setup(self, cfg, model_dir):
-            info = super().setup(cfg, model_dir)
+        def setup(self, spec, model_dir):
+            info = super().setup(spec, model_dir)
 
             def fire(t: Any) -> None:
                 if raise_when(self, t):

@@ -557,17 +557,18 @@ def _setup(kind: str, method: str = "full") -> tuple[Any, Any, Any]:
     from omegaconf import OmegaConf
 
     from finetune.config import Config, ModelConfig
+    from finetune.resolver import resolve
     from finetune.tiny import build_tiny
 
     model_dir = build_tiny(ModelConfig())
     cfg = OmegaConf.structured(Config(run_dir="unused"))
-    cfg.method.name = method
+    cfg.backend.name, cfg.method.name = ("mlx" if kind == "mlx" else "cuda"), method
     if kind == "mlx":
         from finetune.backends.mlx.runtime import MlxBackend as B
     else:
         from finetune.backends.cuda.runtime import CudaBackend as B  # torch; on this machine it runs on the CPU
     b = B()
-    info = b.setup(cfg, model_dir)
+    info = b.setup(resolve(cfg), model_dir)
     return b, info, _tiny_batch(model_dir)
 
 

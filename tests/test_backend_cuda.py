@@ -69,7 +69,7 @@ def make(tiny_dir, method="lora", optim="adamw", precision="32-true", lr=1e-2, d
     be = CudaBackend()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bitsandbytes: "paged optimizers fall back on CPU"
-        info = be.setup(cfg, tiny_dir)
+        info = be.setup(resolve(cfg), tiny_dir)
     return be, info
 
 
@@ -80,7 +80,7 @@ def train(be: CudaBackend, batch: Batch, steps: int) -> list[float]:
         out.append(be.forward_backward(batch, 1.0 / batch.label_tokens) / batch.label_tokens)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            be.optimizer_step(be.cfg.optim.lr)
+            be.optimizer_step(be.spec.optim.lr)
     return out
 
 
@@ -211,7 +211,7 @@ def test_grad_norm_is_pre_clip(tiny_dir, batch):
     norms = []
     for max_norm in (None, 1e-3):
         be, _ = make(tiny_dir, "lora")
-        be.cfg.optim.max_grad_norm = max_norm
+        be._max_norm = max_norm  # what setup read from optim.max_grad_norm
         be.forward_backward(batch, 1.0 / batch.label_tokens)
         grads = [p.grad.clone() for p in be.model.parameters() if p.grad is not None]
         norms.append(be.optimizer_step(1e-2))

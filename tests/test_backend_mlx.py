@@ -22,6 +22,7 @@ from finetune.backends.base import Backend, Batch, ModelInfo
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import Config, ModelConfig
 from finetune.errors import UserError
+from finetune.resolver import resolve
 from finetune.synthetic import generate
 from finetune.tiny import build_tiny
 
@@ -59,7 +60,7 @@ def batch(model_dir: Path) -> Batch:
 
 def make_cfg(method: str = "lora", **over: Any) -> Any:
     cfg = OmegaConf.structured(Config(run_dir="unused"))
-    cfg.method.name = method
+    cfg.backend.name, cfg.method.name = "mlx", method
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)
     return cfg
@@ -67,7 +68,7 @@ def make_cfg(method: str = "lora", **over: Any) -> Any:
 
 def backend(model_dir: Path, method: str = "lora", **over: Any) -> tuple[MlxBackend, ModelInfo]:
     b = MlxBackend()
-    return b, b.setup(make_cfg(method, **over), model_dir)
+    return b, b.setup(resolve(make_cfg(method, **over)), model_dir)
 
 
 def train(b: MlxBackend, batch: Batch, steps: int, lr: float) -> list[float]:
@@ -110,8 +111,8 @@ def test_params_trainable_exact(model_dir: Path) -> None:
     assert (q.params_total, q.params_trainable, q.dtype) == (lora.params_total, 3584, "int4")
     _, full = backend(model_dir, "full")
     assert full.params_trainable == full.params_total == base
-    plain = OmegaConf.to_object(make_cfg("lora"))  # the dataclass Config works as well
-    assert MlxBackend().setup(plain, model_dir).params_trainable == 3584
+    plain = OmegaConf.to_object(make_cfg("lora"))  # the dataclass Config resolves as well
+    assert MlxBackend().setup(resolve(plain), model_dir).params_trainable == 3584
 
 
 def test_census_exact(model_dir: Path, batch: Batch) -> None:

@@ -29,6 +29,7 @@ from conftest import needs_mlx, needs_torch
 from finetune.backends.base import Batch
 
 from finetune.config import Config, ModelConfig
+from finetune.resolver import resolve
 from finetune.tiny import build_tiny
 
 V = 8192
@@ -92,7 +93,7 @@ def torch_backend(model_dir: Path, method: str, precision: str = "32-true", keys
     be = CudaBackend()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        be.setup(cfg, model_dir)
+        be.setup(resolve(cfg), model_dir)
     return be
 
 
@@ -260,12 +261,12 @@ def mlx_backend(model_dir: Path, method: str, dropout: float = 0.0, precision: s
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.model = OmegaConf.structured(big_vocab())
-    cfg.method.name = method
+    cfg.backend.name, cfg.method.name = "mlx", method
     cfg.method.lora.dropout = dropout
     if precision:
         cfg.precision.name = precision
     be = MlxBackend()
-    be.setup(cfg, model_dir)
+    be.setup(resolve(cfg), model_dir)
     return be
 
 

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from finetune.config import Config
 from finetune.errors import UserError
+from finetune.resolver import resolve
 from finetune.tiny import build_tiny
 
 STEPS = 4
@@ -30,7 +31,7 @@ def tiny_dir() -> Path:
     return build_tiny(Config(run_dir="unused").model)
 
 
-def _cfg(backend: str, compile_: bool, **over: Any) -> Any:
+def _spec(backend: str, compile_: bool, **over: Any) -> Any:
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.backend.name = backend
     if backend == "cuda":
@@ -39,7 +40,7 @@ def _cfg(backend: str, compile_: bool, **over: Any) -> Any:
     cfg.train.batch_size, cfg.train.grad_accum = 2, 2  # two micro-batches of 2 per step
     for k, v in over.items():
         OmegaConf.update(cfg, k, v)
-    return cfg
+    return resolve(cfg)
 
 
 def _batches(cfg: Any, tiny_dir: Path, n: int) -> list[Any]:
@@ -78,7 +79,7 @@ def _assert_close(got: list[tuple], want: list[tuple], rel: float) -> None:
 def _mlx(tiny_dir: Path, compile_: bool, **over: Any) -> tuple[Any, Any]:
     from finetune.backends.mlx.runtime import MlxBackend
 
-    cfg = _cfg("mlx", compile_, **over)
+    cfg = _spec("mlx", compile_, **over)
     b = MlxBackend()
     b.setup(cfg, tiny_dir)
     return b, cfg
@@ -150,14 +151,14 @@ def test_cuda_compiled_equals_plain(tiny_dir: Path) -> None:
     AOTAutograd, backward. Compiles twice (a static shape, then a dynamic one): ~1 min here."""
     from finetune.backends.cuda.runtime import CudaBackend
 
-    cfg = _cfg("cuda", False)
+    cfg = _spec("cuda", False)
     batches = _batches(cfg, tiny_dir, STEPS)
     runs = []
     for compile_ in (False, True):
         b = CudaBackend()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            b.setup(_cfg("cuda", compile_), tiny_dir)
+            b.setup(_spec("cuda", compile_), tiny_dir)
         assert (b._compiled_loss is not None) == compile_
         runs.append(_train(b, cfg, batches))
     _assert_close(runs[1], runs[0], rel=1e-5)
@@ -169,8 +170,9 @@ def test_cuda_compile_refusals_are_one_line(tiny_dir: Path, tmp_path: Path) -> N
     is a combination it does not run."""
     from finetune.backends.cuda.runtime import CudaBackend
 
+    spec = _spec("cuda", True, **{"train.loss_chunk": 64})  # the backend refuses it, not the resolver
     with pytest.raises(UserError, match="loss_chunk"):
-        CudaBackend().setup(_cfg("cuda", True, **{"train.loss_chunk": 64}), tiny_dir)
+        CudaBackend().setup(spec, tiny_dir)
     env = dict(os.environ, CXX="no-such-c++-compiler")  # inductor's compiler (torch._inductor.config.cpp.cxx)
     r = subprocess.run([*finetune_cmd(), "backend=cuda", "train.compile=true", "train.steps=1",
                         f"hydra.run.dir={tmp_path}/r"], check=False, capture_output=True, text=True, env=env,

@@ -52,16 +52,18 @@ def reference() -> Any:
     return logits
 
 
-def _mlx_cfg(seq_len: int = len(IDS)) -> Any:
+def _mlx_spec(seq_len: int = len(IDS)) -> Any:
     from omegaconf import OmegaConf
 
     from finetune.config import Config
+    from finetune.resolver import resolve
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
+    OmegaConf.update(cfg, "backend.name", "mlx")
     OmegaConf.update(cfg, "method.name", "full")
     OmegaConf.update(cfg, "precision.name", "32-true")
     OmegaConf.update(cfg, "train.seq_len", seq_len)
-    return cfg
+    return resolve(cfg)
 
 
 def _mlx_logits(model: Any, ids: list[int]) -> np.ndarray:
@@ -75,7 +77,7 @@ def _backend_model(name: str, seq_len: int = len(IDS)) -> Any:
     from finetune.backends.mlx.runtime import MlxBackend
 
     b = MlxBackend()
-    b.setup(_mlx_cfg(seq_len), build_family(name))
+    b.setup(_mlx_spec(seq_len), build_family(name))
     return b.model
 
 

@@ -110,7 +110,7 @@ def test_a_compiled_loss_is_never_chunked_by_the_governor(cfg_factory, tmp_path)
 
     cfg = cfg_factory(*COMMON, "train.compile=true")
     be = CudaBackend()
-    be.setup(cfg, resolve_model_dir(cfg.model, seed=0))
+    be.setup(resolve(cfg), resolve_model_dir(cfg.model, seed=0))
     why = be.set_loss_chunk(CHUNK)
     assert why and "train.compile" in why and be._loss_chunk == 0
     arch, s = planner.resolve(resolve(cfg))
@@ -129,11 +129,11 @@ def test_mlx_lever_chunks_the_next_steps_loss_and_refuses_a_soft_capped_model(cf
     from finetune.model_source import resolve_model_dir
     from transformers import AutoTokenizer
 
-    cfg = cfg_factory("backend=mlx", *COMMON[1:])
-    model_dir = resolve_model_dir(cfg.model, seed=0)
+    spec = resolve(cfg_factory("backend=mlx", *COMMON[1:]))
+    model_dir = resolve_model_dir(spec.model, seed=0)
     be = MlxBackend()
-    be.setup(cfg, model_dir)
-    batch = build(cfg, AutoTokenizer.from_pretrained(str(model_dir)))[0].train_batch(0)
+    be.setup(spec, model_dir)
+    batch = build(spec, AutoTokenizer.from_pretrained(str(model_dir)))[0].train_batch(0)
     targets = int(batch.loss_mask[:, 1:].sum())
     assert targets > 2 * CHUNK  # several chunks
     whole = be.forward_backward(batch, 1.0)

@@ -140,7 +140,7 @@ class _Joins:  # a backend as connect() sees it: it joins the launcher's ranks
     def __init__(self, comm: Comm):
         self.comm = comm
 
-    def connect(self, cfg) -> Comm:
+    def connect(self, spec) -> Comm:
         return self.comm
 
 

@@ -14,13 +14,14 @@ def _mlx_backend(method: str):
     pytest.importorskip("mlx_lm")
     from finetune.backends.mlx.runtime import MlxBackend
     from finetune.config import Config, ModelConfig
+    from finetune.resolver import resolve
     from finetune.tiny import build_tiny
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
-    cfg.method.name = method
+    cfg.backend.name, cfg.method.name = "mlx", method
     b = MlxBackend()
-    b.setup(cfg, build_tiny(ModelConfig()))
+    b.setup(resolve(cfg), build_tiny(ModelConfig()))
     return b
 
 

@@ -21,13 +21,14 @@ def tiny() -> Path:
     return build_tiny(ModelConfig())
 
 
-def _mlx_cfg(method: str) -> Any:
+def _mlx_spec(method: str) -> Any:
     from finetune.config import Config
+    from finetune.resolver import resolve
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
-    cfg.method.name = method
-    return cfg
+    cfg.backend.name, cfg.method.name = "mlx", method
+    return resolve(cfg)
 
 
 def _stored_params(model_dir: Path) -> int:
@@ -45,7 +46,7 @@ def test_mlx_qlora_on_a_plain_base_writes_pre_quantized_false_and_an_integer_par
     from finetune.backends.mlx.runtime import MlxBackend
 
     b = MlxBackend()
-    info = b.setup(_mlx_cfg("qlora"), tiny)
+    info = b.setup(_mlx_spec("qlora"), tiny)
     assert json.dumps(info.params_total) == str(_stored_params(tiny) + 3584)  # + rank-8 q/v adapters, 2 layers
     b.save_adapter(tmp_path)
     conf = json.loads((tmp_path / "adapter_config.json").read_text())
@@ -61,7 +62,7 @@ def test_mlx_lora_on_an_mlx_quantized_checkpoint_writes_pre_quantized_true(tiny,
     q = tmp_path / "q4"
     convert(str(tiny), str(q), quantize=True, q_group_size=64, q_bits=4)
     b = MlxBackend()
-    info = b.setup(_mlx_cfg("lora"), q)
+    info = b.setup(_mlx_spec("lora"), q)
     assert info.dtype == "int4"
     (tmp_path / "adapter").mkdir()
     b.save_adapter(tmp_path / "adapter")
@@ -77,7 +78,7 @@ def test_mlx_dora_adapter_says_dora_to_mlx_lm(tiny, tmp_path):
     from finetune.backends.mlx.runtime import MlxBackend
 
     b = MlxBackend()
-    b.setup(_mlx_cfg("dora"), tiny)
+    b.setup(_mlx_spec("dora"), tiny)
     b.save_adapter(tmp_path)
     conf = json.loads((tmp_path / "adapter_config.json").read_text())
     assert (conf["fine_tune_type"], conf["pre_quantized"], conf["quantization"]) == ("dora", False, None)
@@ -117,9 +118,12 @@ def test_cuda_fsdp_with_device_map_auto_is_refused_before_joining_the_ranks(monk
     one process's model over GPUs: the two cannot both hold, said before any process group
     is joined (no MASTER_ADDR here: joining would fail with torch's own message instead)."""
     pytest.importorskip("torch")
+    from dataclasses import replace
+
     from finetune.backends.cuda.runtime import CudaBackend
     from finetune.config import Config
     from finetune.errors import UserError
+    from finetune.resolver import resolve
     from omegaconf import OmegaConf
 
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
@@ -129,9 +133,13 @@ def test_cuda_fsdp_with_device_map_auto_is_refused_before_joining_the_ranks(monk
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     cfg = OmegaConf.structured(Config(run_dir="unused"))
-    cfg.backend.device, cfg.backend.strategy, cfg.backend.device_map = "cpu", "fsdp", "auto"
+    cfg.backend.name, cfg.backend.device = "cuda", "cpu"
+    spec = resolve(cfg)
+    # the resolver refuses the pair too (the planner's ranks), when it can read the model: the
+    # spec here is one that got past it
+    spec = replace(spec, backend=replace(spec.backend, strategy="fsdp", device_map="auto"))
     with pytest.raises(UserError) as e:
-        CudaBackend().connect(cfg)
+        CudaBackend().connect(spec)
     assert str(e.value) == ("backend.strategy=fsdp shards the model over the ranks; drop backend.device_map=auto "
                             "(it splits one process's model over GPUs)")
 
@@ -143,6 +151,7 @@ def _cuda(tiny: Path, precision: str = "32-true", keys: list[str] | None = None)
 
     from finetune.backends.cuda.runtime import CudaBackend
     from finetune.config import Config
+    from finetune.resolver import resolve
 
     cfg = Config(run_dir="unused")
     cfg.backend.name, cfg.backend.device, cfg.precision.name = "cuda", "cpu", precision
@@ -151,7 +160,7 @@ def _cuda(tiny: Path, precision: str = "32-true", keys: list[str] | None = None)
     b = CudaBackend()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        info = b.setup(cfg, tiny)
+        info = b.setup(resolve(cfg), tiny)
     return b, info
 
 
@@ -205,11 +214,12 @@ def test_cuda_qlora_on_the_cpu_trains_on_after_an_evaluation(tiny):
         warnings.simplefilter("ignore")
         from finetune.backends.cuda.runtime import CudaBackend
         from finetune.config import Config
+        from finetune.resolver import resolve
 
         cfg = Config(run_dir="unused")
         cfg.backend.name, cfg.backend.device, cfg.precision.name, cfg.method.name = "cuda", "cpu", "32-true", "qlora"
         b = CudaBackend()
-        b.setup(cfg, tiny)
+        b.setup(resolve(cfg), tiny)
         ids = np.arange(3, 19, dtype=np.int32).reshape(2, 8)
         mask = np.zeros((2, 8), np.int8)
         mask[:, 4:] = 1

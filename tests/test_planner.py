@@ -236,7 +236,7 @@ def test_plan_equals_backend_census_after_a_step(backend, tmp_path):
     for over in CENSUS_CASES[backend]:
         cfg = _cfg(tmp_path, f"backend={backend}", "train.batch_size=2", *over)
         be = Backend()
-        info = be.setup(cfg, resolve_model_dir(cfg.model))
+        info = be.setup(resolve(cfg), resolve_model_dir(cfg.model))
         be.forward_backward(_fixed_batch(cfg.model.vocab_size, 2, 16), 1.0)
         be.optimizer_step(1e-3)
         p = planner.plan(resolve(cfg), seq_len=16, recommend=False)
@@ -265,7 +265,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
     B, T = 3, 40
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
     be = CudaBackend()
-    be.setup(cfg, resolve_model_dir(cfg.model))
+    be.setup(resolve(cfg), resolve_model_dir(cfg.model))
     params = {p.untyped_storage().data_ptr() for p in be.model.parameters()}
     seen: dict[int, tuple[str, int]] = {}
     region = ["model"]
@@ -309,7 +309,7 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
     B, T = 4, 128
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
     be = CudaBackend()
-    be.setup(cfg, resolve_model_dir(cfg.model))
+    be.setup(resolve(cfg), resolve_model_dir(cfg.model))
     be.forward_backward(_fixed_batch(cfg.model.vocab_size, B, T), 1.0)
     be.optimizer_step(1e-3)  # optimizer state exists from here on, as in the steady state
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -357,7 +357,7 @@ from finetune import planner
 cfg = _cfg(Path({str(tmp_path)!r}), "backend=mlx", "train.batch_size={B}", *{list(over)!r})
 model_dir = resolve_model_dir(cfg.model)
 be = MlxBackend()
-be.setup(cfg, model_dir)
+be.setup(resolve(cfg), model_dir)
 peak = 0
 for step in range(4):
     mx.reset_peak_memory()

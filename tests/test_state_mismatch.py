@@ -8,6 +8,7 @@ import pytest
 from finetune.config import compose
 from finetune.errors import UserError
 from finetune.model_source import resolve_model_dir
+from finetune.resolver import resolve
 
 from conftest import needs_torch
 
@@ -20,12 +21,12 @@ from conftest import needs_torch
 def test_cuda_checkpoint_of_other_adapters_is_refused(tmp_path, saved, loaded, example):
     from finetune.backends.cuda.runtime import CudaBackend
 
-    cfg = compose(tmp_path, "backend=cuda", saved)
-    model_dir = resolve_model_dir(cfg.model)
+    spec = resolve(compose(tmp_path, "backend=cuda", saved))
+    model_dir = resolve_model_dir(spec.model)
     be = CudaBackend()
-    be.setup(cfg, model_dir)
+    be.setup(spec, model_dir)
     be.save_state(tmp_path)
     other = CudaBackend()
-    other.setup(compose(tmp_path, "backend=cuda", loaded), model_dir)
+    other.setup(resolve(compose(tmp_path, "backend=cuda", loaded)), model_dir)
     with pytest.raises(UserError, match=rf"checkpoint {tmp_path} does not match this model/method \(e.g. .*{example}"):
         other.load_state(tmp_path)

@@ -21,6 +21,7 @@ from finetune.backends.base import Batch, pack
 from test_chunked_loss import assert_grads_equal
 
 from finetune.config import Config, ModelConfig
+from finetune.resolver import resolve
 from finetune.tiny import build_tiny
 
 V = 2048
@@ -71,7 +72,7 @@ def test_torch_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
     cfg = _cfg(vocab(tie))
     cfg.backend.name, cfg.backend.device, cfg.precision.name = "cuda", "cpu", "32-true"
     be = CudaBackend()
-    be.setup(cfg, path)
+    be.setup(resolve(cfg), path)
 
     def step(b: Batch, chunk: int, target: bool) -> tuple[float, dict[str, np.ndarray]]:
         be.zero_grad()
@@ -121,8 +122,10 @@ def test_mlx_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
     from mlx.utils import tree_flatten
 
     path, tie = model
+    cfg = _cfg(vocab(tie))
+    cfg.backend.name = "mlx"
     be = MlxBackend()
-    be.setup(_cfg(vocab(tie)), path)
+    be.setup(resolve(cfg), path)
     m = be.model
 
     def step(b: Batch, chunk: int, target: bool) -> tuple[float, dict[str, np.ndarray]]:

@@ -25,8 +25,8 @@ class FaultOnRankOne(CudaBackend):
     steps_done = 0
     signalled = False
 
-    def setup(self, cfg, model_dir):
-        info = super().setup(cfg, model_dir)
+    def setup(self, spec, model_dir):
+        info = super().setup(spec, model_dir)
 
         def pre_hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
