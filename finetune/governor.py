@@ -58,6 +58,9 @@ class Governor:
         self.state = RunState.from_spec(spec, backend_name)  # the governor owns the run's live state
         self.adapt = spec.memory.adapt
         self.backend: Any = None
+        # the most of a micro-batch's positions that are targets, once the data is known
+        # (finetune.data.build head_fraction): the plans price the head on those only
+        self.head_fraction: float | None = None
 
         total = device_memory(backend_name, run_device(backend_name, spec.backend.device)).total_bytes
         if spec.memory.budget is not None:
@@ -141,7 +144,8 @@ class Governor:
         return True
 
     # -- before any weight is loaded ---------------------------------------------------------
-    def before_load(self, seq_len: int | None = None, only_check: bool = False) -> None:
+    def before_load(self, seq_len: int | None = None, only_check: bool = False,
+                    head_fraction: float | None = None) -> None:
         """Fit the plan to the budget: the loss in chunks, a smaller micro-batch, then
         checkpointing; else stop (``planner.fit_to_budget``). A chunked loss decided here is
         handed to the backend by ``apply_loss_chunk`` once the model is loaded.
@@ -151,13 +155,17 @@ class Governor:
             only_check: stop if it cannot fit, change nothing (used before any download, with
                 the shortest length, so only a model whose weights and state alone are too
                 big stops there).
+            head_fraction: the data's share of target positions at most (kept for later plans).
         """
+        if head_fraction is not None:
+            self.head_fraction = head_fraction
         if not self.budget_bytes:
             return
         import sys
 
         try:
-            res = planner.fit_to_budget(self.spec, self.budget_bytes, seq_len=seq_len, state=self.state)
+            res = planner.fit_to_budget(self.spec, self.budget_bytes, seq_len=seq_len, state=self.state,
+                                        head_fraction=self.head_fraction)
         except UserError:
             raise
         except Exception as e:  # a model the planner cannot read: adapt while training only

@@ -39,6 +39,7 @@ class DataLengths:
     max: int
     mean: float
     planned_tokens: int  # the widest micro-batch the run sees: what the run's governor plans
+    head_fraction: float  # the most of a micro-batch's positions that are targets (the head runs there)
     packed: bool
 
     def as_dict(self) -> dict[str, Any]:
@@ -86,4 +87,5 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
     planned = int(stats.get("max_micro_tokens") or stats["max_padded_tokens"])
     return DataLengths(source=source, samples=int(len(lens)), min=int(lens.min()), median=int(pct[0]),
                        p90=int(pct[1]), p99=int(pct[2]), max=int(lens.max()), mean=round(float(lens.mean()), 1),
-                       planned_tokens=planned, packed=bool(spec.train.packing)), ""
+                       planned_tokens=planned, head_fraction=round(float(stats["head_fraction"]), 4),
+                       packed=bool(spec.train.packing)), ""

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
-from finetune.resolver import resolve
 import finetune.loop as loop_mod
 import finetune.planner.fit as fit_mod
 from finetune import planner
 from finetune.loop import Trainer, train
-
-from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
+from finetune.resolver import resolve
 
 CHUNK = 16
 COMMON = ("backend=cuda", "train.progress=false", "data.num_samples=64", "train.eval_every=0", "train.steps=3",
@@ -45,12 +44,12 @@ def _logits_oom(from_step: int) -> Any:
 def test_oom_on_the_logits_turns_on_the_chunked_loss_at_micro_batch_one(cfg_factory, tmp_path, monkeypatch):
     monkeypatch.setattr(fit_mod, "LOSS_CHUNK_LEVER", CHUNK)
     monkeypatch.setattr(loop_mod, "get_backend", lambda name: _logits_oom(2))
-    adapted = train(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "oom"))
+    adapted = train(resolve(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "oom")))
     monkeypatch.undo()
     moves = [(e["step"], e["trigger"], e["action"], e["after"]) for e in adapted["adaptations"]]
     assert moves == [(2, "oom", "lower_micro_batch", {"batch_size": 1, "grad_accum": 4}),
                      (2, "oom", "enable_loss_chunk", {"loss_chunk": CHUNK})]
-    plain = train(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "plain"))
+    plain = train(resolve(cfg_factory(*COMMON, "train.batch_size=2", "train.grad_accum=2", run_dir=tmp_path / "plain")))
     assert adapted["tokens"] == plain["tokens"] and adapted["samples"] == plain["samples"]
     assert _losses(tmp_path / "oom") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
 
@@ -63,20 +62,24 @@ def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory,
     records it."""
     monkeypatch.setattr(fit_mod, "LOSS_CHUNK_LEVER", CHUNK)
     over = (*COMMON, "train.batch_size=4", "train.save_every=3")
-    probe = Trainer(cfg_factory(*over, run_dir=tmp_path / "probe"))
+    probe = Trainer(resolve(cfg_factory(*over, run_dir=tmp_path / "probe")))
     probe.connect()
-    from finetune.data import build
-    from finetune.model_source import resolve_model_dir
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(probe.cfg.model, seed=0)))
-    L = build(probe.cfg, tok)[1]["max_padded_tokens"]  # the length the governor plans for
-    whole = planner.plan(resolve(cfg_factory(*over)), seq_len=L, recommend=False)["max_device_peak_bytes"]
+    from finetune.data import build
+    from finetune.model_source import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(probe.spec.model, seed=0)))
+    stats = build(probe.spec, tok)[1]
+    # the length and the share of target positions the governor plans for
+    L, hf = stats["max_padded_tokens"], stats["head_fraction"]
+    whole = planner.plan(resolve(cfg_factory(*over)), seq_len=L, recommend=False,
+                         head_fraction=hf)["max_device_peak_bytes"]
     chunked = planner.plan(resolve(cfg_factory(*over, f"train.loss_chunk={CHUNK}")), seq_len=L,
-                           recommend=False)["max_device_peak_bytes"]
+                           recommend=False, head_fraction=hf)["max_device_peak_bytes"]
     assert chunked < whole  # 4 rows of L tokens are several chunks
     budget = (whole + chunked) // 2
-    trainer = Trainer(cfg_factory(*over, f"memory.budget={budget}", run_dir=tmp_path / "fit"))
+    trainer = Trainer(resolve(cfg_factory(*over, f"memory.budget={budget}", run_dir=tmp_path / "fit")))
     trainer.connect()
     with trainer.runlog:
         trainer.setup()
@@ -96,7 +99,7 @@ def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory,
     assert _governor_said({"adaptations": [ev]}, 0) == \
         f"the governor computed the loss in chunks of {CHUNK} tokens at step 0 (plan_over_budget)"
     assert [r["adaptations"] for r in rows(tmp_path / "fit")] == [1]
-    plain = train(cfg_factory(*over, run_dir=tmp_path / "plain"))
+    plain = train(resolve(cfg_factory(*over, run_dir=tmp_path / "plain")))
     assert plain["adaptations"] == []
     assert _losses(tmp_path / "fit") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-5)
 
@@ -106,6 +109,7 @@ def test_a_compiled_loss_is_never_chunked_by_the_governor(cfg_factory, tmp_path)
     """train.compile on cuda traced the whole-logits loss: the backend refuses the lever (and
     the planner never chooses it), in words."""
     from finetune.backends.cuda.runtime import CudaBackend
+
     from finetune.model_source import resolve_model_dir
 
     cfg = cfg_factory(*COMMON, "train.compile=true")
@@ -122,12 +126,12 @@ def test_mlx_lever_chunks_the_next_steps_loss_and_refuses_a_soft_capped_model(cf
     """MlxBackend.set_loss_chunk: the next forward_backward's loss is the same number, now in
     chunks; a model whose logits are soft-capped after the head is refused in words."""
     import numpy as np
-    from mlx_lm.models import gemma2
-
     from finetune.backends.mlx.runtime import MlxBackend
+    from mlx_lm.models import gemma2
+    from transformers import AutoTokenizer
+
     from finetune.data import build
     from finetune.model_source import resolve_model_dir
-    from transformers import AutoTokenizer
 
     spec = resolve(cfg_factory("backend=mlx", *COMMON[1:]))
     model_dir = resolve_model_dir(spec.model, seed=0)
@@ -154,9 +158,8 @@ def test_mlx_lever_chunks_the_next_steps_loss_and_refuses_a_soft_capped_model(cf
 @needs_torch
 def test_torch_lever_refuses_a_soft_capped_model() -> None:
     import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
     from finetune.backends.cuda.runtime import CudaBackend
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
     be = CudaBackend()

@@ -52,7 +52,14 @@ def test_plan_reads_the_data_and_plans_its_longest_sample(tmp_path: Path) -> Non
     bound = plan(spec, recommend=False)
     assert d["seq_len_bound"]["seq_len"] == 256
     assert d["seq_len_bound"]["max_device_peak_bytes"] == bound["max_device_peak_bytes"] > p["max_device_peak_bytes"]
-    assert p["max_device_peak_bytes"] == plan(spec, seq_len=longest, recommend=False)["max_device_peak_bytes"]
+    # the head priced on target rows: the synthetic data masks its prompts, so at most the largest
+    # share of a sample's tokens that are targets (a row holds one sample: its targets over the width)
+    targets = src.tok.targets()
+    assert d["head_fraction"] == round(min(1.0, int(targets.max()) / longest), 4) < 1
+    at = plan(spec, seq_len=longest, recommend=False, head_fraction=d["head_fraction"])
+    assert p["max_device_peak_bytes"] == at["max_device_peak_bytes"]
+    assert p["bytes"]["logits"] == at["bytes"]["logits"] < plan(spec, seq_len=longest, recommend=False)["bytes"]["logits"]
+    assert f"at most {d['head_fraction']:.0%} of a micro-batch's positions" in out
     assert (f"data: {len(lens):,} training samples (synthetic), tokens per sample: min {lens.min()}, "
             f"median {int(np.percentile(lens, 50))}") in out
     assert f"planned at the widest micro-batch the run will see: {longest} tokens" in out

@@ -148,7 +148,8 @@ class FitResult:
     loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
 
-def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None) -> FitResult:
+def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
+                  head_fraction: float | None = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
     First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
@@ -162,13 +163,13 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
     "train.seq_len=512".
     """
-    arch, s = resolve(spec, seq_len, state)
+    arch, s = resolve(spec, seq_len, state, head_fraction)
     budget = int(budget_bytes)
     eff = s.effective_batch
     base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
     def full_plan(batch: int, ckpt: bool) -> Plan:
-        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False,
+        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, head_fraction=head_fraction,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
 
@@ -191,7 +192,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                              loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
         before = {**before, "peak_bytes": pc["max_device_peak_bytes"]}
     if s.packed:
-        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len)
+        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, head_fraction)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -215,7 +216,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
 
 
 def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
-                events: list[dict[str, Any]], seq_len: int | None) -> FitResult:
+                events: list[dict[str, Any]], seq_len: int | None, head_fraction: float | None = None) -> FitResult:
     """train.packing: the micro-batch lever is tokens per micro-batch. Halve it (then with
     gradient checkpointing) until the plan fits; each step's samples stay the same, packed
     into more micro-batches. A micro-batch holds at least one whole sample, so the row priced
@@ -252,14 +253,16 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
                                "before": {**prev, "grad_checkpointing": False},
                                "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["max_device_peak_bytes"]}})
             state = base.with_(tokens_per_micro=c, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk)
-            full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state)
+            full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state,
+                        head_fraction=head_fraction)
             return FitResult(True, full, base.micro_batch, base.grad_accum, ckpt, events, loss_chunk=s.loss_chunk,
                              tokens_per_micro=c)
     last = candidates[-1]
     smallest = _setup_with(s, seq_len=width(last), ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
     state = base.with_(tokens_per_micro=last, grad_checkpointing=True, loss_chunk=s.loss_chunk)
-    return FitResult(False, plan(spec, seq_len=width(last), budget_bytes=budget, recommend=False, state=state),
+    return FitResult(False, plan(spec, seq_len=width(last), budget_bytes=budget, recommend=False, state=state,
+                                 head_fraction=head_fraction),
                      base.micro_batch, base.grad_accum, True, [], suggestions, loss_chunk=s.loss_chunk,
                      tokens_per_micro=last)
 
@@ -312,7 +315,7 @@ def _packing(spec: RunSpec, s: Setup, state: Any) -> dict[str, Any] | None:
 
 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
-         recommend: bool = True, state: Any = None) -> Plan:
+         recommend: bool = True, state: Any = None, head_fraction: float | None = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -322,11 +325,13 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         budget_bytes: the budget to judge ``fits`` against; default ``memory.budget`` or the device.
         recommend: also search the largest micro-batch and levers that fit.
         state: the run's live state (finetune.state.RunState), where a run is under way.
+        head_fraction: the most of a micro-batch's positions that are targets, from the data
+            (the output head runs on targets only); None: every position.
 
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
-    arch, s = resolve(spec, seq_len, state)
+    arch, s = resolve(spec, seq_len, state, head_fraction)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)

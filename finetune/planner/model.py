@@ -110,10 +110,13 @@ def _pre_quantized_base(setup: Setup) -> None:
                            "LoRA trains on the quantized base")
 
 
-def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None) -> tuple[ModelDesc, Setup]:
+def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
+            head_fraction: float | None = None) -> tuple[ModelDesc, Setup]:
     """Resolve the spec (and the machine, for the GPU count) into an architecture and a setup.
     ``state`` (a finetune.state.RunState) overrides the backend, micro-batch, accumulation,
-    checkpointing and loss chunk with the run's live values. Raises UserError for a
+    checkpointing and loss chunk with the run's live values. ``head_fraction``: the share of a
+    micro-batch's positions that are targets at most, from the data (``finetune.data.build``
+    ``head_fraction``); None: every position, the bound without data. Raises UserError for a
     combination the backend would refuse (finetune.resolver runs this once as a check)."""
     hf, hf_source = model_config(spec.model)
     arch = describe(hf, hf_source)
@@ -159,6 +162,8 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None) -> tup
         padding_mask=spec.model.trust_remote_code,
     )
     _packed_setup(setup, spec, state, seq_len)
+    if head_fraction is not None:
+        setup.target_fraction = max(0.0, min(1.0, float(head_fraction)))
     _pre_quantized_base(setup)
     return arch, setup
 

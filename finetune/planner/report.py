@@ -138,7 +138,9 @@ def _data_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
     return [f"  data: {data['samples']:,} training samples ({data['source']}), tokens per sample: min {data['min']}, "
             f"median {data['median']}, p90 {data['p90']}, p99 {data['p99']}, max {data['max']}",
             f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
-            f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB"]
+            f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB",
+            f"  the output head runs on target positions only: at most {data['head_fraction']:.0%} of a micro-batch's "
+            "positions in this data (prompts and pads carry no loss)"]
 
 _RANK_COLS = (("weights", "weights"), ("grads", "grads"), ("optimizer_state", "optim"), ("activations", "activ"),
               ("logits", "logits"))
@@ -188,7 +190,7 @@ def run_plan(spec: RunSpec) -> Plan:
     else:
         bound = plan(spec, recommend=False)
         p = plan(spec, seq_len=min(lengths.planned_tokens, bound["seq_len"]) if not lengths.packed
-                 else lengths.planned_tokens)
+                 else lengths.planned_tokens, head_fraction=lengths.head_fraction)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],
