@@ -140,7 +140,7 @@ def test_plan_equals_cuda_census(name: str, keys: str, root: Path) -> None:
 
     cfg = _cfg(root / "unused", name, "cuda", *KEYS[keys])
     be = CudaBackend()
-    info = be.setup(cfg, build_family(name))
+    info = be.setup(resolve(cfg), build_family(name))
     p = planner.plan(resolve(cfg), seq_len=16, recommend=False)
     assert (p["params_total"], p["params_trainable"]) == (info.params_total, info.params_trainable)
     be.forward_backward(_fixed_batch(VOCAB, 2, 16), 1.0)

@@ -164,7 +164,7 @@ for fam, B, T, keys in {cases!r}:
     gc.collect(); mx.clear_cache()
     base = mx.get_active_memory()  # what an earlier family left alive (nothing, once collected)
     be = MlxBackend()
-    be.setup(cfg, d)
+    be.setup(resolve(cfg), d)
     peak = 0
     for step in range(4):  # the highest of four steps (CPU peaks are bimodal with thread timing)
         mx.reset_peak_memory()
@@ -207,7 +207,7 @@ def test_a_lora_on_the_head_is_counted_as_peft_builds_it(tmp_path):
 
     cfg = make_cfg(tmp_path, "backend=cuda", "backend.device=cpu", "method.lora.keys=[q_proj,lm_head]")
     be = CudaBackend()
-    info = be.setup(cfg, resolve_model_dir(cfg.model))
+    info = be.setup(resolve(cfg), resolve_model_dir(cfg.model))
     p = planner.plan(resolve(cfg), recommend=False)
     assert info.params_trainable == p["params_trainable"] == 2 * 8 * (64 + 64) + 8 * (64 + 512)
     with pytest.raises(UserError, match="lm_head cannot be adapted on backend=mlx"):

@@ -110,8 +110,6 @@ def torch_backend(model_dir: Path, chunk: int = 0) -> Any:
     from finetune.backends.cuda.runtime import CudaBackend
     from omegaconf import OmegaConf
 
-    from finetune.resolver import resolve
-
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.backend.name, cfg.backend.device = "cuda", "cpu"
     cfg.method.name, cfg.precision.name = "full", "32-true"
@@ -178,8 +176,6 @@ def test_torch_no_attention_across_samples(model_dir: Path) -> None:
 def mlx_backend(model_dir: Path, chunk: int = 0, checkpointing: bool = False) -> Any:
     from finetune.backends.mlx.runtime import MlxBackend
     from omegaconf import OmegaConf
-
-    from finetune.resolver import resolve
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.backend.name, cfg.method.name = "mlx", "full"

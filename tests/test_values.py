@@ -160,7 +160,7 @@ def test_cuda_loss_grad_norm_and_lr_replayed_outside_the_loop(cuda_run):
 
     r = cuda_run
     be = CudaBackend()
-    be.setup(r["cfg"], r["model_dir"])
+    be.setup(resolve(r["cfg"]), r["model_dir"])
     trainable = [p for p in be.model.parameters() if p.requires_grad]
     for step in (1, 2, 3):
         batch = r["src"].train_batch(step - 1)  # whole: the loop took it in micro-batches of 2

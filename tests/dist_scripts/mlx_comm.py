@@ -21,6 +21,7 @@ from finetune.backends.base import Batch
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import Config
 from finetune.data import rank_slice
+from finetune.resolver import resolve
 from finetune.synthetic import generate
 
 
@@ -62,10 +63,11 @@ def main(out: Path, model_dir: Path) -> None:
     comm.barrier()
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
+    cfg.backend.name = "mlx"
     cfg.method.lora.num_layers = 1  # a trainable tree that skips a block
     cfg.optim.max_grad_norm = 0.1  # below the norm (~0.24): the clip acts on the summed gradient
     cfg.train.seed = 1000 + r  # ranks other than 0 draw other LoRA inits: setup must broadcast rank 0's
-    b.setup(cfg, model_dir)
+    b.setup(resolve(cfg), model_dir)
     res["init_digest"] = digest(b.model.trainable_parameters())
 
     batch = make_batch(model_dir)
