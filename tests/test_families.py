@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from finetune.resolver import resolve
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
 from families import FAMILIES, VOCAB, build_family
 
 from finetune import planner
 from finetune.errors import UserError
+from finetune.resolver import resolve
 
 pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
 
@@ -76,7 +76,7 @@ def trained(root: Path, name: str, backend: str, keys: str) -> tuple[Path, dict[
 
         run = root / f"{name}-{backend}-{keys}"
         try:
-            out: dict[str, Any] | UserError = train(_cfg(run, name, backend, *KEYS[keys]))
+            out: dict[str, Any] | UserError = train(resolve(_cfg(run, name, backend, *KEYS[keys])))
         except UserError as e:
             out = e
         _RUNS[key] = (run, out)
@@ -256,7 +256,7 @@ def test_expert_adapters_are_refused_by_the_exporter(root: Path, tmp_path: Path)
 
     for backend, to in (("cuda", "mlx"), ("mlx", "peft")):
         run = root / f"mixtral-{backend}-experts"
-        s = train(_cfg(run, "mixtral", backend, "method.lora.keys=experts"))
+        s = train(resolve(_cfg(run, "mixtral", backend, "method.lora.keys=experts")))
         p = planner.plan(resolve(_cfg(root / "unused", "mixtral", backend, "method.lora.keys=experts")), recommend=False)
         assert s["params_trainable"] == p["params_trainable"]
         rc, err = _export("--to", to, run, tmp_path / to)

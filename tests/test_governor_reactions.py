@@ -13,15 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
-from finetune.resolver import resolve
 import finetune.loop as loop_mod
 from finetune.errors import UserError
-from finetune.governor import (FRAGMENTED_FRACTION, FRAGMENTED_MIN_BYTES, PSI_SOME_AVG10, SWAP_GROWTH_BYTES,
-                               Governor, smaller_divisor)
+from finetune.governor import (
+    FRAGMENTED_FRACTION,
+    FRAGMENTED_MIN_BYTES,
+    PSI_SOME_AVG10,
+    SWAP_GROWTH_BYTES,
+    Governor,
+    smaller_divisor,
+)
 from finetune.loop import Trainer, train
-
-from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
+from finetune.resolver import resolve
 
 COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=5", "train.warmup_steps=1")
 BUDGET = 1 << 30  # memory.budget=1GiB: far above the tiny model's plan, so nothing is decided before loading
@@ -52,7 +57,7 @@ def test_measured_peak_above_budget_lowers_micro_batch_after_the_step(cfg_factor
     so after_step halves the micro-batch after steps 1, 2 and 3, each time because the step's
     measured peak was above it, and the run still equals the unadapted one."""
     cfg = cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", "memory.budget=1GiB", run_dir=tmp_path / "peak")
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve(cfg))
     trainer.setup()
     assert trainer.governor.budget_bytes == BUDGET and trainer.governor.micro == 8  # the plan changed nothing
     # the bytes held at load (the weights): every step's peak adds activations on top of them
@@ -68,7 +73,7 @@ def test_measured_peak_above_budget_lowers_micro_batch_after_the_step(cfg_factor
     for step in (1, 2, 3, 4, 5):  # the trigger: what the step measured (at micro 1 there is nothing left to lower)
         assert recs[step]["step_peak_allocated_bytes"] > budget, step
     assert adapted["micro_batch"] == 1 and adapted["effective_batch"] == 8
-    plain = train(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", run_dir=tmp_path / "plain"))
+    plain = train(resolve(cfg_factory("backend=mlx", *COMMON, "train.batch_size=8", run_dir=tmp_path / "plain")))
     assert not [e for e in plain["adaptations"] if e["action"] not in ("set_mlx_limits", "set_mlx_cache_limit")]
     assert adapted["tokens"] == plain["tokens"]
     # measured spread between micro-batch splits on mlx CPU: < 4e-6 per token
@@ -91,15 +96,15 @@ def _oom_backend(from_step: int, while_checkpointing: bool) -> Any:
 @needs_torch
 def test_oom_at_micro_batch_one_turns_on_checkpointing(cfg_factory, tmp_path, monkeypatch):
     monkeypatch.setattr(loop_mod, "get_backend", lambda name: _oom_backend(2, while_checkpointing=False))
-    adapted = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=2",
-                                run_dir=tmp_path / "oom"))
+    adapted = train(resolve(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=2",
+                                run_dir=tmp_path / "oom")))
     monkeypatch.undo()
     assert _moves(adapted["adaptations"]) == [
         (2, "oom", "lower_micro_batch", _micro(2, 2), _micro(1, 4)),
         (2, "oom", "enable_grad_checkpointing", {"grad_checkpointing": False}, {"grad_checkpointing": True})]
     assert adapted["micro_batch"] == 1
-    plain = train(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=2",
-                              run_dir=tmp_path / "plain"))
+    plain = train(resolve(cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", "train.grad_accum=2",
+                              run_dir=tmp_path / "plain")))
     assert adapted["tokens"] == plain["tokens"] and adapted["samples"] == plain["samples"]
     assert _losses(tmp_path / "oom") == pytest.approx(_losses(tmp_path / "plain"), abs=1e-5)
 
@@ -109,7 +114,7 @@ def test_oom_with_checkpointing_at_micro_batch_one_gives_up_clearly(cfg_factory,
     monkeypatch.setattr(loop_mod, "get_backend", lambda name: _oom_backend(2, while_checkpointing=True))
     cfg = cfg_factory("backend=cuda", *COMMON, "train.batch_size=2", run_dir=tmp_path / "x")
     with pytest.raises(UserError, match="out of memory at step 2 even at micro-batch 1 with gradient checkpointing"):
-        train(cfg)
+        train(resolve(cfg))
     events = [json.loads(ln)["event"] for ln in (tmp_path / "x" / "metrics.jsonl").read_text().splitlines()
               if ln.startswith('{"event"')]
     assert [(e["step"], e["trigger"], e["action"]) for e in events] == [

@@ -11,6 +11,7 @@ from finetune.backends.base import Comm
 from finetune.config import compose
 from finetune.errors import UserError
 from finetune.loop import Trainer
+from finetune.resolver import resolve
 
 
 class _Rank1Of2(Comm):
@@ -27,7 +28,7 @@ class _Rank1Of2(Comm):
 
 
 def _trainer(tmp_path: Path) -> Trainer:
-    return Trainer(compose(tmp_path / "run", "backend=cuda", "train.progress=false"))
+    return Trainer(resolve(compose(tmp_path / "run", "backend=cuda", "train.progress=false")))
 
 
 def test_a_rank_goes_on_when_no_rank_refused_the_run_dir(tmp_path: Path) -> None:
@@ -47,7 +48,7 @@ def test_a_rank_stops_when_rank_0_refused_the_run_dir(tmp_path: Path) -> None:
 
 def test_a_rank_that_refuses_still_takes_part_in_the_agreement(tmp_path: Path) -> None:
     # its peers wait in the same all_reduce: a rank leaving before it would hang them
-    tr = Trainer(compose(tmp_path / "run", "backend=cuda", "train.progress=false", "train.resume=true"))
+    tr = Trainer(resolve(compose(tmp_path / "run", "backend=cuda", "train.progress=false", "train.resume=true")))
     tr.comm = comm = _Rank1Of2(rank0=0.0)
     with pytest.raises(UserError, match=r"^train.resume=true but .* holds no checkpoint"):
         tr.claim()
@@ -68,10 +69,10 @@ def two_steps(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("two_steps")
     same = tmp / "same.jsonl"
     same.write_text((json.dumps({"prompt": "What is 12 + 30?", "completion": " The answer is 42."}) + "\n") * 16)
-    train(compose(tmp / "run", "backend=cuda", "data=jsonl", f"data.path={same}", "optim=sgd", "optim.lr=0.05",
+    train(resolve(compose(tmp / "run", "backend=cuda", "data=jsonl", f"data.path={same}", "optim=sgd", "optim.lr=0.05",
                   "optim.max_grad_norm=1000", "train.schedule=constant", "train.warmup_steps=0", "train.steps=2",
                   "train.eval_every=1", "train.progress=false", "train.batch_size=2", "train.grad_accum=1",
-                  "memory.sample_every=0"))
+                  "memory.sample_every=0")))
     return [json.loads(ln) for ln in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -150,7 +151,7 @@ def test_rank_0_alone_writes_the_run_log(tmp_path: Path, monkeypatch: pytest.Mon
     import finetune.loop as loop_mod
 
     dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
-    tr = Trainer(compose(dirs[rank], "backend=cuda", "train.progress=false"))
+    tr = Trainer(resolve(compose(dirs[rank], "backend=cuda", "train.progress=false")))
     monkeypatch.setattr(loop_mod, "get_backend", lambda name: _Joins(_Ranks(rank, dirs)))
     tr.connect()
     assert type(tr.runlog).__name__ == log and str(tr.run_dir) == dirs[0]

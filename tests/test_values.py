@@ -18,14 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import make_cfg, needs_mlx, needs_torch
 from omegaconf import OmegaConf
 
-from finetune.resolver import resolve
 from finetune import data as data_mod
 from finetune import planner
 from finetune.loop import train
-
-from conftest import make_cfg, needs_mlx, needs_torch
+from finetune.resolver import resolve
 
 STEPS, WARMUP, LR = 6, 2, 1e-2
 R = math.sqrt(0.5)
@@ -45,14 +44,15 @@ def _records(run: Path) -> list[dict[str, Any]]:
 def _run(tmp_path_factory: Any, backend: str) -> dict[str, Any]:
     run = tmp_path_factory.mktemp(f"values_{backend}")
     cfg = make_cfg(run, f"backend={backend}", *RUN)
-    summary = train(cfg)
+    summary = train(resolve(cfg))
     from transformers import AutoTokenizer
 
     from finetune.model_source import resolve_model_dir
 
     model_dir = resolve_model_dir(cfg.model)
-    src, _ = data_mod.build(cfg, AutoTokenizer.from_pretrained(str(model_dir)))
-    return {"cfg": cfg, "run": run, "summary": summary, "metrics": _records(run), "src": src, "model_dir": model_dir}
+    src, stats = data_mod.build(resolve(cfg), AutoTokenizer.from_pretrained(str(model_dir)))
+    return {"cfg": cfg, "run": run, "summary": summary, "metrics": _records(run), "src": src, "model_dir": model_dir,
+            "stats": stats}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,8 @@ def _check_plan_error(r: dict[str, Any]) -> None:
     length = int(r["src"].train_batch(0).lengths.max())
     as_run = OmegaConf.merge(cfg, {"train": {"batch_size": summary["micro_batch"]},
                                    "backend": {"name": summary["backend"]}})
-    p = planner.plan(resolve(as_run), seq_len=length)
+    # the head priced on the data's target positions, as the loop's governor plans it
+    p = planner.plan(resolve(as_run), seq_len=length, head_fraction=r["stats"]["head_fraction"])
     census = {k[len("census_"):-len("_bytes")]: v for k, v in first.items() if k.startswith("census_")}
     assert census == {k[:-len("_bytes")]: v for k, v in summary["memory"]["census_first_optimizer"].items()
                       if k != "step"}
@@ -155,7 +156,6 @@ def test_cuda_loss_grad_norm_and_lr_replayed_outside_the_loop(cuda_run):
     gradient norm of each equal the replay's, and so does the step-3 validation loss; a wrong
     rate handed to the optimizer would move steps 2 and 3."""
     import torch
-
     from finetune.backends.cuda.runtime import CudaBackend
 
     r = cuda_run
@@ -250,7 +250,7 @@ def test_eval_every_step_evaluates_every_step(tmp_path):
     """train.eval_every=1: a val_loss on every step (0 is the value that turns evaluation off)."""
     cfg = make_cfg(tmp_path / "run", "backend=cuda", "train.progress=false", "data.num_samples=100",
                    "train.steps=2", "train.eval_every=1", "train.eval_batches=1")
-    summary = train(cfg)
+    summary = train(resolve(cfg))
     vals = [m.get("val_loss") for m in _records(tmp_path / "run")]
     assert len(vals) == 2 and all(isinstance(v, float) and v > 0 for v in vals), vals
     assert summary["final_val_loss"] == vals[-1]
