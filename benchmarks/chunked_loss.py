@@ -71,6 +71,7 @@ def _backend(args: argparse.Namespace):
     from omegaconf import OmegaConf
 
     from finetune.config import Config
+    from finetune.resolver import resolve
     from finetune.tiny import build_tiny
 
     cfg = Config(run_dir="unused")
@@ -84,7 +85,7 @@ def _backend(args: argparse.Namespace):
     be = get_backend(args.backend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # bitsandbytes and PEFT chatter
-        be.setup(cfg, build_tiny(cfg.model))
+        be.setup(resolve(cfg), build_tiny(cfg.model))
     return be
 
 

@@ -293,13 +293,15 @@ def phases_worker(backend: str, steps: int) -> dict[str, Any]:
     from finetune import data as data_mod
     from finetune.config import Config
     from finetune.model_source import resolve_model_dir
+    from finetune.resolver import resolve
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.backend.name = backend
     model_dir = resolve_model_dir(cfg.model)
+    spec = resolve(cfg)  # what the CLI hands the backends
     b = get_backend(backend)
-    b.setup(cfg, model_dir)
-    src, _ = data_mod.build(cfg, AutoTokenizer.from_pretrained(str(model_dir)))
+    b.setup(spec, model_dir)
+    src, _ = data_mod.build(spec, AutoTokenizer.from_pretrained(str(model_dir)))
     t: dict[str, list[float]] = collections.defaultdict(list)
     for j in range(steps + 3):
         batch = src.train_batch(j)

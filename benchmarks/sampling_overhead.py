@@ -58,14 +58,16 @@ def interleaved(backend: str, steps: int) -> dict:
     from finetune.accounting import Accountant
     from finetune.config import Config
     from finetune.model_source import resolve_model_dir
+    from finetune.resolver import resolve
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))
     cfg.backend.name = backend
     cfg.train.steps = steps + 10
     model_dir = resolve_model_dir(cfg.model)
+    spec = resolve(cfg)  # what the CLI hands the backends
     b = get_backend(backend)
-    info = b.setup(cfg, model_dir)
-    src, _ = data_mod.build(cfg, AutoTokenizer.from_pretrained(str(model_dir)))
+    info = b.setup(spec, model_dir)
+    src, _ = data_mod.build(spec, AutoTokenizer.from_pretrained(str(model_dir)))
     acct = Accountant(b, sample_every=1)
     acct.sample(0, "load")
     on_t, off_t, sampled = [], [], 0

@@ -90,7 +90,9 @@ def child(mode: str, data: Path, cache: Path, seq_len: int) -> None:
         from finetune import data
 
         base, t0 = _maxrss_bytes(), time.perf_counter()
-        t = data.prepare(cfg, tok)
+        from finetune.resolver import resolve
+
+        t = data.prepare(resolve(cfg), tok)
         samples, tokens = len(t.ids), int(t.lengths.sum())
     print(json.dumps({"seconds": time.perf_counter() - t0, "samples": samples, "tokens": tokens,
                       "rss_before_bytes": base}))
