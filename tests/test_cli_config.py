@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from finetune.cli import group_options
-from finetune.config import GROUPS, validate
+from finetune.config import GROUPS
+from finetune.resolver import validate
 from finetune.errors import UserError
 
 from conftest import make_cfg

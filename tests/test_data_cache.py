@@ -108,9 +108,9 @@ def test_losses_equal_with_a_reused_cache_and_without_one(tmp_path, tok, capfd):
     data_mod.prepare(_cfg(tmp_path, data), tok)  # the entry the run will find
     common = ("data=jsonl", f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", "train.progress=false",
               "train.batch_size=2", *run)
-    train(resolve(make_spec(tmp_path / "cached", *common)))
+    train(make_spec(tmp_path / "cached", *common))
     assert "reused the token cache" in capfd.readouterr().err
-    train(resolve(make_spec(tmp_path / "plain", *common, "data.cache=false")))
+    train(make_spec(tmp_path / "plain", *common, "data.cache=false"))
 
     def losses(run_dir: Path) -> list[float]:
         return [json.loads(ln)["loss"] for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
