@@ -5,6 +5,10 @@
     python benchmarks/vs_peers.py --backends mlx --data chat --sides ours,ours_packed,mlx_lm --runs 2 --steps 20
     python benchmarks/vs_peers.py --backends cuda --sides ours,trl --runs 1 --steps 12 --samples 200   # smoke
 
+The TRL side needs ``pip install '.[bench]'`` (trl); ``--tokens-per-micro N`` sets ours packed's
+``train.tokens_per_micro`` (on a CPU a packed row's attention is quadratic in its length: see
+RESULTS.md).
+
 Sides (``--sides``, each where its backend is chosen):
 
 - ``ours``: ``finetune`` unpacked: micro-batch 8 samples, each padded to the longest of the 8.
@@ -129,6 +133,7 @@ class Job:
     data: dict[str, Path]  # side -> its data file (mlx_lm: its data folder)
     steps: int
     trl_rows: int
+    tokens_per_micro: int | None = None  # ours packed: train.tokens_per_micro (None: its default)
 
 
 def _measured(tokens: list[int], samples: list[int], secs: list[float]) -> dict[str, float]:
@@ -146,7 +151,9 @@ def ours(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
            "train.schedule=constant", "optim.lr=1e-4", "optim.weight_decay=0", "method.lora.rank=8",
            "method.lora.alpha=16", "method.lora.dropout=0", "train.progress=false", f"hydra.run.dir={run}"]
     if side == "ours_packed":
-        cmd.append("train.packing=true")  # tokens_per_micro: its default, MICRO * SEQ
+        cmd.append("train.packing=true")  # tokens_per_micro: its default unless --tokens-per-micro
+        if job.tokens_per_micro:
+            cmd.append(f"train.tokens_per_micro={job.tokens_per_micro}")
     _, rss, wall = _run(cmd, job.work)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.startswith('{"step"')]
     r = _measured([x["tokens"] for x in recs], [x["samples"] for x in recs], [x["step_seconds"] for x in recs])
@@ -360,6 +367,8 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ap.add_argument("--data", choices=("text", "chat"), default="text")
     ap.add_argument("--out", type=Path, help="write the results as JSON here too")
+    ap.add_argument("--tokens-per-micro", type=int, default=None,
+                    help="ours packed: train.tokens_per_micro (default: finetune's own)")
     a = ap.parse_args()
     backends = a.backends.split(",")
     chosen = a.sides.split(",")
@@ -398,7 +407,7 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        job = Job(work, model, arch, a.data, write_data(work, rows, a.data, tok), a.steps, int(trl["rows"]))
+        job = Job(work, model, arch, a.data, write_data(work, rows, a.data, tok), a.steps, int(trl["rows"]), a.tokens_per_micro)
         for backend in backends:
             sides = [s for s in SIDES[backend] if s in chosen]
             if not sides:
