@@ -117,6 +117,35 @@ def _check_loadable(spec: RunSpec, model_dir: Path) -> None:
     _check_architecture(model_dir, spec.model.trust_remote_code)
 
 
+def _check_packing(hf: Any, device: torch.device) -> None:
+    """train.packing, once before training: two short samples side by side in one row, positions
+    restarting at the second, must give each sample's own logits, or the model's attention in
+    transformers does not keep a packed row's samples apart (its packed-sequence path is per
+    family: in transformers 5.24 gpt-oss's leaks). 12 and 10 tokens: past the 8-token sliding
+    windows of the test families, so the window's mask is composed with the samples' too. Uses
+    its own generator: the run's random state (adapter init, dropout) is untouched."""
+    g = torch.Generator().manual_seed(0)
+    vocab = int(hf.get_input_embeddings().weight.shape[0])
+    a, b = (torch.randint(1, vocab, (1, n), generator=g) for n in (12, 10))
+    was = hf.training
+    hf.eval()
+    try:
+        with torch.no_grad():
+            alone = torch.cat([hf(input_ids=x.to(device), use_cache=False).logits.float() for x in (a, b)], dim=1)
+            pos = torch.cat([torch.arange(12), torch.arange(10)])[None].to(device)
+            packed = hf(input_ids=torch.cat([a, b], dim=1).to(device), position_ids=pos,
+                        use_cache=False).logits.float()  # a cache turns transformers' packed masking off
+    finally:
+        hf.train(was)
+    scale = max(1.0, float(alone.abs().max()))
+    tol = 1e-4 if next(hf.parameters()).dtype == torch.float32 else 3e-2
+    diff = float((packed - alone).abs().max())
+    if not diff <= tol * scale:
+        raise UserError(f"train.packing: {hf.config.model_type}'s attention in transformers does not keep a packed "
+                        f"row's samples apart (two samples packed differ from each alone by {diff:.3g} in the "
+                        "logits); set train.packing=false")
+
+
 def _compile_loss(device: torch.device, chunk: int, strategy: str | None) -> Callable:
     """``token_loss_sum`` through ``torch.compile`` (inductor: the model's forward, the fp32
     cross-entropy and, through AOTAutograd, their backward), or UserError naming what is
@@ -308,6 +337,8 @@ class CudaBackend:
         device = self._place(spec, model_dir)
         torch.manual_seed(spec.train.seed)  # adapter init (LoRA A) and dropout are reproducible
         self._load(spec, model_dir, device)
+        if spec.train.packing:
+            _check_packing(self.hf, self.device)
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)
