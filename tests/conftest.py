@@ -123,7 +123,7 @@ LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_gpu_bench_smoke.p
                  "test_security.py", "test_train_e2e.py", "test_inputs_as_they_come.py", "test_sweep_secrets.py",
                  "test_sweep_failures.py", "test_family_plans.py", "test_families.py", "test_signals.py",
                  "test_full_disk.py", "test_faults.py", "test_governor.py", "test_compile.py", "test_export.py",
-                 "test_values.py", "test_cli_runs.py", "test_rundir.py", "test_third_backend.py", "test_plan_data.py")
+                 "test_values.py", "test_cli_runs.py", "test_rundir.py", "test_third_backend.py", "test_plan_data.py", "test_packing_families.py")
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
