@@ -71,9 +71,10 @@ def run(cfg: Any) -> Plan | dict[str, Any] | None:
     return train(spec)
 
 
-def sweep_job(cfg: Any) -> sweep.Job:
-    """What the sweep reads of a multirun job's composed config (finetune.sweep.run_job)."""
-    tree = OmegaConf.to_container(cfg, resolve=False)
+def sweep_job(cfg: Any, tree: Any = None) -> sweep.Job:
+    """What the sweep reads of a multirun job's composed config (finetune.sweep.run_job);
+    ``tree``: the config as a container, where the caller has it already."""
+    tree = OmegaConf.to_container(cfg, resolve=False) if tree is None else tree
     return sweep.Job(run_dir=Path(str(cfg.run_dir)), mode=str(cfg.mode), objective=cfg.objective,
                      isolate_jobs=bool(cfg.isolate_jobs), fail_fast=bool(cfg.fail_fast),
                      tree={str(k): v for k, v in tree.items()} if isinstance(tree, dict) else {}, spec=lambda: resolve(cfg), run=lambda: run(cfg))
@@ -200,9 +201,10 @@ def _task(cfg: Any) -> Any:
     _TASK_STARTED = True
     try:
         # .hydra/*.yaml: no token or key a user passed or planted
-        redact_hydra_files(cfg.get("run_dir"), OmegaConf.to_container(cfg, resolve=False))
+        tree = OmegaConf.to_container(cfg, resolve=False)
+        redact_hydra_files(cfg.get("run_dir"), tree)
         if sweep.in_multirun():  # each job from its own baseline (a fresh process), pruned by plan
-            return sweep.run_job(sweep_job(cfg))
+            return sweep.run_job(sweep_job(cfg, tree))
         return run(cfg)
     except UserError as e:
         if _GUARD is not None:

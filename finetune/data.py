@@ -802,19 +802,19 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
              # the widest micro-batch the run can see (train.pad_multiple): what plans price
              "pad_multiple": multiple,
              "max_padded_tokens": padded_length(int(lens.max()), multiple, t.seq_len)}
-    # what share of a micro-batch's positions the output head runs on (it runs on targets only):
-    # at most every sample's largest target share of its tokens (packed), or the most targets a
-    # sample has over the planned width (unpacked: a row holds one sample)
-    targets = tok.targets()
-    share = float((targets / np.maximum(lens, 1)).max()) if len(targets) else 1.0
     if cap:
         # the widest packed micro-batch of the run's steps: what the plan prices (a run that
         # survives it survives every step)
         widest = max(packed_widths(src.step_lengths(i), cap).max() for i in range(t.steps))
         stats.update(tokens_per_micro=cap, pack_overflow=t.pack_overflow, pack_cut=cut,
                      max_micro_tokens=int(widest))
-    width = stats.get("max_micro_tokens") or stats["max_padded_tokens"]
-    stats["head_fraction"] = min(1.0, share if cap else int(targets.max()) / width) if len(targets) else 1.0
+    # what share of a micro-batch's positions the output head runs on (it runs on targets only):
+    # at most the largest target share of any sample's tokens (packed), or the most targets a
+    # sample has over the planned width (unpacked: a row holds one sample). Every sample has a
+    # target by now (checked above).
+    targets = tok.targets()
+    head = float((targets / np.maximum(lens, 1)).max()) if cap else int(targets.max()) / stats["max_padded_tokens"]
+    stats["head_fraction"] = min(1.0, head)
     return src, stats
 
 

@@ -189,8 +189,8 @@ def run_plan(spec: RunSpec) -> Plan:
         p["notes"].append(f"planned at train.seq_len: the data's lengths were not read ({why})")
     else:
         bound = plan(spec, recommend=False)
-        p = plan(spec, seq_len=min(lengths.planned_tokens, bound["seq_len"]) if not lengths.packed
-                 else lengths.planned_tokens, head_fraction=lengths.head_fraction)
+        # unpacked, the run pads to at most train.seq_len already (data.padded_length)
+        p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],
