@@ -806,8 +806,9 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
         # the widest packed micro-batch of the run's steps: what the plan prices (a run that
         # survives it survives every step)
         widest = max(packed_widths(src.step_lengths(i), cap).max() for i in range(t.steps))
+        span = max(packed_pair_span(src.step_lengths(i), cap) for i in range(t.steps))
         stats.update(tokens_per_micro=cap, pack_overflow=t.pack_overflow, pack_cut=cut,
-                     max_micro_tokens=int(widest))
+                     max_micro_tokens=int(widest), pair_span=round(span, 4))
     # what share of a micro-batch's positions the output head runs on (it runs on targets only):
     # at most the largest target share of any sample's tokens (packed), or the most targets a
     # sample has over the planned width (unpacked: a row holds one sample). Every sample has a
@@ -829,6 +830,23 @@ def packed_widths(lengths: np.ndarray, tokens_per_micro: int) -> np.ndarray:
         used += n
     out.append(used)
     return np.array(out, np.int64)
+
+
+def packed_pair_span(lengths: np.ndarray, tokens_per_micro: int) -> float:
+    """The most (query, key) pairs per position of the micro-batches ``pack`` makes of samples
+    of ``lengths``: each one's samples' squares summed over its columns (filled to
+    ``tokens_per_micro`` but the last, whose pads attend among themselves), what attention run one
+    sample at a time computes."""
+    best, used, squares = 0.0, 0, 0
+    for n in [int(x) for x in lengths] + [0]:
+        if n == 0 or (used and used + n > tokens_per_micro):
+            if used:
+                pad = max(0, tokens_per_micro - used) if n else 0  # pads: a segment of their own
+                best = max(best, (squares + pad * pad) / (used + pad))
+            used = squares = 0
+        used += n
+        squares += n * n
+    return best
 
 
 def fit_to_micro(tok: Tokenized, cap: int, overflow: str) -> tuple[Tokenized, int]:

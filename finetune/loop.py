@@ -146,7 +146,8 @@ class Trainer:
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:
         # the widest packed micro-batch of the run's steps)
         self.governor.before_load(seq_len=self.data_stats.get("max_micro_tokens") or self.data_stats["max_padded_tokens"],
-                                  head_fraction=self.data_stats.get("head_fraction"))
+                                  head_fraction=self.data_stats.get("head_fraction"),
+                                  pair_span=self.data_stats.get("pair_span"))
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak. Objects an earlier
         # run left in reference cycles are collected now, not in the middle of this one.
@@ -320,7 +321,8 @@ class Trainer:
             # the plan at the length step 1 really had, so the error measures the model, not
             # the gap between train.seq_len and the data
             self.plan: Plan | None = planner.plan(self.spec, seq_len=self._step_max_len, state=self.governor.state,
-                                                  head_fraction=self.governor.head_fraction)
+                                                  head_fraction=self.governor.head_fraction,
+                                                  pair_span=self.governor.pair_span)
             self.plan_error: dict[str, Any] | None = planner.plan_error(self.plan, sample.get("census"), sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)

@@ -41,9 +41,12 @@ class DataLengths:
     planned_tokens: int  # the widest micro-batch the run sees: what the run's governor plans
     head_fraction: float  # the most of a micro-batch's positions that are targets (the head runs there)
     packed: bool
+    # packed: the most (query, key) pairs per position of a packed micro-batch (attention runs one
+    # sample at a time, so a row's scores are its samples' squares); None unpacked
+    pair_span: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "pair_span" or v is not None}
 
 
 def local_model_dir(model: ModelSpec) -> tuple[Path | None, str]:
@@ -88,4 +91,5 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
     return DataLengths(source=source, samples=int(len(lens)), min=int(lens.min()), median=int(pct[0]),
                        p90=int(pct[1]), p99=int(pct[2]), max=int(lens.max()), mean=round(float(lens.mean()), 1),
                        planned_tokens=planned, head_fraction=round(float(stats["head_fraction"]), 4),
-                       packed=bool(spec.train.packing)), ""
+                       packed=bool(spec.train.packing),
+                       pair_span=stats.get("pair_span") if spec.train.packing else None), ""

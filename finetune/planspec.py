@@ -62,10 +62,14 @@ class Setup:
     # cuda: the runtime passes a [B, T] padding mask only for remote-code models (right-padded
     # causal rows need none, backends/cuda/runtime.py), so only then is a [B, 1, T, T] one built
     padding_mask: bool = False
-    # train.packing: one row of ``seq_len`` tokens per micro-batch (batch 1), samples masked
-    # from each other (cuda: transformers' [1, 1, T, T] block mask for sdpa/eager; mlx: the
-    # block-diagonal bool mask). False: ``batch`` rows of ``seq_len`` tokens.
+    # train.packing: one row of ``seq_len`` tokens per micro-batch (batch 1), samples kept
+    # apart (cuda: sdpa per sample, transformers' [1, 1, T, T] block mask for eager; mlx:
+    # attention per sample). False: ``batch`` rows of ``seq_len`` tokens.
     packed: bool = False
+    # train.packing: (query, key) pairs per position of a packed row where a backend's attention
+    # runs it one sample at a time: its [T, T] terms are ``seq_len x pair_span`` (the samples'
+    # squares summed), at most the longest sample (cut at ``train.seq_len``). 0: the row's T.
+    pair_span: int = 0
     # the share of positions that are targets (label tokens / tokens, from the data where
     # known; 1.0: every position, the bound without data). The head and its logits run on
     # target rows only (backends' target_head) unless ``target_head`` is False.
@@ -136,3 +140,4 @@ class Tensor:
     @property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
+

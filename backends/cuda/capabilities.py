@@ -20,7 +20,9 @@ CAPABILITIES = Capabilities(
     cache_limit=False,  # torch's caching allocator has no cap on cached blocks to set
     strategies=("ddp", "fsdp"),  # under torchrun: replicated (gradient all-reduce) or FSDP2 fully_shard
     chunked_loss_with_compile=False,  # the compiled loss traces the whole logits (runtime._compile_loss)
-    packed_block_mask=True,  # transformers builds it from position_ids for sdpa and eager
+    # no [1, 1, T, T] mask under sdpa: a packed row runs per sample (varlen.py); eager builds one,
+    # small beside its [B, H, T, T] scores
+    packed_block_mask=False,
     gpu_device="cuda",  # paged optimizer state in unified memory; backend.device_map=auto splits layers
     adapter_format="peft",
     # the event's name since the governor first set limits on mlx; kept so runs' files compare

@@ -115,6 +115,8 @@ def packed_attention(s: Setup) -> str:
     """The attention path that keeps packed samples apart, in words (the runtime's own)."""
     if s.attn.startswith("flash"):
         return "flash_attention_2 varlen (cu_seqlens from position_ids)"
+    if s.attn == "sdpa":  # backends/cuda/varlen.py: no mask is built
+        return "sdpa per sample (positions from position_ids; no block mask)"
     return f"{s.attn} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
 
 

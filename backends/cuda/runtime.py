@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.cuda.capabilities import CAPABILITIES
+from finetune.backends.cuda import varlen
 from finetune.backends.cuda.memory import FSDP_OPTIMIZERS
 
 from finetune.errors import UserError
@@ -144,6 +145,27 @@ def _check_packing(hf: Any, device: torch.device) -> None:
         raise UserError(f"train.packing: {hf.config.model_type}'s attention in transformers does not keep a packed "
                         f"row's samples apart (two samples packed differ from each alone by {diff:.3g} in the "
                         "logits); set train.packing=false")
+
+
+def _packed_attention(hf: Any, device: torch.device) -> str:
+    """train.packing: where the model runs sdpa, its packed rows go through ``varlen`` (each
+    sample through sdpa alone: no [T, T] block mask, whose masked sdpa computes every pair of
+    the row); checked against each sample alone, and back to transformers' block mask where the
+    model's attention does not take it (no ``position_ids`` reach it, soft-capping). Returns the
+    path in words; UserError where neither keeps the samples apart."""
+    impl = getattr(hf.config, "_attn_implementation", None)
+    if impl == "sdpa":
+        hf.set_attn_implementation(varlen.register())
+        try:
+            _check_packing(hf, device)
+            return "sdpa per sample (positions from position_ids; no block mask)"
+        except (UserError, varlen.NoPositions, ValueError, TypeError) as e:
+            log.debug("packed sdpa per sample refused (%s): transformers' block mask instead", e)
+            hf.set_attn_implementation("sdpa")
+    _check_packing(hf, device)
+    if impl and impl.startswith("flash"):
+        return f"{impl} varlen (cu_seqlens from position_ids)"
+    return f"{impl} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
 
 
 def _compile_loss(device: torch.device, chunk: int, strategy: str | None) -> Callable:
@@ -338,7 +360,8 @@ class CudaBackend:
         torch.manual_seed(spec.train.seed)  # adapter init (LoRA A) and dropout are reproducible
         self._load(spec, model_dir, device)
         if spec.train.packing:
-            _check_packing(self.hf, self.device)
+            self.packed_attention = _packed_attention(self.hf, self.device)
+            log.info("packed rows: %s", self.packed_attention)
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)

@@ -30,6 +30,7 @@ says why.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -131,20 +132,42 @@ class _PackedRoPE:
         return self.rope(x.swapaxes(0, 2), offset=self.positions).swapaxes(0, 2)
 
 
+class _SampleMask(str):
+    """What a packed row's cache hands its model as the attention mask: the string "causal",
+    which every mlx-lm model passes through to ``scaled_dot_product_attention`` as it passes its
+    own, carrying the layer's sliding window; ``_per_sample`` reads it with the cache's spans."""
+
+    window: int | None
+
+    def __new__(cls, window: int | None) -> _SampleMask:
+        mask = super().__new__(cls, "causal")
+        mask.window = window
+        return mask
+
+
 class _PackedCache:
     """What a packed forward hands each layer as its ``cache``: mlx-lm's models build their
     attention mask with ``cache.make_mask`` and pass keys and values through
-    ``update_and_fetch``; here the mask is block-diagonal causal (a token sees the earlier
-    tokens of its own sample only) and keys and values pass through unchanged."""
+    ``update_and_fetch`` (unchanged here). Per sample (``per_sample``): the mask is a
+    ``_SampleMask`` and attention runs one sample at a time over ``spans``; else the mask is the
+    row's block-diagonal causal [N, N] (a token sees the earlier tokens of its own sample only)."""
 
     offset = 0  # the model's rope(offset=cache.offset): _PackedRoPE uses the positions instead
 
-    def __init__(self, positions: mx.array):
+    def __init__(self, positions: mx.array, per_sample: bool = True):
         pos = positions.reshape(-1)
         self.segment = mx.cumsum((pos == 0).astype(mx.int32))  # sample number of each token
         self.index = mx.arange(pos.shape[0])
+        starts = [int(i) for i in np.flatnonzero(np.asarray(pos) == 0)]
+        if not starts or starts[0] != 0:
+            starts = [0] + starts
+        self.spans = list(zip(starts, starts[1:] + [int(pos.shape[0])]))  # [start, end) of each sample
+        self.per_sample = per_sample
+        self.sample_calls = 0  # attentions run per sample (a model computing its own uses the block mask)
 
-    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        if self.per_sample and not return_array:
+            return _SampleMask(window_size)
         q, k = self.index[:, None], self.index[None, :]
         mask = (self.segment[:, None] == self.segment[None, :]) & (q >= k)
         if window_size is not None:
@@ -155,13 +178,54 @@ class _PackedCache:
         return keys, values
 
 
+def _per_sample(original: Any) -> Any:
+    """mlx-lm's ``scaled_dot_product_attention`` (models/base.py) for a packed row: each sample's
+    queries, keys and values through ``mx.fast.scaled_dot_product_attention`` alone, causal (a
+    window's mask where the sample is longer than the layer's window), so no [N, N] mask or
+    score exists for pairs of different samples; anything else goes to ``original``."""
+
+    def sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any = None, scale: float = 1.0,
+             mask: Any = None, **kw: Any) -> mx.array:
+        if not (isinstance(cache, _PackedCache) and isinstance(mask, _SampleMask)):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+        cache.sample_calls += 1
+        sinks = kw.get("sinks")
+        extra = {} if sinks is None else {"sinks": sinks}
+        outs = []
+        for s, e in cache.spans:
+            m: Any = "causal"
+            if mask.window and e - s > mask.window:
+                i = mx.arange(e - s)
+                m = (i[:, None] >= i[None, :]) & (i[:, None] < i[None, :] + mask.window)
+            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, s:e], keys[:, :, s:e], values[:, :, s:e],
+                                                             scale=scale, mask=m, **extra))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    sdpa.packed_original = original  # type: ignore[attr-defined]
+    return sdpa
+
+
+def _model_modules(model: nn.Module) -> list[Any]:
+    """The Python modules of ``model``'s layers that call mlx-lm's ``scaled_dot_product_attention``."""
+    out: dict[str, Any] = {}
+    for _, m in model.named_modules():
+        mod = sys.modules.get(type(m).__module__)
+        if mod is not None and callable(getattr(mod, "scaled_dot_product_attention", None)):
+            out[mod.__name__] = mod
+    return list(out.values())
+
+
+_PER_SAMPLE_REFUSED: dict[int, weakref.ref] = {}  # id(model): models whose attention ignores the per-sample path
+
+
 @contextmanager
 def packed(model: nn.Module, positions: mx.array | None) -> Iterator[list | None]:
     """Within it, ``model`` runs a packed row: yields the per-layer caches to pass to
     ``token_loss_sum`` (None when ``positions`` is None: an unpacked batch, nothing changed).
     ``positions`` is the row's [1, N] (``Batch.position_ids``); the model sees its first N - 1.
     Each attention's ``rope`` is shadowed by ``_PackedRoPE`` (an instance attribute, so the
-    module tree and its parameters stay as they are) and restored on exit.
+    module tree and its parameters stay as they are), and the model's modules' mlx-lm
+    ``scaled_dot_product_attention`` by ``_per_sample``; both restored on exit.
 
     Raises:
         UnsupportedModel: a model with no ``rope`` module on its attention, or whose RoPE cannot
@@ -177,11 +241,18 @@ def packed(model: nn.Module, positions: mx.array | None) -> Iterator[list | None
             w = _PackedRoPE(m["rope"], positions.reshape(-1))
             object.__setattr__(m, "rope", w)
             wrapped.append((m, w))
+    ref = _PER_SAMPLE_REFUSED.get(id(model))
+    per_sample = not (ref is not None and ref() is model)
+    patched = []
+    if per_sample:
+        for mod in _model_modules(model):
+            patched.append((mod, mod.scaled_dot_product_attention))
+            mod.scaled_dot_product_attention = _per_sample(mod.scaled_dot_product_attention)
     try:
         if not wrapped:
             raise UnsupportedModel(f"train.packing: {type(model).__name__} has no rope module on its attention, "
                                    "so positions cannot restart per sample; set train.packing=false")
-        cache = _PackedCache(positions)
+        cache = _PackedCache(positions, per_sample)
         try:
             yield [cache] * len(model.layers)
         except (ValueError, TypeError) as e:
@@ -192,6 +263,65 @@ def packed(model: nn.Module, positions: mx.array | None) -> Iterator[list | None
     finally:
         for m, _ in wrapped:
             object.__delattr__(m, "rope")
+        for mod, original in patched:
+            mod.scaled_dot_product_attention = original
+
+
+def check_packed(model: nn.Module) -> str:
+    """Once before training packed: two short samples side by side in one row, positions
+    restarting at the second, must give each sample's own logits (12 and 10 tokens: past an
+    8-token sliding window, so a window composes with the samples). Tried per sample first;
+    a model whose attention does not take that path (it calls MLX's kernel itself with the
+    mask) goes back to the row's block mask, checked the same way. Returns the path in words.
+
+    Raises:
+        UnsupportedModel: neither keeps the samples apart.
+    """
+    key = mx.random.key(0)
+    vocab = int(output_head(model)[0].weight.shape[0]) if _has_head(model) else 32
+    a = mx.random.randint(1, vocab, (1, 12), key=key)
+    b = mx.random.randint(1, vocab, (1, 10), key=mx.random.split(key)[0])
+    was = model.training
+    model.eval()
+    try:
+        alone = mx.concatenate([model(a), model(b)], axis=1).astype(mx.float32)
+        pos = mx.concatenate([mx.arange(12), mx.arange(10), mx.zeros(1, mx.int32)])[None].astype(mx.int32)
+        row = mx.concatenate([a, b], axis=1)
+        scale = max(1.0, float(mx.abs(alone).max()))
+        tol = 1e-4 if _weights_fp32(model) else 3e-2
+        for per_sample in (True, False):
+            if not per_sample:
+                _PER_SAMPLE_REFUSED[id(model)] = weakref.ref(model)
+            try:
+                with packed(model, pos) as cache:
+                    got = model(row, cache=cache).astype(mx.float32)
+                diff = float(mx.abs(got - alone).max())
+                per_sample = per_sample and cache[0].sample_calls > 0  # else it asked for the array mask
+            except (ValueError, TypeError, AttributeError, IndexError, UnsupportedModel):
+                if not per_sample:
+                    raise
+                continue  # its attention does something else with the mask: the block mask instead
+            if diff <= tol * scale:
+                return ("mx.fast.scaled_dot_product_attention per sample (causal; no block mask); RoPE per token"
+                        if per_sample else
+                        "the model's attention with a block-diagonal causal bool mask; RoPE per token")
+    finally:
+        model.train(was)
+    raise UnsupportedModel(f"train.packing: {type(model).__name__}'s attention does not keep a packed row's samples "
+                           f"apart (two samples packed differ from each alone by {diff:.3g} in the logits); set "
+                           "train.packing=false")
+
+
+def _has_head(model: nn.Module) -> bool:
+    try:
+        output_head(model)
+    except UnsupportedModel:
+        return False
+    return True
+
+
+def _weights_fp32(model: nn.Module) -> bool:
+    return all(v.dtype == mx.float32 for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
 
 
 def head_fallback(model: nn.Module) -> str | None:

@@ -104,7 +104,8 @@ def pre_quantized(spec: RunSpec, quant: dict[str, Any] | None) -> None:
 
 def packed_attention(s: Any) -> str:
     """The attention path that keeps packed samples apart, in words (the runtime's own)."""
-    return "mx.fast.scaled_dot_product_attention with a block-diagonal causal bool mask; RoPE per token"
+    return ("mx.fast.scaled_dot_product_attention per sample (causal; no block mask; a model computing its "
+            "own scores, soft-capped ones, gets a block-diagonal causal bool mask); RoPE per token")
 
 
 def run_device(device: str = "auto") -> str:
@@ -222,9 +223,10 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
     tt = MLX_TRANSIENT_TT
     if backward_layers == 1 and s.method != "full" and not s.ckpt:
         tt -= MLX_LOWEST_ONLY_TT_SAVING
+    pairs = _pairs(arch, s, T)
     transient = int((MLX_TRANSIENT_NH * n * h + nf * n * f
                      + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
-                     + tt * s.batch * arch.heads * T * T) * a)
+                     + tt * s.batch * arch.heads * pairs) * a)
     # the head runs on target rows only (backends/mlx/loss.py target_head): their logits
     nt = s.head_rows(n, bool(arch.final_softcap))
     per_nv = MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0)
@@ -247,7 +249,7 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         logits += MLX_SOFTCAP_LOGITS_NV * n * V
     # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
     ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
-                          + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * T * T) * a)
+                          + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * pairs) * a)
     return {"layer": layer, "layer_parts": lparts, "lowest": low, "saved": saved, "head": head,
             "transient": transient,
             "logits": logits, "ckpt_input": n * h * a,  # mlx.core.checkpoint keeps the layer's input
@@ -334,6 +336,13 @@ def qlora_lever(arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
 ATTENTION_LABEL = "mx.fast.scaled_dot_product_attention"
 
 
+def _pairs(arch: ModelDesc, s: Setup, T: int) -> int:
+    """(query, key) pairs of one row's attention scores: T x T, or packed (one sample at a time,
+    backends/mlx/loss.py ``_per_sample``) its samples' squares summed, at most T x the longest.
+    Soft-capped attention (models/gemma2.py) computes its own scores over the row's block mask."""
+    return T * min(T, s.pair_span) if s.packed and s.pair_span and not arch.attn_softcap else T * T
+
+
 def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> tuple[int, dict[str, int]]:
     """Bytes mlx keeps for backward in one mlx-lm decoder layer (the block the model
     description gives; the first layer's by default).
@@ -368,13 +377,14 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
             continue  # q/k norms: measured to keep nothing beyond what attention already references
         if stage > start or (stage == start and (full or not lowest)):
             parts["norms"] += n * width * 4 + n * 4
+    tt = _pairs(arch, s, T)
     if start <= STAGE_ATTN_IN:
-        parts["attention"] += (n * (qd + 2 * kv) * a + s.batch * arch.heads * T * T * a + T * T
+        parts["attention"] += (n * (qd + 2 * kv) * a + s.batch * arch.heads * tt * a + tt
                                + 2 * T * arch.head_dim * a)
         if arch.attn_softcap:
-            parts["attention"] += int(MLX_SOFTCAP_TT * s.batch * arch.heads * T * T * a)
+            parts["attention"] += int(MLX_SOFTCAP_TT * s.batch * arch.heads * tt * a)
         if arch.fused_qkv:
-            parts["attention"] += int(MLX_FUSED_QKV_TT * s.batch * arch.heads * T * T * a + MLX_FUSED_QKV_NH * n * h * a)
+            parts["attention"] += int(MLX_FUSED_QKV_TT * s.batch * arch.heads * tt * a + MLX_FUSED_QKV_NH * n * h * a)
     w = block.mlp_width
     if start <= STAGE_MLP_IN:
         if block.moe:

@@ -121,6 +121,7 @@ class MlxBackend:
         self._micro = 0  # forward_backward calls so far: seeds the RNG (see _reseed)
         self._loss_chunk = 0  # train.loss_chunk: tokens per chunk of head + loss (0: whole logits)
         self._cache: list | None = None  # a packed micro-batch's per-layer caches, while it runs
+        self.packed_attention = ""  # train.packing: the attention path that keeps samples apart, in words
         self._head_said = False  # the head's fallback to every position is said once
         self._max_norm: float | None = None  # optim.max_grad_norm (None: no clipping)
         self._micro_at_step = 0  # _micro after the last optimizer step, for zero_grad
@@ -153,6 +154,8 @@ class MlxBackend:
         self._adapt(spec, model_dir)
         if spec.precision.name == "bf16-true":
             self.model.set_dtype(mx.bfloat16)  # floating params only: packed quant weights stay uint32
+        if spec.train.packing:
+            self.packed_attention = self._check_packed()
         mx.eval(self.model.parameters())
         if self.comm.world_size > 1:
             self._broadcast_trainable()
@@ -339,6 +342,18 @@ class MlxBackend:
 
     def _arrays(self, batch: Batch) -> tuple[mx.array, mx.array]:
         return mx.array(batch.input_ids.astype(np.int32)), mx.array(batch.loss_mask.astype(np.float32))
+
+    def _check_packed(self) -> str:
+        """train.packing, once before training: the path that keeps this model's packed samples
+        apart (``backends/mlx/loss.py`` ``check_packed``), said in the log; UserError where none."""
+        from finetune.backends.mlx.loss import UnsupportedModel, check_packed
+
+        try:
+            path = check_packed(self.model)
+        except UnsupportedModel as e:
+            raise UserError(str(e)) from None
+        log.info("packed rows: %s", path)
+        return path
 
     @contextmanager
     def _packed(self, batch: Batch) -> Iterator[None]:

@@ -149,7 +149,7 @@ class FitResult:
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
-                  head_fraction: float | None = None) -> FitResult:
+                  head_fraction: float | None = None, pair_span: float | None = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
     First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
@@ -163,13 +163,14 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
     "train.seq_len=512".
     """
-    arch, s = resolve(spec, seq_len, state, head_fraction)
+    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span)
     budget = int(budget_bytes)
     eff = s.effective_batch
     base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
     def full_plan(batch: int, ckpt: bool) -> Plan:
         return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, head_fraction=head_fraction,
+                    pair_span=pair_span,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
 
@@ -192,7 +193,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                              loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
         before = {**before, "peak_bytes": pc["max_device_peak_bytes"]}
     if s.packed:
-        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, head_fraction)
+        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, head_fraction, pair_span)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -216,7 +217,8 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
 
 
 def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
-                events: list[dict[str, Any]], seq_len: int | None, head_fraction: float | None = None) -> FitResult:
+                events: list[dict[str, Any]], seq_len: int | None, head_fraction: float | None = None,
+                pair_span: float | None = None) -> FitResult:
     """train.packing: the micro-batch lever is tokens per micro-batch. Halve it (then with
     gradient checkpointing) until the plan fits; each step's samples stay the same, packed
     into more micro-batches. A micro-batch holds at least one whole sample, so the row priced
@@ -254,7 +256,7 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
                                "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["max_device_peak_bytes"]}})
             state = base.with_(tokens_per_micro=c, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk)
             full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state,
-                        head_fraction=head_fraction)
+                        head_fraction=head_fraction, pair_span=pair_span)
             return FitResult(True, full, base.micro_batch, base.grad_accum, ckpt, events, loss_chunk=s.loss_chunk,
                              tokens_per_micro=c)
     last = candidates[-1]
@@ -262,7 +264,7 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
     state = base.with_(tokens_per_micro=last, grad_checkpointing=True, loss_chunk=s.loss_chunk)
     return FitResult(False, plan(spec, seq_len=width(last), budget_bytes=budget, recommend=False, state=state,
-                                 head_fraction=head_fraction),
+                                 head_fraction=head_fraction, pair_span=pair_span),
                      base.micro_batch, base.grad_accum, True, [], suggestions, loss_chunk=s.loss_chunk,
                      tokens_per_micro=last)
 
@@ -315,7 +317,8 @@ def _packing(spec: RunSpec, s: Setup, state: Any) -> dict[str, Any] | None:
 
 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
-         recommend: bool = True, state: Any = None, head_fraction: float | None = None) -> Plan:
+         recommend: bool = True, state: Any = None, head_fraction: float | None = None,
+         pair_span: float | None = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -327,11 +330,14 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         state: the run's live state (finetune.state.RunState), where a run is under way.
         head_fraction: the most of a micro-batch's positions that are targets, from the data
             (the output head runs on targets only); None: every position.
+        pair_span: packed, the most (query, key) pairs per position of a packed micro-batch,
+            from the data (its samples' squares summed over its width); None: the bound, the
+            longest sample ``train.seq_len`` allows.
 
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
-    arch, s = resolve(spec, seq_len, state, head_fraction)
+    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)

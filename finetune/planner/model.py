@@ -6,6 +6,7 @@ its memory model, ``finetune/backends/<name>/memory.py``, which ``memory_model``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from finetune import precision as prec_mod
@@ -53,7 +54,7 @@ def attention(desc: ModelDesc, wanted: str) -> str:
     return wanted
 
 
-def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None) -> None:
+def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None, pair_span: float | None = None) -> None:
     """train.packing: price one row per micro-batch, as wide as ``seq_len`` when given (the
     longest packed micro-batch the data gives, ``finetune.data`` ``max_micro_tokens``), else
     ``tokens_per_micro``; the row's block mask is a [1, 1, T, T] bool on cuda (transformers
@@ -69,6 +70,11 @@ def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None) 
     effective = setup.effective_batch
     width = int(seq_len) if seq_len else tokens
     setup.packed, setup.batch, setup.seq_len = True, 1, width
+    # a packed row's longest sample is cut at train.seq_len; the data's own span where it was
+    # measured at these tokens per micro-batch (the governor may have lowered them since)
+    setup.pair_span = min(width, t.seq_len)
+    if pair_span and tokens == t.packed_tokens:
+        setup.pair_span = min(setup.pair_span, math.ceil(pair_span))
     # micro-batches per step: the step's samples at the widest over the packed width (at
     # least 2 wherever they do not fit one: gradients then accumulate)
     setup.grad_accum = max(1, -(-effective * t.seq_len // tokens))
@@ -111,7 +117,7 @@ def _pre_quantized_base(setup: Setup) -> None:
 
 
 def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
-            head_fraction: float | None = None) -> tuple[ModelDesc, Setup]:
+            head_fraction: float | None = None, pair_span: float | None = None) -> tuple[ModelDesc, Setup]:
     """Resolve the spec (and the machine, for the GPU count) into an architecture and a setup.
     ``state`` (a finetune.state.RunState) overrides the backend, micro-batch, accumulation,
     checkpointing and loss chunk with the run's live values. ``head_fraction``: the share of a
@@ -161,7 +167,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         loss_chunk=state.loss_chunk if state is not None else t.loss_chunk,
         padding_mask=spec.model.trust_remote_code,
     )
-    _packed_setup(setup, spec, state, seq_len)
+    _packed_setup(setup, spec, state, seq_len, pair_span)
     if head_fraction is not None:
         setup.target_fraction = max(0.0, min(1.0, float(head_fraction)))
     _pre_quantized_base(setup)

@@ -190,7 +190,8 @@ def run_plan(spec: RunSpec) -> Plan:
     else:
         bound = plan(spec, recommend=False)
         # unpacked, the run pads to at most train.seq_len already (data.padded_length)
-        p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction)
+        p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction,
+                 pair_span=lengths.pair_span)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],
