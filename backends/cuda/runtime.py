@@ -118,13 +118,15 @@ def _check_loadable(spec: RunSpec, model_dir: Path) -> None:
     _check_architecture(model_dir, spec.model.trust_remote_code)
 
 
-def _check_packing(hf: Any, device: torch.device) -> None:
+def _check_packing(hf: Any, device: torch.device, packed_impl: str | None = None) -> None:
     """train.packing, once before training: two short samples side by side in one row, positions
     restarting at the second, must give each sample's own logits, or the model's attention in
     transformers does not keep a packed row's samples apart (its packed-sequence path is per
     family: in transformers 5.24 gpt-oss's leaks). 12 and 10 tokens: past the 8-token sliding
     windows of the test families, so the window's mask is composed with the samples' too. Uses
-    its own generator: the run's random state (adapter init, dropout) is untouched."""
+    its own generator: the run's random state (adapter init, dropout) is untouched. ``packed_impl``:
+    the attention implementation the packed row runs through (left set), checked against each
+    sample alone through the model's own."""
     g = torch.Generator().manual_seed(0)
     vocab = int(hf.get_input_embeddings().weight.shape[0])
     a, b = (torch.randint(1, vocab, (1, n), generator=g) for n in (12, 10))
@@ -133,6 +135,8 @@ def _check_packing(hf: Any, device: torch.device) -> None:
     try:
         with torch.no_grad():
             alone = torch.cat([hf(input_ids=x.to(device), use_cache=False).logits.float() for x in (a, b)], dim=1)
+            if packed_impl:  # each sample alone through the model's own attention, the row through packed_impl
+                hf.set_attn_implementation(packed_impl)
             pos = torch.cat([torch.arange(12), torch.arange(10)])[None].to(device)
             packed = hf(input_ids=torch.cat([a, b], dim=1).to(device), position_ids=pos,
                         use_cache=False).logits.float()  # a cache turns transformers' packed masking off
@@ -155,9 +159,8 @@ def _packed_attention(hf: Any, device: torch.device) -> str:
     path in words; UserError where neither keeps the samples apart."""
     impl = getattr(hf.config, "_attn_implementation", None)
     if impl == "sdpa":
-        hf.set_attn_implementation(varlen.register())
         try:
-            _check_packing(hf, device)
+            _check_packing(hf, device, packed_impl=varlen.register())
             return "sdpa per sample (positions from position_ids; no block mask)"
         except (UserError, varlen.NoPositions, ValueError, TypeError) as e:
             log.debug("packed sdpa per sample refused (%s): transformers' block mask instead", e)

@@ -201,7 +201,6 @@ def _per_sample(original: Any) -> Any:
                                                              scale=scale, mask=m, **extra))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
-    sdpa.packed_original = original  # type: ignore[attr-defined]
     return sdpa
 
 
