@@ -9,6 +9,7 @@ with code C"), so every launch here is judged by its output and the files the ra
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -29,7 +30,7 @@ from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import ModelConfig
 from finetune.tiny import build_tiny
 
-from conftest import REPO, finetune_cmd
+from conftest import REPO, finetune_cmd, make_cfg
 
 pytestmark = pytest.mark.mlx
 
@@ -93,6 +94,11 @@ def launch(n: int, command: list[str], log_dir: Path) -> str:
     return text
 
 
+def _no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in _LAUNCH_ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     # built before any launch: two ranks building the cached tiny model at once would race
@@ -113,8 +119,7 @@ def test_launcher_backend_reads_the_environment(tmp_path: Path) -> None:
 
 
 def test_no_launcher_is_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in _LAUNCH_ENV:
-        monkeypatch.delenv(k, raising=False)
+    _no_launcher(monkeypatch)
     comm = MlxBackend().connect(None)
     assert type(comm) is Comm and comm.world_size == 1 and comm.rank == 0
 
@@ -142,14 +147,21 @@ def test_broken_launch_fails_in_one_line(tmp_path: Path) -> None:
     assert "mlx.launch -p PORT" in msg and not run.exists(), msg
 
 
-def test_comm_and_summed_gradient_under_mlx_launch(model_dir: Path, tmp_path: Path) -> None:
+def test_comm_and_summed_gradient_under_mlx_launch(model_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks: exact float64 reductions, objects of different sizes gathered, rank 0's LoRA
     init on rank 1 (which seeded another), one optimizer step on half the batch each equal to
-    one process's step on the whole batch, and only rank 0 writing."""
+    one process's step on the whole batch, and only rank 0 writing. The one-process reference
+    runs the script's main in this process (no launcher: world size 1), sparing a start-up."""
     one, two = tmp_path / "one", tmp_path / "two"
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    subprocess.run([sys.executable, str(SCRIPT), str(one), str(model_dir)], check=True, cwd=REPO, env=env,
-                   timeout=LAUNCH_TIMEOUT_S)
+    _no_launcher(monkeypatch)
+    spec = importlib.util.spec_from_file_location("mlx_comm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for d in ("adapter", "state"):
+        (one / d).mkdir(parents=True)
+    script.main(one, model_dir)
     launch(2, [sys.executable, str(SCRIPT), str(two), str(model_dir)], tmp_path / "logs")
     ref = json.loads((one / "rank0.json").read_text())
     r0, r1 = (json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -180,17 +192,18 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in ln[:9]]
 
 
-def test_two_ranks_train_as_one_process(model_dir: Path, tmp_path: Path) -> None:
+def test_two_ranks_train_as_one_process(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``mlx.launch -n 2 --backend ring finetune backend=mlx ...`` (micro-batch 2, grad_accum 2 per
     rank) trains the samples of one process with micro-batch 2 and grad_accum 4 to the same
     losses and grad norms; summary.json lists both ranks; a checkpoint both ranks resume from
-    gives the same last step."""
+    gives the same last step. The one-process reference trains in this process."""
     from finetune import checkpoints
+    from finetune.loop import train
+    from finetune.resolver import resolve
 
     one, two = tmp_path / "one", tmp_path / "two"
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV}
-    subprocess.run([*finetune_cmd(), *E2E, "train.batch_size=2", "train.grad_accum=4", f"hydra.run.dir={one}"],
-                   check=True, cwd=REPO, env=env, capture_output=True, timeout=LAUNCH_TIMEOUT_S)
+    _no_launcher(monkeypatch)
+    train(resolve(make_cfg(one, *E2E, "train.batch_size=2", "train.grad_accum=4")))
     ranked = [*finetune_cmd(), *E2E, "train.batch_size=2", "train.grad_accum=2", "train.save_every=2",
               f"hydra.run.dir={two}"]
     launch(2, ranked, tmp_path / "logs")
