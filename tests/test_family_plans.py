@@ -162,6 +162,7 @@ for fam, B, T, keys in {cases!r}:
     cfg = compose({run!r}, "backend=mlx", f"model.path={{d}}", f"train.batch_size={{B}}", f"train.seq_len={{T}}",
                   "precision=32-true", f"method.lora.keys={{keys}}")
     gc.collect(); mx.clear_cache()
+    gc.freeze()  # what outlived the earlier families (modules, caches): no later collection rescans it
     base = mx.get_active_memory()  # what an earlier family left alive (nothing, once collected)
     be = MlxBackend()
     be.setup(resolve(cfg), d)

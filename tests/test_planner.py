@@ -339,7 +339,7 @@ MLX_PEAK_CASES = [((), 4, 64), ((), 8, 128), (("method=full",), 4, 64), (("metho
 # case: each child's MLX counters start where a fresh process's do, without paying the ~4 s of
 # imports (mlx_lm, transformers, torch) a fresh process pays before its first step.
 MLX_PEAK_SCRIPT = r"""
-import json, os, sys, traceback
+import gc, json, os, sys, traceback
 sys.path.insert(0, {tests!r})
 import mlx.core as mx
 import mlx_lm.models.qwen2, mlx_lm.tuner.dora, mlx_lm.tuner.utils, mlx_lm.utils, transformers  # setup's imports
@@ -349,6 +349,8 @@ from finetune.backends.mlx.runtime import MlxBackend
 from finetune.model_source import resolve_model_dir
 from finetune.resolver import resolve
 from finetune import planner
+gc.collect()
+gc.freeze()  # the imports' objects: shared with each child, scanned by no collection of theirs
 
 def case(over, B, T):
     cfg = _cfg(Path({run!r}), "backend=mlx", f"train.batch_size={{B}}", *over)
