@@ -805,8 +805,9 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     if cap:
         # the widest packed micro-batch of the run's steps: what the plan prices (a run that
         # survives it survives every step)
-        widest = max(packed_widths(src.step_lengths(i), cap).max() for i in range(t.steps))
-        span = max(packed_pair_span(src.step_lengths(i), cap) for i in range(t.steps))
+        steps = [src.step_lengths(i) for i in range(t.steps)]
+        widest = max(packed_widths(lengths, cap).max() for lengths in steps)
+        span = max(packed_pair_span(lengths, cap) for lengths in steps)
         stats.update(tokens_per_micro=cap, pack_overflow=t.pack_overflow, pack_cut=cut,
                      max_micro_tokens=int(widest), pair_span=round(span, 4))
     # what share of a micro-batch's positions the output head runs on (it runs on targets only):

@@ -32,6 +32,7 @@ PACKAGES = {"finetune": REPO / "finetune", "finetune.backends": REPO / "backends
 LAZY_FRAMEWORK_MODULES = {
     "finetune.backends.cuda.runtime": "torch, transformers, peft: the cuda runtime, loaded by get_backend",
     "finetune.backends.cuda.loss": "torch: the cuda loss, used by the cuda runtime once a model is set up",
+    "finetune.backends.cuda.varlen": "torch: packed rows' attention per sample, used by the cuda runtime",
     "finetune.backends.cuda.distributed": "torch.distributed: the cuda ranks, used by the cuda runtime under a launcher",
     "finetune.backends.cuda.measure": "torch: the cuda allocator's figures",
     "finetune.backends.mlx.runtime": "mlx, mlx_lm: the mlx runtime, loaded by get_backend",

@@ -292,10 +292,11 @@ def check_packed(model: nn.Module) -> str:
             if not per_sample:
                 _PER_SAMPLE_REFUSED[id(model)] = weakref.ref(model)
             try:
-                with packed(model, pos) as cache:
-                    got = model(row, cache=cache).astype(mx.float32)
+                with packed(model, pos) as caches:
+                    got = model(row, cache=caches).astype(mx.float32)
                 diff = float(mx.abs(got - alone).max())
-                per_sample = per_sample and cache[0].sample_calls > 0  # else it asked for the array mask
+                # else the model asked for the array mask (its own attention)
+                per_sample = per_sample and caches is not None and caches[0].sample_calls > 0
             except (ValueError, TypeError, AttributeError, IndexError, UnsupportedModel):
                 if not per_sample:
                     raise
