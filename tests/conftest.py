@@ -139,13 +139,25 @@ def cuda_backend_with_oom(raise_when: Any, on: str = "model") -> Any:
 
 
 # The longest files first: xdist (--dist loadfile) hands whole files to the workers in
-# collection order, so a long file collected last (test_sweeps, test_train_e2e, test_values sort
-# late) kept one worker busy while the other sat idle. Within a file the order is unchanged.
-LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_gpu_bench_smoke.py", "test_dist_mlx.py",
-                 "test_security.py", "test_train_e2e.py", "test_inputs_as_they_come.py", "test_sweep_secrets.py",
-                 "test_sweep_failures.py", "test_family_plans.py", "test_families.py", "test_signals.py",
-                 "test_full_disk.py", "test_faults.py", "test_governor.py", "test_compile.py", "test_export.py",
-                 "test_values.py", "test_cli_runs.py", "test_rundir.py", "test_third_backend.py", "test_plan_data.py", "test_packing_families.py")
+# collection order, so a long file collected last kept one worker busy while the other sat
+# idle. Within a file the order is unchanged. By the seconds each took in a full run on two
+# cores (test_slurm: where a cluster answers, as in CI).
+LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_security.py", "test_planner.py", "test_train_e2e.py",
+                 "test_families.py", "test_gpu_bench_smoke.py", "test_slurm.py", "test_dist_mlx.py", "test_full_disk.py",
+                 "test_inputs_as_they_come.py", "test_sweep_failures.py", "test_sweep_secrets.py", "test_compile.py",
+                 "test_family_plans.py", "test_governor.py", "test_chunked_loss.py", "test_faults.py", "test_signals.py",
+                 "test_planner_dist.py", "test_cli_runs.py", "test_rundir.py", "test_data_cache.py", "test_export.py",
+                 "test_bad_input.py", "test_cli_config.py", "test_packing.py", "test_third_backend.py",
+                 "test_plan_data.py", "test_backend_cuda.py", "test_governor_reactions.py", "test_loggers.py",
+                 "test_packing_families.py")
+
+
+def pytest_configure(config: Any) -> None:
+    """xdist reorders the files by their number of tests, most first, unless told not to: then
+    LONGEST_FIRST only broke ties, and a long file of one test (test_gpu_bench_smoke, ~50 s)
+    was handed out last, with the other worker idle while it ran."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
