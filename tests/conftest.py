@@ -17,11 +17,6 @@ from omegaconf import OmegaConf
 from finetune.config import compose
 from finetune.resolver import resolve
 
-# No cyclic collection while collection imports the frameworks and the test modules (the garbage
-# of imports is small, and each full collection there rescanned every object imported so far);
-# pytest_collection_finish collects once, freezes what is alive, and turns the collector back on.
-gc.disable()
-
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -155,9 +150,18 @@ LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_security.py", "te
 def pytest_configure(config: Any) -> None:
     """xdist reorders the files by their number of tests, most first, unless told not to: then
     LONGEST_FIRST only broke ties, and a long file of one test (test_gpu_bench_smoke, ~50 s)
-    was handed out last, with the other worker idle while it ran."""
+    was handed out last, with the other worker idle while it ran.
+
+    A process that collects (an xdist worker, or the only one under -n 0) does so with the cyclic
+    collector off: collection imports the frameworks and the test modules, whose garbage is
+    small, and each full collection there rescanned every object imported so far.
+    pytest_collection_finish collects once, freezes what is alive and turns it back on. (xdist's
+    controller collects nothing and keeps its collector.)"""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    controller = getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+    if not controller:
+        gc.disable()
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
