@@ -113,11 +113,18 @@ def pre_quantized(spec: RunSpec, quant: dict[str, Any] | None) -> None:
 
 def packed_attention(s: Setup) -> str:
     """The attention path that keeps packed samples apart, in words (the runtime's own)."""
-    if s.attn.startswith("flash"):
-        return "flash_attention_2 varlen (cu_seqlens from position_ids)"
-    if s.attn == "sdpa":  # backends/cuda/varlen.py: no mask is built
+    return packed_path(s.attn)
+
+
+def packed_path(attn: str, per_sample: bool = True) -> str:
+    """The path a packed row takes under attention implementation ``attn``, in words: the plan's
+    (``packed_attention``) and the runtime's, which says ``per_sample=False`` where the model's
+    attention refused backends/cuda/varlen.py and kept transformers' block mask."""
+    if attn.startswith("flash"):
+        return f"{attn} varlen (cu_seqlens from position_ids)"
+    if attn == "sdpa" and per_sample:  # backends/cuda/varlen.py: no mask is built
         return "sdpa per sample (positions from position_ids; no block mask)"
-    return f"{s.attn} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
+    return f"{attn} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
 
 
 def run_device(device: str = "auto") -> str:

@@ -33,7 +33,7 @@ import torch
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
 from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.backends.cuda import varlen
-from finetune.backends.cuda.memory import FSDP_OPTIMIZERS
+from finetune.backends.cuda.memory import FSDP_OPTIMIZERS, packed_path
 
 from finetune.errors import UserError
 from finetune import precision as precision_mod, quiet
@@ -161,14 +161,12 @@ def _packed_attention(hf: Any, device: torch.device) -> str:
     if impl == "sdpa":
         try:
             _check_packing(hf, device, packed_impl=varlen.register())
-            return "sdpa per sample (positions from position_ids; no block mask)"
+            return packed_path(impl)
         except (UserError, varlen.NoPositions, ValueError, TypeError) as e:
             log.debug("packed sdpa per sample refused (%s): transformers' block mask instead", e)
             hf.set_attn_implementation("sdpa")
     _check_packing(hf, device)
-    if impl and impl.startswith("flash"):
-        return f"{impl} varlen (cu_seqlens from position_ids)"
-    return f"{impl} with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
+    return packed_path(str(impl), per_sample=False)
 
 
 def _compile_loss(device: torch.device, chunk: int, strategy: str | None) -> Callable:

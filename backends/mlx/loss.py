@@ -41,6 +41,8 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map
 
+from finetune.backends.mlx.memory import PACKED_BLOCK_MASK, PACKED_PER_SAMPLE
+
 _HEAD_CHECKED: dict[int, weakref.ref] = {}  # id(model): models whose logits are head(body)
 _HEAD_REFUSED: dict[int, tuple[weakref.ref, str]] = {}  # id(model): (model, why its head runs everywhere)
 # ModelArgs fields of mlx-lm models whose __call__ transforms the head's output (gemma2 and
@@ -302,9 +304,7 @@ def check_packed(model: nn.Module) -> str:
                     raise
                 continue  # its attention does something else with the mask: the block mask instead
             if diff <= tol * scale:
-                return ("mx.fast.scaled_dot_product_attention per sample (causal; no block mask); RoPE per token"
-                        if per_sample else
-                        "the model's attention with a block-diagonal causal bool mask; RoPE per token")
+                return PACKED_PER_SAMPLE if per_sample else PACKED_BLOCK_MASK
     finally:
         model.train(was)
     raise UnsupportedModel(f"train.packing: {type(model).__name__}'s attention does not keep a packed row's samples "

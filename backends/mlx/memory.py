@@ -102,6 +102,11 @@ def pre_quantized(spec: RunSpec, quant: dict[str, Any] | None) -> None:
     """A pre-quantized checkpoint trains as mlx-lm trains it: nothing to refuse."""
 
 
+# a packed row's attention paths, in words (backends/mlx/loss.py check_packed says which one runs)
+PACKED_PER_SAMPLE = "mx.fast.scaled_dot_product_attention per sample (causal; no block mask); RoPE per token"
+PACKED_BLOCK_MASK = "the model's attention with a block-diagonal causal bool mask; RoPE per token"
+
+
 def packed_attention(s: Any) -> str:
     """The attention path that keeps packed samples apart, in words (the runtime's own)."""
     return ("mx.fast.scaled_dot_product_attention per sample (causal; no block mask; a model computing its "
