@@ -51,7 +51,8 @@ per step are printed beside its speed. Matching TRL's rows to ours' samples, not
 ours' settings the ones its other benchmarks use.
 
 Runs alternate (the sides in order, then reversed, ...); each run is a fresh process; every side
-skips its first 10 steps (``--steps`` must exceed 10); medians over runs; every ratio is printed.
+skips its first ``--skip`` steps (10 by default; ``--steps`` must exceed it; on MLX's reference BLAS,
+where a step takes 20-160 s, a few: the warm-up there is the first step's graph and buffers); medians over runs; every ratio is printed.
 What a token is: the real (non-pad) tokens of the trained samples after truncation, on every
 side: ours from metrics.jsonl ``tokens`` / ``step_seconds``; the Trainer from its batches'
 attention masks, TRL from its packed rows' length (no pad: padding-free), both timed from
@@ -101,7 +102,7 @@ from peers_data import gsm8k_rows, token_check, trl_rows_per_step, write_data
 GIB = 2**30
 SEQ = 512  # max tokens per sample, every side
 MICRO = 8  # samples per step (ours, the Trainer, mlx-lm); TRL's rows are chosen to match it
-SKIP = 10  # warm-up steps every side leaves out
+SKIP = 10  # warm-up steps every side leaves out (--skip; MLX's reference BLAS: 20-160 s a step, so fewer there)
 MODELS = {
     "tiny": ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
              "model.intermediate_size=704", "model.vocab_size=2048"],
@@ -134,11 +135,12 @@ class Job:
     steps: int
     trl_rows: int
     tokens_per_micro: int | None = None  # ours packed: train.tokens_per_micro (None: its default)
+    skip: int = SKIP  # warm-up steps every side leaves out
 
 
-def _measured(tokens: list[int], samples: list[int], secs: list[float]) -> dict[str, float]:
-    """Rates over the steps after the first SKIP: real tokens/s, and per-step means."""
-    t, s, d = tokens[SKIP:], samples[SKIP:], secs[SKIP:]
+def _measured(tokens: list[int], samples: list[int], secs: list[float], skip: int) -> dict[str, float]:
+    """Rates over the steps after the first ``skip``: real tokens/s, and per-step means."""
+    t, s, d = tokens[skip:], samples[skip:], secs[skip:]
     return {"tps": sum(t) / sum(d), "tokens_per_step": sum(t) / len(t), "samples_per_step": sum(s) / len(s),
             "step_seconds": sum(d) / len(d)}
 
@@ -156,8 +158,8 @@ def ours(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
             cmd.append(f"train.tokens_per_micro={job.tokens_per_micro}")
     _, rss, wall = _run(cmd, job.work)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.startswith('{"step"')]
-    r = _measured([x["tokens"] for x in recs], [x["samples"] for x in recs], [x["step_seconds"] for x in recs])
-    tail = recs[SKIP:]
+    r = _measured([x["tokens"] for x in recs], [x["samples"] for x in recs], [x["step_seconds"] for x in recs], job.skip)
+    tail = recs[job.skip:]
     # mlx_footprint.py's conversion to mlx-lm's count: one target fewer than tokens per sample
     r["tps_mlx_count"] = (sum(x["tokens"] - x["samples"] for x in tail)) / sum(x["step_seconds"] for x in tail)
     key = next((k for k in ("step_peak_allocated_bytes", "rss_bytes") if any(x.get(k) is not None for x in recs)), None)
@@ -234,7 +236,7 @@ def torch_peer(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
            str(SEQ), str(rows), job.kind]
     _, rss, wall = _run(cmd, job.work, env={"TOKENIZERS_PARALLELISM": "false"})
     c = json.loads((out / "counts.json").read_text())
-    return {**_measured(c["tokens"], c["samples"], c["times"]), "rss": rss, "wall": wall}
+    return {**_measured(c["tokens"], c["samples"], c["times"], job.skip), "rss": rss, "wall": wall}
 
 
 MLX_DRIVER = r'''
@@ -269,7 +271,7 @@ def mlx_lm(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
     cmd = [sys.executable, "-c", MLX_DRIVER, str(reports), str(rows_file), "--model", str(job.model), "--train",
            "--data", str(job.data["mlx_lm"]), "--batch-size", str(MICRO), "--iters", str(job.steps),
            "--max-seq-length", str(SEQ), "--num-layers", "-1", "--learning-rate", "1e-4", "--steps-per-report",
-           str(SKIP), "--steps-per-eval", never, "--val-batches", "1", "--adapter-path", str(job.work / f"mlx_lm_{i}"),
+           str(job.skip), "--steps-per-eval", never, "--val-batches", "1", "--adapter-path", str(job.work / f"mlx_lm_{i}"),
            "--save-every", never, "--optimizer", "adamw", "-c", str(cfg)]
     if job.kind == "chat":
         cmd.append("--mask-prompt")
@@ -280,7 +282,7 @@ def mlx_lm(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
     batches = [json.loads(x) for x in rows_file.read_text().splitlines()]
     own = real = samples = 0
     secs = 0.0
-    for prev, r in itertools.pairwise(reps):  # the windows after its first report (its first SKIP steps)
+    for prev, r in itertools.pairwise(reps):  # the windows after its first report (its first job.skip steps)
         d = r["trained_tokens"] - prev["trained_tokens"]
         own, secs = own + d, secs + d / r["tokens_per_second"]
         window = batches[prev["iteration"]:r["iteration"]]
@@ -362,7 +364,8 @@ def main() -> None:
     ap.add_argument("--backends", default="cuda,mlx", help="comma list of cuda, mlx")
     ap.add_argument("--sides", default=",".join(LABEL), help="comma list of " + ", ".join(LABEL))
     ap.add_argument("--runs", type=int, default=3, help="runs per side, alternating")
-    ap.add_argument("--steps", type=int, default=40, help=f"optimizer steps per run; the first {SKIP} are not measured")
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps per run; the first --skip are not measured")
+    ap.add_argument("--skip", type=int, default=SKIP, help="warm-up steps every side leaves out (default %(default)s)")
     ap.add_argument("--samples", type=int, default=2000, help="GSM8K records")
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ap.add_argument("--data", choices=("text", "chat"), default="text")
@@ -374,8 +377,8 @@ def main() -> None:
     chosen = a.sides.split(",")
     if bad := [b for b in backends if b not in SIDES] + [s for s in chosen if s not in LABEL]:
         sys.exit(f"unknown backend or side: {bad}; backends {list(SIDES)}, sides {list(LABEL)}")
-    if a.steps <= SKIP:
-        sys.exit(f"--steps must exceed {SKIP}: every side leaves its first {SKIP} steps out")
+    if a.skip < 1 or a.steps <= a.skip:
+        sys.exit(f"--steps must exceed --skip ({a.skip}, at least 1): every side leaves its first {a.skip} steps out")
     if not GSM8K.is_file():
         sys.exit(f"{GSM8K} not found: set FINETUNE_GSM8K=/path/to/gsm8k/train.jsonl")
     from transformers import AutoTokenizer
@@ -401,13 +404,14 @@ def main() -> None:
         "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores", "versions": versions(),
         "model": {"name": a.model, "dir": model.name, "arch": arch}, "data": a.data, "samples": a.samples,
-        "steps": a.steps, "runs": a.runs, "skip": SKIP, "seq": SEQ, "micro_batch": MICRO, "trl": trl,
+        "steps": a.steps, "runs": a.runs, "skip": a.skip, "seq": SEQ, "micro_batch": MICRO, "trl": trl,
         "token_check": check, "counts": COUNTS, "backends": {}}
     lines: list[str] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        job = Job(work, model, arch, a.data, write_data(work, rows, a.data, tok), a.steps, int(trl["rows"]), a.tokens_per_micro)
+        job = Job(work, model, arch, a.data, write_data(work, rows, a.data, tok), a.steps, int(trl["rows"]), a.tokens_per_micro,
+                  a.skip)
         for backend in backends:
             sides = [s for s in SIDES[backend] if s in chosen]
             if not sides:
@@ -424,7 +428,7 @@ def main() -> None:
             lines += [f"\nbackend={backend}, model {a.model}, data {a.data}: medians of {a.runs} runs", *ls]
             report["backends"][backend] = {"runs": res, **summary}
     print(f"\nmachine: {report['machine']}; {report['versions']}; {a.runs} runs each, {a.steps} steps "
-          f"(first {SKIP} not measured), micro-batch {MICRO} samples (TRL: {trl['rows']} packed rows), "
+          f"(first {a.skip} not measured), micro-batch {MICRO} samples (TRL: {trl['rows']} packed rows), "
           f"max length {SEQ}, {a.samples} GSM8K records as {a.data}, model {a.model} ({model.name}); "
           f"{report['date']}; {time.perf_counter() - t0:.0f} s")
     for ln in lines:

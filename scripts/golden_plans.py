@@ -1,7 +1,9 @@
 """Write (or check) the plan.json of each configuration in tests/data/plans/configs.txt.
 
-The files are the planner's output at the commit that wrote them, made with the hub offline and
-no cache, so the same tree gives the same bytes anywhere. `tests/test_plan_golden.py` holds the
+The files are the planner's output at the commit that wrote them, made with the hub offline, no
+cache and the machine pinned (``pin_machine``: a CPU-only host of the build box's RAM; a plan
+prices the device it would run on, and a box's RAM moves by a few hundred KiB from boot to boot),
+so the same tree gives the same bytes anywhere. `tests/test_plan_golden.py` holds the
 planner to them: a refactor must leave every byte as it was; a change to the planner's math
 rewrites them with this script, and the diff shows every figure that moved.
 
@@ -22,6 +24,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PLANS = REPO / "tests" / "data" / "plans"
+
+
+PINNED_RAM = 25_276_502_016  # bytes: psutil's total on the box that wrote the files
+
+
+def pin_machine() -> None:
+    """Plan as on the box that wrote the files, whatever this one is: no CUDA device, not Apple
+    Silicon, PINNED_RAM of RAM. Set in ``finetune.budget`` before the backends import its
+    functions by name."""
+    sys.path.insert(0, str(REPO))
+    import finetune.budget as b
+
+    if any(m.startswith("finetune.backends.") for m in sys.modules):
+        raise RuntimeError("pin_machine must run before the backends are imported")
+    b.system_ram = lambda: PINNED_RAM
+    b.cuda_devices = lambda: (0, None)
+    b.apple_silicon = lambda: False
 
 
 def configs() -> list[tuple[str, list[str]]]:
@@ -54,6 +73,7 @@ def plan_bytes(overrides: list[str]) -> str:
 def main(argv: list[str]) -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="empty-hub-")
+    pin_machine()
     differ = []
     if "--drop-unknown" in argv:
         keep = []
