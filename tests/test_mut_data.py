@@ -64,3 +64,24 @@ def test_a_json_array_cut_short_is_refused_at_the_line_where_it_ends(tmp_path):
     with pytest.raises(UserError) as e:
         load_records(_jsonl_cfg(tmp_path, data), seed=0)
     assert str(e.value) == (f"{data}:2 is not valid JSON (expected ',' or ']' in the array); fix that element")
+
+
+@pytest.mark.parametrize("lengths, cap, want", [
+    # [3, 2] closed by the 4 that does not fit: 1 pad of its own, (9 + 4 + 1) / 6; the last row [4]
+    # has no pads: 16 / 4 = 4, the most
+    ([3, 2, 4], 6, 4.0),
+    # the padded first row is the most: [5] + 1 pad = (25 + 1) / 6, above the last row's 16 / 4
+    ([5, 4], 6, 26 / 6),
+    # a sample wider than the cap is its own row, no pad: 64 / 8
+    ([8, 2], 6, 8.0),
+    # one row: no pads at the end
+    ([2, 2, 2], 6, 2.0),
+])
+def test_packed_pair_span_is_the_most_pairs_per_position_of_any_row(lengths, cap, want):
+    """data.packed_pair_span: each packed micro-batch's (query, key) pairs per position (its
+    samples' squares, its pads a segment of their own) over the row's width, the most of any row;
+    computed by hand on rows whose widths ``packed_widths`` gives."""
+    from finetune.data import packed_pair_span, packed_widths
+
+    assert packed_pair_span(np.array(lengths), cap) == pytest.approx(want, rel=1e-12)
+    assert int(packed_widths(np.array(lengths), cap).max()) >= max(lengths)

@@ -110,3 +110,28 @@ def test_out_of_memory_at_micro_batch_1_turns_on_checkpointing_once(tmp_path: Pa
     assert [(e["action"], e["after"]) for e in events] == [("enable_grad_checkpointing", {"grad_checkpointing": True})]
     with pytest.raises(UserError, match=r"^out of memory at step 3 even at micro-batch 1 with gradient checkpointing"):
         gov.on_oom(3, MemoryError("out of memory"))
+
+
+def test_the_data_pair_span_is_kept_for_every_later_plan(tmp_path: Path) -> None:
+    """Packed, the governor plans with the data's attention pairs per position (data.build's
+    pair_span) once told it, and keeps it for the plans after: a budget between the plan at the
+    data's pair span and the plan at the row's bound fits as it is, while without the data's
+    span the same budget needs an adaptation (checkpointing, on this model)."""
+    from finetune import planner
+
+    base = ("backend=mlx", "train.packing=true", "train.batch_size=8", "train.seq_len=512")
+    spec = resolve(compose(tmp_path / "a", *base))
+    narrow = planner.plan(spec, seq_len=512, recommend=False, pair_span=24.0)["peak_bytes"]
+    wide = planner.plan(spec, seq_len=512, recommend=False)["peak_bytes"]
+    assert narrow < wide
+    budget = (narrow + wide) // 2
+    events: list[dict[str, Any]] = []
+    gov = Governor(resolve(compose(tmp_path / "b", *base, f"memory.budget={budget}")), "mlx", events.append)
+    tokens = gov.state.tokens_per_micro
+    gov.before_load(seq_len=512, pair_span=24.0)
+    gov.before_load(seq_len=512)  # a later plan, told nothing new
+    assert events == [] and gov.state.tokens_per_micro == tokens
+
+    bound = Governor(resolve(compose(tmp_path / "c", *base, f"memory.budget={budget}")), "mlx", events.append)
+    bound.before_load(seq_len=512)
+    assert [e["action"] for e in events] == ["enable_grad_checkpointing"] and bound.grad_checkpointing

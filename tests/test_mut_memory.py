@@ -73,3 +73,20 @@ def test_qlora_backward_holds_the_largest_dequantized_weight(tmp_path: Path) -> 
         return p["activations_detail"]["backward_workspace"]
 
     assert workspace("qlora") - workspace("lora") == 64 * 128 * 4
+
+
+def test_the_packed_attention_path_is_said_per_implementation(tmp_path: Path) -> None:
+    """The cuda plan names the path a packed row takes, as the runtime does: sdpa per sample
+    (backends/cuda/varlen.py), eager through transformers' block mask, flash's varlen; and the
+    runtime's fallback from sdpa (per_sample=False) is the block mask too."""
+    from finetune.backends.cuda.memory import packed_path
+
+    def said(attn: str) -> str:
+        cfg = compose(tmp_path / "run", "backend=cuda", "train.packing=true", f"backend.attn_implementation={attn}")
+        return planner.plan(resolve(cfg), recommend=False)["packing"]["attention"]
+
+    assert said("sdpa") == "sdpa per sample (positions from position_ids; no block mask)"
+    assert said("eager") == "eager with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
+    assert said("flash_attention_2") == "flash_attention_2 varlen (cu_seqlens from position_ids)"
+    assert packed_path("sdpa", per_sample=False) == ("sdpa with transformers' [1, 1, T, T] block-diagonal causal "
+                                                     "mask built from position_ids")
