@@ -45,6 +45,7 @@ def test_plan_reads_the_data_and_plans_its_longest_sample(tmp_path: Path) -> Non
     src, _ = data_mod.build(spec, tok)
     lens = np.asarray(src.lengths)[src.train_idx]
     assert d["samples"] == len(lens) and d["source"] == "synthetic" and d["packed"] is False
+    assert "pair_span" not in d  # a packed plan's figure only: plan.json's data keys unpacked are as before
     assert (d["min"], d["max"], d["median"]) == (lens.min(), lens.max(), int(np.percentile(lens, 50)))
     # planned: the longest sample of all the data as the run pads it (what the run's governor plans)
     longest = padded_length(int(np.asarray(src.lengths).max()), 8, 256)
@@ -72,6 +73,9 @@ def test_plan_under_packing_plans_tokens_per_micro(tmp_path: Path) -> None:
     assert p["data"]["packed"] is True
     # steps of 8 samples of 40-151 tokens fill more than one micro-batch: each but the last is 512 wide
     assert p["data"]["planned_tokens"] == p["seq_len"] == 512
+    # attention runs per sample: the most (query, key) pairs per position of a micro-batch is
+    # between a row of the shortest samples and one sample of the longest
+    assert p["data"]["min"] <= p["data"]["pair_span"] <= p["data"]["max"]
     assert "the longest packed micro-batch of the run's steps" in out
 
 
