@@ -126,3 +126,26 @@ def test_cuda_packed_attention_per_sample_equals_the_block_mask() -> None:
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_got, g_want))
     with pytest.raises(varlen.NoPositions, match="does not pass position_ids"):
         varlen.attention(Attn(), q, k, v, None)
+
+
+def test_cuda_a_model_whose_attention_gets_no_positions_keeps_the_block_mask() -> None:
+    """Where a model's attention is handed no position_ids (the samples of a packed row cannot
+    be told apart there), the runtime's check falls back from attention per sample to
+    transformers' block mask, which the model builds from the positions itself, checks that,
+    and says so: the tiny Llama with its attention's position_ids dropped on the way in."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.backends.cuda.runtime import _packed_attention
+
+    hf = AutoModelForCausalLM.from_pretrained(build_family("llama"), dtype=torch.float32, attn_implementation="sdpa")
+    for layer in hf.model.layers:
+        def forward(*a: Any, _orig: Any = layer.self_attn.forward, **k: Any) -> Any:
+            k.pop("position_ids", None)
+            return _orig(*a, **k)
+
+        layer.self_attn.forward = forward
+    path = _packed_attention(hf, torch.device("cpu"))
+    assert path == "sdpa with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
+    assert hf.config._attn_implementation == "sdpa"  # the model's own sdpa again, not the per-sample one
+
