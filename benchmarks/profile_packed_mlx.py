@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from mlx_footprint import GSM8K  # noqa: E402
-from peers_data import gsm8k_rows  # noqa: E402
-from vs_peers import MODELS, SEQ  # noqa: E402
+from mlx_footprint import GSM8K
+from peers_data import gsm8k_rows
+from vs_peers import MODELS, SEQ
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -55,12 +55,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
 
+    from finetune.backends.mlx import loss as L
     from mlx.utils import tree_flatten
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load
     from transformers import AutoTokenizer
 
-    from finetune.backends.mlx import loss as L
     from finetune.config import compose
     from finetune.model_source import resolve_model_dir
 

@@ -51,8 +51,9 @@ per step are printed beside its speed. Matching TRL's rows to ours' samples, not
 ours' settings the ones its other benchmarks use.
 
 Runs alternate (the sides in order, then reversed, ...); each run is a fresh process; every side
-skips its first ``--skip`` steps (10 by default; ``--steps`` must exceed it; on MLX's reference BLAS,
-where a step takes 20-160 s, a few: the warm-up there is the first step's graph and buffers); medians over runs; every ratio is printed.
+skips its first ``--skip`` steps (10 by default; ``--steps`` must exceed it; on MLX's reference
+BLAS, where a step takes 15-160 s, a few: the warm-up there is the first step's graph and
+buffers); medians over runs; every ratio is printed.
 What a token is: the real (non-pad) tokens of the trained samples after truncation, on every
 side: ours from metrics.jsonl ``tokens`` / ``step_seconds``; the Trainer from its batches'
 attention masks, TRL from its packed rows' length (no pad: padding-free), both timed from
@@ -102,7 +103,7 @@ from peers_data import gsm8k_rows, token_check, trl_rows_per_step, write_data
 GIB = 2**30
 SEQ = 512  # max tokens per sample, every side
 MICRO = 8  # samples per step (ours, the Trainer, mlx-lm); TRL's rows are chosen to match it
-SKIP = 10  # warm-up steps every side leaves out (--skip; MLX's reference BLAS: 20-160 s a step, so fewer there)
+SKIP = 10  # warm-up steps every side leaves out (--skip; MLX's reference BLAS: 15-160 s a step, so fewer there)
 MODELS = {
     "tiny": ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
              "model.intermediate_size=704", "model.vocab_size=2048"],
