@@ -35,7 +35,7 @@ from mlx import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from mlx_footprint import GSM8K
-from peers_data import gsm8k_rows
+from peers_data import _messages, gsm8k_rows
 from vs_peers import MODELS, SEQ
 
 
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
 
+    from finetune.backends.base import pack
     from finetune.backends.mlx import loss as L
     from mlx.utils import tree_flatten
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -62,6 +63,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from finetune.config import compose
+    from finetune.data import collate, tokenize
     from finetune.model_source import resolve_model_dir
 
     model_dir = resolve_model_dir(compose("/tmp/unused", *MODELS[a.model]).model)
@@ -71,25 +73,17 @@ def main() -> None:
     linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 2.0, "dropout": 0.0,
                                                      "keys": ["self_attn.q_proj", "self_attn.v_proj"]})
     model.train()
-    rows = gsm8k_rows(GSM8K, a.samples)
-    samples, masks = [], []
-    for r in rows:
-        msgs = [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]
-        prompt = tok.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True)
-        full = tok.apply_chat_template(msgs, tokenize=True)
-        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)  # transformers 5: a BatchEncoding
-        full = list(full["input_ids"] if hasattr(full, "keys") else full)[:SEQ]
-        samples.append(np.array(full, np.int32))
-        masks.append(np.array([0.0] * len(prompt) + [1.0] * (len(full) - len(prompt)), np.float32)[:len(full)])
-    lens = [len(s) for s in samples]
-    T = max(lens)
-    ids_u = np.zeros((len(samples), T), np.int32)
-    mask_u = np.zeros((len(samples), T), np.float32)
-    for i, (s, m) in enumerate(zip(samples, masks)):
-        ids_u[i, :len(s)], mask_u[i, :len(s)] = s, m
-    ids_p = np.concatenate(samples)[None]
-    mask_p = np.concatenate([np.concatenate([[0.0], m[1:]]) for m in masks])[None].astype(np.float32)  # col 0 of each sample no target
-    pos_p = np.concatenate([np.arange(n) for n in lens])[None].astype(np.int32)
+    # the samples exactly as ours trains them (finetune.data: chat template, EOS, the prompt out of
+    # the loss), one padded batch (collate) and the same batch packed into one row (pack)
+    data = tokenize(({"messages": _messages(r)} for r in gsm8k_rows(GSM8K, a.samples)), tok, SEQ, True)
+    samples = [np.asarray(x) for x in data.ids]
+    masks = [np.asarray(m) for m in data.masks]
+    lens = [len(x) for x in samples]
+    batch = collate(samples, masks, np.arange(len(samples)), pad_id=0)
+    row = pack(batch, sum(lens))[0]
+    ids_u, mask_u = batch.input_ids, batch.loss_mask.astype(np.float32)
+    ids_p, mask_p, pos_p = row.input_ids, row.loss_mask.astype(np.float32), row.position_ids
+    T = ids_u.shape[1]
     print(f"model {a.model} ({model_dir.name}); {len(samples)} GSM8K chat samples, lengths {lens} "
           f"({sum(lens)} tokens; unpacked [{len(samples)}, {T}] = {len(samples) * T} positions, "
           f"{100 * (1 - sum(lens) / (len(samples) * T)):.0f}% pads)")
@@ -110,7 +104,7 @@ def main() -> None:
         "unpacked": lambda: run(ids_u, mask_u, None),
         "packed": lambda: run(ids_p, mask_p, pos_p),
         "packed_block_mask": lambda: run(ids_p, mask_p, pos_p, block=True),
-        "alone": lambda: [run(s[None], m[None], None) for s, m in zip(samples, masks)],
+        "alone": lambda: [run(s[None], m[None].astype(np.float32), None) for s, m in zip(samples, masks)],
     }
     for fn in variants.values():  # warm-up
         fn()
