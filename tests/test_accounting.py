@@ -11,6 +11,7 @@ Three kinds of tests:
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import time
@@ -587,6 +588,14 @@ class Leaky:
         return out
 
 
+def _touched_pages(n: int) -> mmap.mmap:
+    """n bytes of new anonymous memory with every page written, so all of it is resident."""
+    m = mmap.mmap(-1, n)
+    for i in range(0, n, mmap.PAGESIZE):
+        m[i] = 1
+    return m
+
+
 def _train(acct: Accountant, b: Any, batch: Any, steps: int) -> float:
     """The loop's calling pattern on a real backend; returns the steps' wall seconds."""
     acct.sample(0, "load")
@@ -716,7 +725,12 @@ def test_torch_cpu_tiny_real() -> None:
     assert quiet.metrics_fields() == metrics_fields(ss[5])
 
     if LINUX:  # without an allocator the leak rule watches RSS: a planted 8 MiB/step leak
-        leaky = Leaky(b, lambda: torch.ones(2 * 1024 * 1024))  # touched pages: RSS grows
+        # Fresh anonymous pages, each touched, so RSS grows by 8 MiB a step whatever came before.
+        # A malloc'd tensor (torch.ones) is not enough: in a worker that already ran other tests,
+        # glibc hands out heap pages freed earlier and still resident, and RSS stays flat for the
+        # steps that reuse them (seen in CI; a real leak hides the same way until that pool is
+        # spent, which is why the rule's RSS floor is coarse).
+        leaky = Leaky(b, lambda: _touched_pages(8 * MiB))
         # io_budget=1: RSS read at every optimizer phase (by default a few-ms step reads it
         # every few steps, which over 9 steps leaves too few points for a fit)
         acct2 = Accountant(leaky, io_budget=1.0)
