@@ -141,6 +141,8 @@ class Trainer:
         self.governor.before_load(seq_len=8, only_check=True)
         self.model_dir = resolve_model_dir(self.spec.model, seed=0)
         check_weights(self.model_dir, self.spec.model)
+        for note in planner.model_desc(self.spec.model, self.model_dir).notes:  # a family priced approximately, ...
+            log.warning("plan: %s", note)
         self.tokenizer = self._load_tokenizer()
         self.data, self.data_stats = data_mod.build(self.spec, self.tokenizer)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:

@@ -96,6 +96,9 @@ class ModelDesc:
     fused_qkv: bool = False
     source: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # False: a family finetune does not describe exactly, priced as a Llama-style decoder from its
+    # sizes (its notes say so; the runtimes check its blocks have the LoRA targets it resolved)
+    described: bool = True
 
     # ---- the figures activations are priced with ---------------------------------------------
     @property

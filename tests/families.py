@@ -48,6 +48,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "starcoder2": ("starcoder2", {"use_bias": True}, "plain two-matrix MLP, biases, LayerNorm"),
 }
 
+# Families finetune does not describe exactly (finetune/planner/describe.py FAMILIES): a dense
+# Llama-like one priced from its sizes (granite: with logit scaling), a plain-MLP one with q/k/v
+# names (phi-2), and the layouts it must refuse in one line (GPT-NeoX's fused query_key_value,
+# GPT-2's n_embd sizes, an MoE it cannot price).
+UNDESCRIBED: dict[str, tuple[str, dict[str, Any], str]] = {
+    "granite": ("granite", {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                            "attention_multiplier": 0.25}, "Llama-like, scaled logits: trains, priced approximately"),
+    "phi": ("phi", {"partial_rotary_factor": 0.5}, "phi-2: q/k/v/dense, fc1/fc2, LayerNorm: trains, approximate"),
+    "gpt_neox": ("gpt_neox", {}, "fused query_key_value: LoRA refused"),
+    "gpt2": ("gpt2", {}, "n_embd/n_layer sizes: refused"),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, "an MoE not described: refused"),
+}
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")) / "families"
@@ -57,7 +70,7 @@ def family_config(name: str) -> Any:
     """The transformers config object of family ``name``'s tiny checkpoint."""
     from transformers import AutoConfig
 
-    model_type, extra, _ = FAMILIES[name]
+    model_type, extra, _ = FAMILIES[name] if name in FAMILIES else UNDESCRIBED[name]
     return AutoConfig.for_model(model_type, **{**COMMON, **extra})
 
 

@@ -40,7 +40,7 @@ from finetune import precision as precision_mod, quiet
 from finetune.accounting.probes import NvmlProbe
 from finetune.model_source import TOKENIZER_FILES, stored_dtype, stored_quantization
 from finetune.records import CENSUS_KEYS, Census, CensusKey
-from finetune.planner.describe import EXPERTS, lora_keys
+from finetune.planner.describe import EXPERTS, check_targets, lora_keys
 from finetune.planner.model import attention, model_desc
 from finetune.spec import MethodSpec, OptimSpec, RunSpec
 
@@ -212,6 +212,16 @@ def _is_compile_failure(err: Exception) -> bool:
     from torch._dynamo.exc import BackendCompilerFailed
 
     return isinstance(err, BackendCompilerFailed) or type(err).__module__.startswith("torch._inductor")
+
+
+def _linear_names(model: torch.nn.Module) -> set[str]:
+    """The leaf names of a transformers model's linear layers (``nn.Linear`` and its bitsandbytes
+    subclasses, GPT-2's ``Conv1D``) but its head: what PEFT's ``target_modules`` can name in its blocks."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
+            if name and isinstance(mod, (torch.nn.Linear, Conv1D)) and mod is not head}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -537,6 +547,7 @@ class CudaBackend:
         """PEFT adapters on exactly the block weights the model description resolves from
         ``method.lora.keys`` (what the planner counted): modules by name, and the stacked expert
         parameters of an MoE model through ``target_parameters`` when ``experts`` is asked for."""
+        import transformers
         from peft import LoraConfig, get_peft_model
 
         lc = m.lora
@@ -551,6 +562,7 @@ class CudaBackend:
             raise UserError("method=dora: PEFT 0.21 has no DoRA for stacked expert parameters; "
                             "drop experts from method.lora.keys or use method=lora")
         modules = [k for k in keys if k != EXPERTS]
+        check_targets(desc, tuple(modules), _linear_names(hf), f"transformers {transformers.__version__}")
         config = LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                             target_modules=modules or None, target_parameters=experts or None,
                             layers_to_transform=top, bias="none", use_dora=m.name == "dora", task_type="CAUSAL_LM")

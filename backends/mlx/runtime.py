@@ -39,7 +39,7 @@ from finetune.backends.mlx.generate import generate
 from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
 from finetune.model_source import stored_dtype, stored_quantization
 from finetune.records import Census
-from finetune.planner.describe import EXPERTS, lora_keys
+from finetune.planner.describe import EXPERTS, FAMILIES, check_targets, lora_keys
 from finetune.planner.model import model_desc
 from finetune.spec import OptimSpec, RunSpec
 
@@ -189,9 +189,16 @@ class MlxBackend:
         trust = spec.model.trust_remote_code  # the tokenizer's own code runs only when set
         # transformers-5 keys (rope_parameters, ...) in mlx-lm's words; refuses before any weights
         hf_keys = mlx_model_config(model_dir, seq_len=spec.train.seq_len)
-        model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
-                                                        tokenizer_config={"trust_remote_code": trust},
-                                                        trust_remote_code=trust)
+        try:
+            model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
+                                                            tokenizer_config={"trust_remote_code": trust},
+                                                            trust_remote_code=trust)
+        except TypeError as e:  # the family's ModelArgs wants keys this config.json names otherwise
+            desc = model_desc(spec.model, model_dir)
+            fix = ("use backend=cuda" if desc.described else
+                   f"use a model of a described family: {', '.join(sorted(FAMILIES))}")
+            raise UserError(f"{model_dir}: mlx-lm {_mlx_lm_version()} cannot build model_type={desc.model_type} from "
+                            f"this config.json ({str(e).splitlines()[0][:200]}); {fix}") from None
         self.model = model
 
     def _cast(self, spec: RunSpec, model_dir: Path) -> None:
@@ -240,7 +247,10 @@ class MlxBackend:
         n = lc.num_layers
         # the keys the model description resolves (null: the model's default ones), as the
         # planner counted them
-        keys = lora_keys(model_desc(spec.model, model_dir), lc.keys)
+        desc = model_desc(spec.model, model_dir)
+        keys = lora_keys(desc, lc.keys)
+        if not desc.described:  # priced as a Llama-style decoder: its blocks may not be one
+            check_targets(desc, keys, {k.rsplit(".", 1)[-1] for k in self._block_linears()}, f"mlx-lm {_mlx_lm_version()}")
         if n > len(model.layers):
             raise UserError(f"method.lora.num_layers={n} but the model has {len(model.layers)} layers")
         self.lora_layers = n
@@ -286,14 +296,7 @@ class MlxBackend:
         """Map the description's keys (transformers' module names: ``q_proj``, ``qkv_proj``,
         ``c_fc``; ``experts``) to mlx-lm's paths inside a block (``self_attn.q_proj``; an MoE's
         ``switch_mlp.gate_proj``, ``up_proj`` and ``down_proj``)."""
-        from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-
-        switch = (SwitchLinear, QuantizedSwitchLinear)
-        linears: dict[str, bool] = {}  # path -> a stacked experts' matrix
-        for layer in self.model.layers:
-            for k, m in layer.named_modules():
-                if k and (isinstance(m, (nn.Linear, nn.QuantizedLinear, *switch)) or hasattr(m, "to_lora")):
-                    linears.setdefault(k, isinstance(m, switch))
+        linears = self._block_linears()
         out: list[str] = []
         for key in keys:
             hits = [k for k, sw in linears.items() if sw] if key == EXPERTS else [
@@ -305,6 +308,19 @@ class MlxBackend:
                                 f"{', '.join(sorted({k.rsplit('.', 1)[-1] for k, sw in linears.items() if not sw}))}")
             out += [h for h in hits if h not in out]
         return out
+
+    def _block_linears(self) -> dict[str, bool]:
+        """Each linear layer's path inside a block (``self_attn.q_proj``) -> whether it is a stacked
+        experts' matrix (mlx-lm's SwitchLinear)."""
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+        switch = (SwitchLinear, QuantizedSwitchLinear)
+        linears: dict[str, bool] = {}
+        for layer in self.model.layers:
+            for k, m in layer.named_modules():
+                if k and (isinstance(m, (nn.Linear, nn.QuantizedLinear, *switch)) or hasattr(m, "to_lora")):
+                    linears.setdefault(k, isinstance(m, switch))
+        return linears
 
     def _make_optimizer(self, o: OptimSpec) -> optim.Optimizer:
         if o.name not in OPTIMIZER_BUILDERS:  # a lookup that misses raises, never falls through

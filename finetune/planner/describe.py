@@ -55,6 +55,10 @@ def _text(hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
+# the sizes a Llama-style decoder is priced from; a family not in FAMILIES must give all of them
+_LLAMA_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 def _need(c: dict[str, Any], key: str, source: str) -> Any:
     v = c.get(key)
     if v is None:
@@ -213,6 +217,16 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         notes.append(f"model_type={mt or '?'} is not a family finetune describes exactly "
                      f"({', '.join(sorted(FAMILIES))}): priced as a Llama-style decoder from its sizes (approximate)")
     c = {**FAMILIES.get(mt, {"tie_word_embeddings": False}), **{k: v for k, v in c.items() if v is not None}}
+    if mt not in FAMILIES and any(int(c.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        raise UserError(f"{source}: model_type={mt} is a mixture of experts finetune cannot describe (priced as "
+                        "a dense decoder, its experts would be left out of the plan and of LoRA's targets); use a "
+                        f"model of a described family: {', '.join(sorted(FAMILIES))}")
+    if mt not in FAMILIES and any(c.get(k) is None for k in _LLAMA_SIZES):
+        # GPT-2 (n_embd, n_layer), T5-style (d_model), ...: no Llama-style sizes to price, even roughly
+        missing = ", ".join(k for k in _LLAMA_SIZES if c.get(k) is None)
+        raise UserError(f"{source}: model_type={mt or '?'} is not a family finetune can describe (its config.json "
+                        f"has no {missing}: another layout than a Llama-style decoder's); use a model of a described "
+                        f"family: {', '.join(sorted(FAMILIES))}")
     z = _sizes(c, source)
     h, f = z.hidden, z.intermediate
     attn, attn_others, fused, qk_norm = _attention(c, mt, z)
@@ -239,9 +253,6 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         notes.append("gpt-oss: the released checkpoint stores its experts in MXFP4; priced dequantized to the load "
                      "dtype, as transformers loads them where no MXFP4 kernel runs (an over-estimate where one does, "
                      "and on mlx, whose mlx-lm keeps them in MXFP4)")
-    if mt not in FAMILIES and experts == 0 and any(k in c for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-        raise UserError(f"{source}: model_type={mt} is a mixture of experts finetune cannot describe; "
-                        f"use a described family ({', '.join(sorted(FAMILIES))}) or backend=cuda mode=train without a plan")
     return ModelDesc(
         model_type=mt, hidden=h, layers=z.layers, heads=z.heads, kv_heads=z.kv_heads, head_dim=z.head_dim,
         vocab=z.vocab, tie=bool(c.get("tie_word_embeddings")), blocks=tuple(blocks), top=tuple(top),
@@ -252,7 +263,7 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         final_softcap=c.get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
         sliding_window=int(sliding_window) if sliding_window else None,
         attn_default="eager" if mt in _EAGER_ONLY else "sdpa", fused_qkv=fused, source=source,
-        notes=tuple(notes),
+        notes=tuple(notes), described=mt in FAMILIES,
     )
 
 
@@ -311,6 +322,28 @@ def lora_keys(desc: ModelDesc, keys: Any) -> tuple[str, ...]:
         raise UserError(f"method.lora.keys is empty; choose from: {choices}")
     order = {k: i for i, k in enumerate((*valid, HEAD))}
     return tuple(sorted(out, key=order.__getitem__))
+
+
+def check_targets(desc: ModelDesc, keys: tuple[str, ...], found: set[str], loader: str) -> None:
+    """UserError where the loaded model's blocks have no layer named as a resolved LoRA key.
+
+    ``found``: the leaf names of the linear layers the backend's loaded model has (``loader``
+    built it: transformers, mlx-lm). A described family always has its keys (tests/test_families.py);
+    a family priced as a Llama-style decoder may not (GPT-NeoX's ``query_key_value``), and then
+    neither LoRA nor the plan fits it.
+    """
+    missing = [k for k in keys if k not in (EXPERTS, HEAD) and k not in found]
+    if not missing:
+        return
+    has = ", ".join(sorted(found)) or "none"
+    if not desc.described:
+        raise UserError(f"model_type={desc.model_type} is not a family finetune describes exactly: it is priced as a "
+                        f"Llama-style decoder, whose {', '.join(missing)} its blocks do not have ({loader} built: "
+                        f"{has}), so LoRA has nothing to adapt there and the plan does not hold; use a model of a "
+                        f"described family: {', '.join(sorted(FAMILIES))}")
+    raise UserError(f"model_type={desc.model_type}: {loader} built blocks without {', '.join(missing)} (it built: {has}), "
+                    "unlike the family's own layout; is config.json from another model? Point model.path at the "
+                    "checkpoint's own directory")
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -1,0 +1,149 @@
+"""Families finetune does not describe exactly (tests/families.py ``UNDESCRIBED``): each one
+either trains correctly, priced as a Llama-style decoder and saying so, or is refused in one
+line naming the fix, on both backends. Never a traceback, never a wrong loss.
+
+- granite (Llama-like, logits scaled after the head) and phi-2 (q/k/v/dense, fc1/fc2,
+  LayerNorm, partial rotary): the run says at its start that the plan is approximate; the loss
+  the backend trains on equals the framework's own model's loss on the same rows (granite's
+  scaled logits keep the head on every position, and its chunked loss is refused); the plan's
+  LoRA count equals the backend's.
+- gpt_neox (a fused query_key_value where a Llama has q_proj/v_proj), gpt2 (sizes named n_embd,
+  n_layer), olmoe (an MoE the planner cannot price): one line naming the family and the fix,
+  nothing written that looks like a result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import HAS_MLX, HAS_TORCH, make_cfg
+from families import UNDESCRIBED, VOCAB, build_family
+
+from finetune import planner
+from finetune.cli import run
+from finetune.errors import UserError
+from finetune.resolver import resolve
+
+pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
+
+FAST = ("train.steps=2", "train.warmup_steps=0", "train.eval_every=0", "train.progress=false",
+        "data.num_samples=16", "train.batch_size=2", "train.grad_accum=1", "train.seq_len=128", "precision=32-true",
+        "memory.sample_every=0")
+APPROX = "is not a family finetune describes exactly"
+
+
+def _cfg(run_dir: Path, name: str, backend: str, *extra: str) -> Any:
+    return make_cfg(run_dir, f"model.path={build_family(name)}", f"backend={backend}", *FAST, *extra)
+
+
+def _rows() -> tuple[np.ndarray, np.ndarray]:
+    """Two rows of 24 tokens, the first 8 of each a prompt (out of the loss)."""
+    ids = np.random.default_rng(3).integers(1, VOCAB, (2, 24)).astype(np.int64)
+    mask = np.ones((2, 24), np.float32)
+    mask[:, :8] = 0
+    return ids, mask
+
+
+def _reference(logits: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> float:
+    """The summed cross-entropy of the model's own logits at the target positions (float64)."""
+    z = logits[:, :-1].astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+    return float(-(picked * mask[:, 1:]).sum())
+
+
+# ---- the ones that train ----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cuda", "mlx"])
+@pytest.mark.parametrize("name", ["granite", "phi"])
+def test_undescribed_family_trains_and_says_the_plan_is_approximate(name: str, backend: str, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from finetune.loop import train
+
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        out = train(resolve(_cfg(tmp_path / "run", name, backend)))
+    said = [r.getMessage() for r in caplog.records if APPROX in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"plan: model_type={name} ") and "(approximate)" in said[0], said
+    assert math.isfinite(out["final_train_loss"]) and out["steps"] == 2
+    p = planner.plan(resolve(_cfg(tmp_path / "unused", name, backend)), recommend=False)
+    assert any(APPROX in n for n in p["notes"])
+    assert out["params_trainable"] == p["params_trainable"]  # q_proj/v_proj priced as the Llama's, which they are
+
+
+@pytest.mark.parametrize("name", ["granite", "phi"])
+def test_undescribed_family_loss_is_the_models_own_torch(name: str, tmp_path: Path) -> None:
+    import torch
+    from finetune.backends.cuda import loss as loss_mod
+    from finetune.backends.cuda.runtime import CudaBackend
+
+    be = CudaBackend()
+    be.setup(resolve(_cfg(tmp_path, name, "cuda")), build_family(name))
+    ids, mask = _rows()
+    t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    with torch.no_grad():
+        want = _reference(be.model(input_ids=t_ids).logits.float().numpy(), ids, mask)
+        got = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 0, be._autocast))
+    assert got == pytest.approx(want, rel=1e-5)
+    fallback = loss_mod.head_fallback(be.model)
+    if name == "granite":  # logits / logits_scaling: the head cannot run on target rows alone
+        assert fallback is not None
+        why = be.set_loss_chunk(8)  # the governor's lever declines, saying why
+        assert why is not None and "logits are not its output head applied" in why, why
+    else:  # phi-2's logits are its head on its body's output: the head on target rows, chunked too
+        assert fallback is None
+        with torch.no_grad():
+            chunked = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 7, be._autocast))
+        assert chunked == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["granite", "phi"])
+def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path) -> None:
+    import mlx.core as mx
+    from finetune.backends.mlx import loss as loss_mod
+    from finetune.backends.mlx.runtime import MlxBackend
+
+    be = MlxBackend()
+    be.setup(resolve(_cfg(tmp_path, name, "mlx")), build_family(name))
+    ids, mask = _rows()
+    m_ids, m_mask = mx.array(ids.astype(np.int32)), mx.array(mask)
+    be.model.eval()
+    want = _reference(np.array(be.model(m_ids).astype(mx.float32)), ids, mask)
+    got = float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 0))
+    assert got == pytest.approx(want, rel=1e-5)
+    if name == "granite":
+        assert "logits_scaling" in loss_mod.head_fallback(be.model)
+    else:
+        assert loss_mod.head_fallback(be.model) is None
+        assert float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 7, grad=False)) == pytest.approx(want, rel=1e-5)
+
+
+# ---- the ones refused -------------------------------------------------------------------------
+REFUSED = [
+    ("gpt_neox", "cuda", (), ["model_type=gpt_neox is not a family finetune describes exactly",
+                              "q_proj, v_proj", "query_key_value", "use a model of a described family"]),
+    ("gpt_neox", "mlx", (), ["mlx-lm", "cannot build model_type=gpt_neox", "use a model of a described family"]),
+    ("gpt2", "cuda", (), ["model_type=gpt2 is not a family finetune can describe", "no hidden_size",
+                          "use a model of a described family"]),
+    ("gpt2", "mlx", ("mode=plan",), ["model_type=gpt2 is not a family finetune can describe"]),
+    ("olmoe", "cuda", (), ["model_type=olmoe is a mixture of experts", "use a model of a described family"]),
+    ("olmoe", "mlx", ("mode=plan",), ["model_type=olmoe is a mixture of experts"]),
+]
+
+
+@pytest.mark.parametrize("name, backend, extra, needles", REFUSED,
+                         ids=[f"{n}-{b}{'-plan' if e else ''}" for n, b, e, _ in REFUSED])
+def test_undescribed_layout_is_refused_in_one_line(name: str, backend: str, extra: tuple[str, ...],
+                                                   needles: list[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(UserError) as e:
+        run(_cfg(run_dir, name, backend, *extra))
+    msg = str(e.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+    assert "without a plan" not in msg  # the old MoE message named a fix that did not exist
+    names = {p.name for p in run_dir.rglob("*")} if run_dir.exists() else set()
+    assert not names & {"summary.json", "adapter", "checkpoints", "plan.json"}, sorted(names)
