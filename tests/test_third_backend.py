@@ -98,3 +98,28 @@ def test_a_stub_backend_trains_through_the_cli(stub_tree: Path, tmp_path: Path) 
     assert "backend=stub (asked for)" in r.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps_this_run"] == 2 and summary["backend"] == "stub"
+
+
+def test_a_stub_backend_ships_in_the_wheel(tmp_path: Path) -> None:
+    """The wheel of a checkout with the stub's folder holds finetune/backends/stub/ with no other
+    change (setup.py finds the backends; pyproject.toml lists no packages)."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("finetune", "conf", "backends"):
+        shutil.copytree(REPO / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    (src / "backends" / "stub").mkdir()
+    for name, text in STUB.items():
+        (src / "backends" / "stub" / name).write_text(text)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".",
+                        "-w", str(tmp_path / "dist")], capture_output=True, text=True, cwd=src, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import zipfile
+
+    (wheel,) = (tmp_path / "dist").glob("finetune-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"finetune/backends/stub/{n}" for n in STUB} <= names
+    for pkg in ("finetune/backends/cuda/runtime.py", "finetune/backends/mlx/runtime.py", "finetune/planner/fit.py",
+                "finetune/accounting/rules.py", "finetune/conf/config.yaml"):
+        assert pkg in names, pkg
