@@ -21,19 +21,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def resolve_model_dir(model: ModelSpec, seed: int = 0) -> Path:
-    """Return the local directory holding config.json, weights and tokenizer files."""
+    """Return the local directory holding config.json, weights and tokenizer files (a hub id
+    downloaded, or checked against the hub, by ``snapshot_download``)."""
+    found = local_model_dir(model, seed=seed, hub_cache=False)
+    if isinstance(found, Path):
+        return found
     if model.path is None:
-        if model.name != "tiny":
-            raise UserError(f"model={model.name} has no model.path; set model.path=<hub id or local dir>")
-
-        return build_tiny(model, seed=seed)
-    local = Path(str(model.path)).expanduser()
-    if local.exists():
-        if not (local / "config.json").is_file():
-            raise UserError(f"model.path={model.path} has no config.json; point it at an HF-format model directory")
-        return local.resolve()
-    if str(model.path).startswith((".", "/", "~")):
-        raise UserError(f"model.path={model.path} does not exist; give an existing directory or a hub id")
+        raise UserError(f"{found}; set model.path=<hub id or local dir>")
     try:
         from huggingface_hub import snapshot_download
 
@@ -45,6 +39,31 @@ def resolve_model_dir(model: ModelSpec, seed: int = 0) -> Path:
             f"could not get model {model.path} from the hub ({first[:160]}); "
             "download it (huggingface-cli download, with a token for gated models) or pass model.path=/local/dir"
         ) from None
+
+
+def local_model_dir(model: ModelSpec, seed: int = 0, hub_cache: bool = True) -> Path | str:
+    """The model's directory as far as this machine alone finds it, or why there is none (a str).
+
+    The one resolution order: the tiny model (built here), a local directory (which must hold
+    config.json), then, with ``hub_cache``, the local hub cache's snapshot of a hub id (what
+    ``mode=plan`` reads without a download; a run asks the hub itself, ``resolve_model_dir``).
+
+    Raises:
+        UserError: a local path that does not exist or holds no config.json.
+    """
+    if model.path is None:
+        if model.name != "tiny":
+            return f"model={model.name} has no model.path"
+        return build_tiny(model, seed=seed)
+    local = Path(str(model.path)).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise UserError(f"model.path={model.path} has no config.json; point it at an HF-format model directory")
+        return local.resolve()
+    if str(model.path).startswith((".", "/", "~")):
+        raise UserError(f"model.path={model.path} does not exist; give an existing directory or a hub id")
+    snap = cached_snapshot(str(model.path), model.revision) if hub_cache else None
+    return snap if snap is not None else f"{model.path} is not in the local hub cache (the run downloads it)"
 
 
 def _hf_token() -> str | None:

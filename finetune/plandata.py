@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from finetune import data as data_mod
-from finetune.model_source import TOKENIZER_FILES, cached_snapshot, resolve_model_dir
-from finetune.spec import ModelSpec, RunSpec
+from finetune.model_source import TOKENIZER_FILES, local_model_dir
+from finetune.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -49,30 +49,15 @@ class DataLengths:
         return {k: v for k, v in asdict(self).items() if k != "pair_span" or v is not None}
 
 
-def local_model_dir(model: ModelSpec) -> tuple[Path | None, str]:
-    """(the model's directory where the run would find it without a download, or None; why not)."""
-    if model.path is None:
-        if model.name == "tiny":
-            return resolve_model_dir(model), ""
-        return None, f"model={model.name} has no model.path"
-    local = Path(str(model.path)).expanduser()
-    if local.is_dir():
-        return local, ""
-    snap = cached_snapshot(str(model.path), model.revision)
-    if snap is None:
-        return None, f"{model.path} is not in the local hub cache (the run downloads it)"
-    return snap, ""
-
-
 def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
     """The data's lengths as the run will see them, or (None, why they were not read).
 
     Raises:
         UserError: the data itself cannot be read (the run would stop the same way).
     """
-    model_dir, why = local_model_dir(spec.model)
-    if model_dir is None:
-        return None, why
+    model_dir = local_model_dir(spec.model)
+    if not isinstance(model_dir, Path):
+        return None, model_dir
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         return None, f"{model_dir} holds no tokenizer files (the run downloads them)"
     from transformers import AutoTokenizer
