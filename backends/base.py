@@ -455,8 +455,9 @@ class MemoryModel(Protocol):
         """The step's activations by piece (saved layers, head, workspace...)."""
         ...
 
-    def packed_attention(self, s: Setup) -> str:
-        """The attention path that keeps packed samples apart, in words."""
+    def packed_attention(self, s: Setup, arch: ModelDesc) -> str:
+        """The attention path that keeps packed samples apart, in words (the one the runtime
+        says it takes for this model)."""
         ...
 
     # ---- the device and several ranks ------------------------------------------------------

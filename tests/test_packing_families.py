@@ -14,6 +14,7 @@ import pytest
 from conftest import needs_mlx, needs_torch
 from families import FAMILIES, VOCAB, build_family
 
+from finetune import planner
 from finetune.backends.base import Batch, pack
 from finetune.config import compose
 from finetune.errors import UserError
@@ -50,6 +51,8 @@ def _losses(name: str, tmp_path: Any) -> tuple[float, float, str]:
     whole = be.forward_backward(batch, 1.0)
     be.zero_grad()
     packed = sum(be.forward_backward(p, 1.0) for p in parts)
+    # the plan names the path the runtime took, word for word
+    assert planner.plan(resolve(cfg), recommend=False)["packing"]["attention"] == be.packed_attention, name
     return whole, packed, be.packed_attention
 
 
@@ -83,6 +86,7 @@ def _mlx_losses(name: str, tmp_path: Any) -> tuple[float, float, str]:
     whole = be.forward_backward(batch, 1.0)
     be.zero_grad()
     packed = sum(be.forward_backward(p, 1.0) for p in pack(batch, 32))
+    assert planner.plan(resolve(cfg), recommend=False)["packing"]["attention"] == be.packed_attention, name
     return whole, packed, be.packed_attention
 
 

@@ -111,8 +111,9 @@ def pre_quantized(spec: RunSpec, quant: dict[str, Any] | None) -> None:
                         "or the unquantized checkpoint with method=qlora")
 
 
-def packed_attention(s: Setup) -> str:
-    """The attention path that keeps packed samples apart, in words (the runtime's own)."""
+def packed_attention(s: Setup, arch: ModelDesc) -> str:
+    """The attention path that keeps packed samples apart, in words (the runtime's own; the
+    attention implementation ``s.attn`` already says what the model runs)."""
     return packed_path(s.attn)
 
 

@@ -107,10 +107,11 @@ PACKED_PER_SAMPLE = "mx.fast.scaled_dot_product_attention per sample (causal; no
 PACKED_BLOCK_MASK = "the model's attention with a block-diagonal causal bool mask; RoPE per token"
 
 
-def packed_attention(s: Any) -> str:
-    """The attention path that keeps packed samples apart, in words (the runtime's own)."""
-    return ("mx.fast.scaled_dot_product_attention per sample (causal; no block mask; a model computing its "
-            "own scores, soft-capped ones, gets a block-diagonal causal bool mask); RoPE per token")
+def packed_attention(s: Any, arch: ModelDesc) -> str:
+    """The attention path that keeps packed samples apart, in words: the runtime's own sentence
+    for the path it takes (backends/mlx/loss.py ``check_packed``), per sample unless the model
+    computes its own scores (soft-capped ones), as the activations are priced (``_pairs``)."""
+    return PACKED_BLOCK_MASK if arch.attn_softcap else PACKED_PER_SAMPLE
 
 
 def run_device(device: str = "auto") -> str:

@@ -306,12 +306,12 @@ def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     return out
 
 
-def _packing(spec: RunSpec, s: Setup, state: Any) -> dict[str, Any] | None:
+def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, Any] | None:
     """train.packing as planned: the tokens of the micro-batch priced, and the attention path
     that keeps samples apart (the same one the runtime takes)."""
     if not s.packed:
         return None
-    path = memory_model(s.backend).packed_attention(s)
+    path = memory_model(s.backend).packed_attention(s, arch)
     return {"tokens_per_micro": state.tokens_per_micro if state is not None else spec.train.packed_tokens,
             "tokens_priced": s.seq_len, "attention": path}
 
@@ -366,7 +366,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "seq_len": s.seq_len,
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
-        "packing": _packing(spec, s, state),
+        "packing": _packing(spec, s, arch, state),
         **core,
         "device_total_bytes": device_total,
         "budget_bytes": budget,
