@@ -58,8 +58,8 @@ import numpy as np
 from finetune.errors import UserError
 from finetune.io import atomic_dir, disk_errors
 from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
-from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
-from finetune.model_source import PICKLE_SUFFIXES, TOKENIZER_FILES
+from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_model_config
+from finetune.model_source import PICKLE_SUFFIXES, TEXT_KEY_MAPPING, TOKENIZER_FILES, is_multimodal, load_causal_lm
 from finetune.planner.describe import FAMILIES, describe
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
@@ -322,6 +322,7 @@ def _read_mlx(d: Path) -> Adapter:
     parts: dict[str, dict[str, Tensor]] = {}
     for name, t in tensors.items():
         path, _, leaf = name.rpartition(".")
+        path = path.removeprefix(MLX_TEXT_PREFIX)  # a multimodal base's text model: its own names
         if leaf not in ("lora_a", "lora_b", "m"):
             raise UserError(f"{d}: tensor {name} is not lora_a/lora_b/m; only LoRA and DoRA on linear layers convert")
         parts.setdefault(path, {})[leaf] = t
@@ -366,6 +367,9 @@ class Base:
     config: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     pickle_only: bool = False  # weights only in pickles (read with --allow-pickle)
+    # a multimodal checkpoint: ``shapes`` holds its language model's weights under the text-only
+    # model's names (what a PEFT adapter trained by finetune names); mlx-lm's wrapper adds MLX_TEXT_PREFIX
+    multimodal: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -428,7 +432,19 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool, allow_pickle: b
         shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
     if not safetensors:
         shapes = _pickle_shapes(pickles)
-    return Base(local, str(name), _read_json(local / "config.json"), shapes, pickle_only=not safetensors)
+    config = _read_json(local / "config.json")
+    multimodal = is_multimodal(config)
+    if multimodal:  # the language model's weights, named as the text-only model finetune trains (cuda)
+        shapes = {text: v for k, v in shapes.items() if (text := _text_name(k)) is not None}
+    return Base(local, str(name), config, shapes, pickle_only=not safetensors, multimodal=multimodal)
+
+
+def _text_name(key: str) -> str | None:
+    """A multimodal checkpoint's weight name as its text-only model names it, or None (the vision tower's)."""
+    for pattern, repl in TEXT_KEY_MAPPING.items():
+        if re.match(pattern, key):
+            return re.sub(pattern, repl, key)
+    return None
 
 
 def _weight_files(d: Path) -> tuple[list[Path], list[Path]]:
@@ -651,11 +667,12 @@ def write_mlx(ad: Adapter, base: Base, out: Path) -> None:
         raise UserError(f"{ad.path}: adapters on layers {layers} of {n}; mlx-lm adapts only the top num_layers "
                         f"layers ({top} for {len(layers)}), so this does not convert")
     tensors: dict[str, Tensor] = {}
+    prefix = MLX_TEXT_PREFIX if base.multimodal else ""  # mlx-lm's multimodal wrapper names its text model so
     for path, mod in ad.modules.items():
-        tensors[f"{path}.lora_a"] = mod.a.T
-        tensors[f"{path}.lora_b"] = mod.b.T
+        tensors[f"{prefix}{path}.lora_a"] = mod.a.T
+        tensors[f"{prefix}{path}.lora_b"] = mod.b.T
         if mod.m is not None:
-            tensors[f"{path}.m"] = mod.m
+            tensors[f"{prefix}{path}.m"] = mod.m
     config = {
         "model": str(base.path) if Path(base.name).expanduser().is_dir() else base.name,
         "fine_tune_type": "dora" if ad.dora else "lora",
@@ -787,13 +804,12 @@ def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize:
 def _merge_peft(base: Base, adapter_dir: Path, out: Path, trust_remote_code: bool, allow_pickle: bool) -> None:
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     check_remote_code(base.path, trust_remote_code, "add --trust-remote-code")
     # use_safetensors=True: transformers refuses pickle weights instead of falling back to them.
     # The adapter PEFT loads is always adapter_model.safetensors (detect_format / write_peft).
-    model = AutoModelForCausalLM.from_pretrained(str(base.path), dtype="auto", trust_remote_code=trust_remote_code,
-                                                 use_safetensors=None if allow_pickle else True)
+    # a multimodal checkpoint: its language model alone, as training loaded it
+    model = load_causal_lm(base.path, trust_remote_code, dtype="auto", use_safetensors=None if allow_pickle else True)
     with torch.no_grad():
         merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -64,6 +65,53 @@ def local_model_dir(model: ModelSpec, seed: int = 0, hub_cache: bool = True) -> 
         raise UserError(f"model.path={model.path} does not exist; give an existing directory or a hub id")
     snap = cached_snapshot(str(model.path), model.revision) if hub_cache else None
     return snap if snap is not None else f"{model.path} is not in the local hub cache (the run downloads it)"
+
+
+# Where a multimodal checkpoint (Gemma 3 from 4B up, Mistral 3, Llama 4: a text model beside a
+# vision tower, ``text_config`` in config.json) keeps its language model's weights, in the names
+# transformers saves (the hub's; ``model.language_model.`` as some versions save) -> the names of
+# the text-only class its ``text_config`` builds. Only the language model is loaded and trained:
+# the vision tower is never read (what the plan prices, finetune/planner/describe.py ``_text``).
+TEXT_KEY_MAPPING = {r"^(?:model\.)?language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
+                    r"^(?:model\.)?language_model\.lm_head\.": "lm_head."}
+
+
+def is_multimodal(hf: dict[str, Any]) -> bool:
+    """Whether config.json ``hf`` is a multimodal checkpoint's (a text model inside, under ``text_config``)."""
+    return isinstance(hf.get("text_config"), dict) and any(k in hf for k in ("vision_config", "audio_config"))
+
+
+def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(model_dir, ...)``; for a multimodal checkpoint, its
+    language model alone: the text-only class of its ``text_config``, its weights found through
+    ``TEXT_KEY_MAPPING``, the vision tower's left unread. Every weight of that text model must be
+    found (else UserError); transformers' report listing the vision tower's keys as unexpected
+    is not printed, since they are left out on purpose."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not is_multimodal(_read_config_json(Path(model_dir) / "config.json")):
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **kwargs)
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code).get_text_config()
+    report = logging.getLogger("transformers.modeling_utils")
+    drop = _DropLoadReport()
+    report.addFilter(drop)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                                           config=config, key_mapping=TEXT_KEY_MAPPING,
+                                                           output_loading_info=True, **kwargs)
+    finally:
+        report.removeFilter(drop)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise UserError(f"{model_dir}: a multimodal checkpoint whose language model was not found where finetune "
+                        f"looks ({', '.join(TEXT_KEY_MAPPING)}): {len(missing)} of its weights are missing, "
+                        f"{missing[0]} first; use the text model's own checkpoint")
+    return model
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
 
 
 def _hf_token() -> str | None:

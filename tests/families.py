@@ -103,3 +103,38 @@ def build_family(name: str, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def build_multimodal(seed: int = 0) -> Path:
+    """A tiny Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration: the ``gemma3`` family's
+    text model beside a one-layer SigLIP vision tower), saved as transformers saves it (the
+    vocabulary in ``text_config`` only, as in the released configs). Built once."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    from finetune.tiny import _write_tokenizer
+
+    final = cache_root() / f"gemma3-multimodal-v2-s{seed}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-gemma3mm-", dir=final.parent))
+    try:
+        torch.manual_seed(seed)
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "image_size": 28, "patch_size": 14}
+        cfg = Gemma3Config(text_config=family_config("gemma3").to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                           image_token_index=5, boi_token_index=6, eoi_token_index=7)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp))
+        _write_tokenizer(tmp, VOCAB)
+        hf = json.loads((tmp / "config.json").read_text())
+        hf["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process built it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -9,19 +9,20 @@ from typing import Any
 
 import torch
 from finetune.export import check_remote_code
+from finetune.model_source import load_causal_lm
 
 
 def generate(model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
              seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
     """The completion of ``prompt`` by the base in ``model_dir`` plus the PEFT ``adapter``:
     greedy at ``temperature`` 0, plain temperature sampling seeded with ``seed`` otherwise."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     check_remote_code(model_dir, trust_remote_code, "set model.trust_remote_code=true")
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     # use_safetensors=True: transformers refuses pickle weights rather than falling back to them
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", trust_remote_code=trust_remote_code,
-                                                 use_safetensors=None if allow_pickle else True)
+    # a multimodal checkpoint: its language model alone, as training loaded it
+    model = load_causal_lm(model_dir, trust_remote_code, dtype="auto", use_safetensors=None if allow_pickle else True)
     if adapter is not None:
         from peft import PeftModel
 

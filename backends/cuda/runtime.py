@@ -38,7 +38,7 @@ from finetune.backends.cuda.memory import FSDP_OPTIMIZERS, packed_path
 from finetune.errors import UserError
 from finetune import precision as precision_mod, quiet
 from finetune.accounting.probes import NvmlProbe
-from finetune.model_source import TOKENIZER_FILES, stored_dtype, stored_quantization
+from finetune.model_source import TOKENIZER_FILES, load_causal_lm, stored_dtype, stored_quantization
 from finetune.records import CENSUS_KEYS, Census, CensusKey
 from finetune.planner.describe import EXPERTS, check_targets, lora_keys
 from finetune.planner.model import attention, model_desc
@@ -409,9 +409,7 @@ class CudaBackend:
 
     def _load(self, spec: RunSpec, model_dir: Path, device: torch.device) -> None:
         """The base model through ``from_pretrained`` on ``device`` (or split over the GPUs),
-        4-bit quantized there for qlora."""
-        from transformers import AutoModelForCausalLM
-
+        4-bit quantized there for qlora; a multimodal checkpoint's language model alone."""
         m = spec.method
         _check_loadable(spec, model_dir)
         self.desc = model_desc(spec.model, model_dir)
@@ -432,7 +430,7 @@ class CudaBackend:
 
         quiet.no_loading_bar()
         try:
-            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+            hf = load_causal_lm(model_dir, **kwargs)  # a multimodal checkpoint: its language model alone
         except (RuntimeError, NotImplementedError, ImportError) as e:
             if m.name != "qlora":
                 raise

@@ -20,6 +20,10 @@ from pathlib import Path
 from typing import Any, TypeGuard
 from finetune.errors import UserError
 
+# what mlx-lm's multimodal wrappers (gemma3, mistral3, ...) call their language model: the
+# runtime trains that model, and an adapter of a multimodal base names its modules under it
+MLX_TEXT_PREFIX = "language_model."
+
 # model_type -> the mlx_lm/models/<module>.py that builds it (mlx_lm.utils.MODEL_REMAPPING)
 _MODULE = {"mistral": "llama"}
 
@@ -167,4 +171,16 @@ def model_config(model_dir: Path | str, seq_len: int | None = None) -> dict[str,
     line = refusal(config, seq_len)
     if line is not None:
         raise UserError(line)
-    return {k: v for k, v in normalise(config).items() if k not in config or config[k] != v}
+    out = {k: v for k, v in normalise(config).items() if k not in config or config[k] != v}
+    text = config.get("text_config")
+    if isinstance(text, dict) and any(k in config for k in ("vision_config", "audio_config")):
+        # a multimodal checkpoint (mlx-lm's wrapper builds its language model from text_config):
+        # the same words for the text model, and the vocabulary where the wrapper reads it (its
+        # default is Gemma 3's 262,208, whatever text_config says)
+        line = refusal(text, seq_len)
+        if line is not None:
+            raise UserError(line)
+        out["text_config"] = normalise(text)
+        if "vocab_size" in text and "vocab_size" not in config:
+            out["vocab_size"] = text["vocab_size"]
+    return out

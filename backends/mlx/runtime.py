@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from finetune.errors import UserError
 from finetune import precision as precision_mod
 from finetune.backends.mlx.generate import generate
-from finetune.backends.mlx.hfconfig import model_config as mlx_model_config
+from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_model_config
 from finetune.model_source import stored_dtype, stored_quantization
 from finetune.records import Census
 from finetune.planner.describe import EXPERTS, FAMILIES, check_targets, lora_keys
@@ -199,6 +199,13 @@ class MlxBackend:
                    f"use a model of a described family: {', '.join(sorted(FAMILIES))}")
             raise UserError(f"{model_dir}: mlx-lm {_mlx_lm_version()} cannot build model_type={desc.model_type} from "
                             f"this config.json ({str(e).splitlines()[0][:200]}); {fix}") from None
+        # A multimodal checkpoint (Gemma 3 from 4B up): mlx-lm's wrapper holds the language model
+        # (its sanitize drops the vision tower's weights) as `language_model`; the run trains that
+        # model, and the files mlx-lm reads back (adapters, a full model) keep the wrapper's names.
+        self.outer, self.prefix = model, ""
+        inner = getattr(model, "language_model", None)
+        if inner is not None and not hasattr(model, "model") and hasattr(inner, "model"):
+            model, self.prefix = inner, MLX_TEXT_PREFIX
         self.model = model
 
     def _cast(self, spec: RunSpec, model_dir: Path) -> None:
@@ -531,10 +538,11 @@ class MlxBackend:
             from mlx_lm.utils import save
 
             # A standalone mlx-lm model directory: `mlx_lm.generate --model PATH`.
-            save(path, self.model_dir, self.model, self.tokenizer, dict(self.model_config),
+            save(path, self.model_dir, self.outer, self.tokenizer, dict(self.model_config),
                  donate_model=False)
             return
-        weights = dict(tree_flatten(self.model.trainable_parameters()))
+        # in the names of the model mlx-lm loads (a multimodal wrapper's language_model.*)
+        weights = {self.prefix + k: v for k, v in tree_flatten(self.model.trainable_parameters())}
         mx.save_safetensors(str(path / "adapters.safetensors"), weights)
         config = {
             "model": str(self.model_dir),
