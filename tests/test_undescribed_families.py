@@ -69,6 +69,8 @@ def test_undescribed_family_trains_and_says_the_plan_is_approximate(name: str, b
         out = train(resolve(_cfg(tmp_path / "run", name, backend)))
     said = [r.getMessage() for r in caplog.records if APPROX in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"plan: model_type={name} ") and "(approximate)" in said[0], said
+    unchecked = [r.getMessage() for r in caplog.records if "has not checked that it computes" in r.getMessage()]
+    assert len(unchecked) == (backend == "mlx"), unchecked  # mlx-lm's module, unverified against transformers
     assert math.isfinite(out["final_train_loss"]) and out["steps"] == 2
     p = planner.plan(resolve(_cfg(tmp_path / "unused", name, backend)), recommend=False)
     assert any(APPROX in n for n in p["notes"])
@@ -112,7 +114,16 @@ def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path
     ids, mask = _rows()
     m_ids, m_mask = mx.array(ids.astype(np.int32)), mx.array(mask)
     be.model.eval()
-    want = _reference(np.array(be.model(m_ids).astype(mx.float32)), ids, mask)
+    logits = np.array(be.model(m_ids).astype(mx.float32))
+    want = _reference(logits, ids, mask)
+    # and mlx-lm's module computes what transformers does for these two (the run's warning says
+    # this is unchecked in general; here it is checked)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(build_family(name)), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert float(np.abs(hf(torch.from_numpy(ids)).logits.numpy() - logits).max()) < 1e-5
     got = float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 0))
     assert got == pytest.approx(want, rel=1e-5)
     if name == "granite":
@@ -126,7 +137,8 @@ def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path
 REFUSED = [
     ("gpt_neox", "cuda", (), ["model_type=gpt_neox is not a family finetune describes exactly",
                               "q_proj, v_proj", "query_key_value", "use a model of a described family"]),
-    ("gpt_neox", "mlx", (), ["mlx-lm", "cannot build model_type=gpt_neox", "use a model of a described family"]),
+    ("gpt_neox", "mlx", (), ["mlx-lm", "cannot load model_type=gpt_neox", "ModelArgs", "use backend=cuda, or a "
+                             "model of a described family"]),
     ("gpt2", "cuda", (), ["model_type=gpt2 is not a family finetune can describe", "no hidden_size",
                           "use a model of a described family"]),
     ("gpt2", "mlx", ("mode=plan",), ["model_type=gpt2 is not a family finetune can describe"]),

@@ -193,12 +193,24 @@ class MlxBackend:
             model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
                                                             tokenizer_config={"trust_remote_code": trust},
                                                             trust_remote_code=trust)
-        except TypeError as e:  # the family's ModelArgs wants keys this config.json names otherwise
+        except (TypeError, ValueError, SystemExit) as e:
+            # mlx-lm cannot build or fill this checkpoint's model: its ModelArgs want keys this
+            # config.json names otherwise (TypeError), its module builds other weights than the
+            # file holds (ValueError: "parameters not in model", "Expected shape"), or its module
+            # exits on import for a package it lacks (SystemExit, after printing which)
             desc = model_desc(spec.model, model_dir)
-            fix = ("use backend=cuda" if desc.described else
-                   f"use a model of a described family: {', '.join(sorted(FAMILIES))}")
-            raise UserError(f"{model_dir}: mlx-lm {_mlx_lm_version()} cannot build model_type={desc.model_type} from "
-                            f"this config.json ({str(e).splitlines()[0][:200]}); {fix}") from None
+            fix = "use backend=cuda" + ("" if desc.described else
+                                        f", or a model of a described family: {', '.join(sorted(FAMILIES))}")
+            why = (f"its module exited on import (status {e.code}), needing what it printed above"
+                   if isinstance(e, SystemExit) else " ".join(str(e).split())[:200])
+            raise UserError(f"{model_dir}: mlx-lm {_mlx_lm_version()} cannot load model_type={desc.model_type} from "
+                            f"this checkpoint ({why}); {fix}") from None
+        desc = model_desc(spec.model, model_dir)
+        if not desc.described:  # tests/test_families_mlx.py checks mlx-lm against transformers per described family
+            log.warning("model_type=%s: mlx-lm's %s module builds it, and finetune has not checked that it computes "
+                        "what transformers does for this family (a RoPE variant or a config key it does not read "
+                        "would change the model); compare a few steps' loss with backend=cuda before a long run",
+                        desc.model_type, type(model).__module__.rsplit(".", 1)[-1])
         # A multimodal checkpoint (Gemma 3 from 4B up): mlx-lm's wrapper holds the language model
         # (its sanitize drops the vision tower's weights) as `language_model`; the run trains that
         # model, and the files mlx-lm reads back (adapters, a full model) keep the wrapper's names.
