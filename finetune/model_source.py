@@ -86,7 +86,7 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
     language model alone: the text-only class of its ``text_config``, its weights found through
     ``TEXT_KEY_MAPPING``, the vision tower's left unread. Every weight of that text model must be
     found (else UserError); transformers' report listing the vision tower's keys as unexpected
-    is not printed, since they are left out on purpose."""
+    is not printed, since they are left out on purpose. The model saves as a text checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not is_multimodal(_read_config_json(Path(model_dir) / "config.json")):
@@ -101,6 +101,10 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
                                                            output_loading_info=True, **kwargs)
     finally:
         report.removeFilter(drop)
+    # Saved (a full fine-tune, a merge) as the text model it now is, in its own names: transformers
+    # would otherwise revert the renaming above on save_pretrained and write the multimodal names
+    # under a text config.json, which loads back as a random model.
+    model._weight_conversions = None
     missing = sorted(info["missing_keys"])
     if missing:
         raise UserError(f"{model_dir}: a multimodal checkpoint whose language model was not found where finetune "

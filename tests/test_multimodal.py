@@ -118,12 +118,12 @@ def _torch_logits(adapter: Path | None) -> np.ndarray:
         return model.eval()(torch.tensor([IDS])).logits[0].float().numpy()
 
 
-def _mlx_logits(adapter: Path | None) -> np.ndarray:
+def _mlx_logits(adapter: Path | None, base_dir: Path | None = None) -> np.ndarray:
     import mlx.core as mx
     from finetune.backends.mlx.hfconfig import model_config
     from mlx_lm.utils import load
 
-    base = build_multimodal()
+    base = base_dir or build_multimodal()
     model, _ = load(str(base), adapter_path=str(adapter) if adapter else None,
                     model_config=model_config(base, seq_len=len(IDS)))
     model.eval()
@@ -155,3 +155,29 @@ def test_adapters_cross_backends(trained_on: str, to: str, runs: dict[str, tuple
     got = there(tmp_path / to)
     diff, effect = float(np.abs(want - got).max()), float(np.abs(want - base).max())
     assert diff <= 1e-4 and effect > 1e-3, (diff, effect)
+
+
+def test_full_and_merged_saves_load_back_as_what_was_trained(runs: dict[str, tuple[Path, dict[str, Any]]],
+                                                             tmp_path: Path) -> None:
+    """A cuda merge and a cuda full fine-tune save a text checkpoint (its config, its names) that
+    loads back whole, with the trained weights; an mlx full fine-tune saves mlx-lm's wrapper."""
+    import torch
+    import transformers
+    from finetune.loop import train
+    from transformers import AutoModelForCausalLM
+
+    def reload(d: Path) -> np.ndarray:
+        transformers.logging.set_verbosity_error()
+        model, info = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        with torch.no_grad():
+            return model.eval()(torch.tensor([IDS])).logits[0].numpy()
+
+    _export("--merge", runs["cuda"][0] / "adapter", tmp_path / "merged")
+    assert float(np.abs(reload(tmp_path / "merged") - _torch_logits(runs["cuda"][0] / "adapter")).max()) < 1e-4
+    base = _torch_logits(None)
+    for backend in ("cuda", "mlx"):
+        run = tmp_path / f"full-{backend}"
+        train(resolve(_cfg(run, backend, "method=full")))
+        got = reload(run / "adapter") if backend == "cuda" else _mlx_logits(None, base_dir=run / "adapter")
+        assert float(np.abs(got - base).max()) > 1e-3, backend  # the trained weights, not the base's
