@@ -81,6 +81,17 @@ def is_multimodal(hf: dict[str, Any]) -> bool:
     return isinstance(hf.get("text_config"), dict) and any(k in hf for k in ("vision_config", "audio_config"))
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's language model: its ``text_config``, with its ``model_type``
+    (the outer one where it names none) and the head tied as the whole model's config says,
+    where it says so: transformers 5's multimodal classes tie by the outer ``tie_word_embeddings``
+    (Mistral 3's defaults to true over an untied text config) and save no head then."""
+    text = {**hf["text_config"], "model_type": hf["text_config"].get("model_type") or hf.get("model_type")}
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
 def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: Any) -> Any:
     """``AutoModelForCausalLM.from_pretrained(model_dir, ...)``; for a multimodal checkpoint, its
     language model alone: the text-only class of its ``text_config``, its weights found through
@@ -89,9 +100,11 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
     is not printed, since they are left out on purpose. The model saves as a text checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not is_multimodal(_read_config_json(Path(model_dir) / "config.json")):
+    hf = _read_config_json(Path(model_dir) / "config.json")
+    if not is_multimodal(hf):
         return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **kwargs)
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code).get_text_config()
+    config.tie_word_embeddings = bool(text_config(hf).get("tie_word_embeddings", config.tie_word_embeddings))
     report = logging.getLogger("transformers.modeling_utils")
     drop = _DropLoadReport()
     report.addFilter(drop)

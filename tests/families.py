@@ -105,27 +105,42 @@ def build_family(name: str, seed: int = 0) -> Path:
     return final
 
 
-def build_multimodal(seed: int = 0) -> Path:
-    """A tiny Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration: the ``gemma3`` family's
-    text model beside a one-layer SigLIP vision tower), saved as transformers saves it (the
-    vocabulary in ``text_config`` only, as in the released configs). Built once."""
+def _multimodal_config(kind: str) -> Any:
+    from transformers import AutoConfig
+
+    if kind == "gemma3":  # Gemma3ForConditionalGeneration: the gemma3 family's text model, a SigLIP tower
+        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "image_size": 28, "patch_size": 14}
+        return AutoConfig.for_model("gemma3", text_config=family_config("gemma3").to_dict(), vision_config=vision,
+                                    mm_tokens_per_image=4, image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    # Mistral3ForConditionalGeneration (Mistral Small 3.1): the mistral family's text model, a Pixtral
+    # tower; its outer config ties the head (Mistral3Config's default) over an untied text config
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 28, "patch_size": 14, "head_dim": 16}
+    return AutoConfig.for_model("mistral3", text_config=family_config("mistral").to_dict(), vision_config=vision,
+                                spatial_merge_size=1)
+
+
+MULTIMODAL = ("gemma3", "mistral3")
+
+
+def build_multimodal(kind: str = "gemma3", seed: int = 0) -> Path:
+    """A tiny multimodal checkpoint of ``kind`` (``MULTIMODAL``: a described family's text model
+    beside a one-layer vision tower), saved as transformers saves it (the vocabulary in
+    ``text_config`` only, as in the released configs). Built once."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3Config
+    from transformers import AutoModelForImageTextToText
 
     from finetune.tiny import _write_tokenizer
 
-    final = cache_root() / f"gemma3-multimodal-v2-s{seed}"
+    final = cache_root() / f"{kind}-multimodal-v2-s{seed}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-gemma3mm-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-mm-", dir=final.parent))
     try:
         torch.manual_seed(seed)
-        vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                  "image_size": 28, "patch_size": 14}
-        cfg = Gemma3Config(text_config=family_config("gemma3").to_dict(), vision_config=vision, mm_tokens_per_image=4,
-                           image_token_index=5, boi_token_index=6, eoi_token_index=7)
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp))
+        AutoModelForImageTextToText.from_config(_multimodal_config(kind), dtype=torch.float32).save_pretrained(str(tmp))
         _write_tokenizer(tmp, VOCAB)
         hf = json.loads((tmp / "config.json").read_text())
         hf["dtype"] = "float32"

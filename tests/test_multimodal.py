@@ -1,8 +1,9 @@
 """A multimodal checkpoint (Gemma 3 from 4B up, as the shipped ``model=gemma3-12b`` preset points
-at: Gemma3ForConditionalGeneration, a text model beside a vision tower) fine-tunes its language
-model on both backends, and its adapters cross between them.
+at, and Mistral Small 3.1: a text model beside a vision tower) fine-tunes its language model on
+both backends, and its adapters cross between them.
 
-Asserted on a tiny real one (tests/families.py ``build_multimodal``): each backend loads the
+Asserted on tiny real ones (tests/families.py ``build_multimodal``: gemma3, and mistral3, whose
+outer config ties the head over an untied text config): each backend loads the
 language model alone (the plan's count, which leaves the vision tower out, equals what was
 loaded and trained), with the checkpoint's own weights: the loss each backend computes on fixed
 rows equals the full multimodal model's own loss in transformers; an all-linear adapter trained
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
-from families import VOCAB, build_multimodal
+from families import MULTIMODAL, VOCAB, build_multimodal
 
 from finetune import planner
 from finetune.resolver import resolve
@@ -33,26 +34,31 @@ FAST = ("train.steps=2", "train.warmup_steps=0", "train.eval_every=0", "train.pr
 IDS = [3, 17, 45, 101, 7, 250, 12, 9]  # inside the tiny text model's 8-token sliding window
 
 
-def _cfg(run_dir: Path, backend: str, *extra: str) -> Any:
-    return make_cfg(run_dir, f"model.path={build_multimodal()}", f"backend={backend}", *FAST, *extra)
+@pytest.fixture(scope="module", params=MULTIMODAL)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _cfg(kind: str, run_dir: Path, backend: str, *extra: str) -> Any:
+    return make_cfg(run_dir, f"model.path={build_multimodal(kind)}", f"backend={backend}", *FAST, *extra)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
+def runs(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
     """Each backend's all-linear LoRA run on the multimodal checkpoint: (run dir, summary)."""
     from finetune.loop import train
 
-    root = tmp_path_factory.mktemp("multimodal")
-    return {b: (root / b, train(resolve(_cfg(root / b, b)))) for b in ("cuda", "mlx")}
+    root = tmp_path_factory.mktemp(f"multimodal-{kind}")
+    return {b: (root / b, train(resolve(_cfg(kind, root / b, b)))) for b in ("cuda", "mlx")}
 
 
-def _full_model() -> Any:
+def _full_model(kind: str) -> Any:
     """The whole multimodal model, vision tower and all, as transformers loads the checkpoint."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(str(build_multimodal()), dtype=torch.float32)
-    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    model = AutoModelForImageTextToText.from_pretrained(str(build_multimodal(kind)), dtype=torch.float32)
+    assert type(model).__name__.endswith("ForConditionalGeneration")
     return model.eval()
 
 
@@ -70,11 +76,11 @@ def _reference(logits: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> float:
     return float(-(np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0] * mask[:, 1:]).sum())
 
 
-def test_both_backends_train_the_language_model_alone(runs: dict[str, tuple[Path, dict[str, Any]]],
+def test_both_backends_train_the_language_model_alone(kind: str, runs: dict[str, tuple[Path, dict[str, Any]]],
                                                       tmp_path: Path) -> None:
-    full = sum(p.numel() for p in _full_model().parameters())
+    full = sum(p.numel() for p in _full_model(kind).parameters())
     for backend, (_, s) in runs.items():
-        p = planner.plan(resolve(_cfg(tmp_path / backend, backend)), recommend=False)
+        p = planner.plan(resolve(_cfg(kind, tmp_path / backend, backend)), recommend=False)
         assert (s["params_total"], s["params_trainable"]) == (p["params_total"], p["params_trainable"]), backend
         assert s["params_total"] - s["params_trainable"] < full  # the vision tower was not loaded
         assert s["steps"] == 2 and math.isfinite(s["final_train_loss"])
@@ -82,7 +88,7 @@ def test_both_backends_train_the_language_model_alone(runs: dict[str, tuple[Path
     assert runs["mlx"][1]["first_loss"] == pytest.approx(runs["cuda"][1]["first_loss"], rel=1e-4)
 
 
-def test_the_loss_is_the_multimodal_models_own(tmp_path: Path) -> None:
+def test_the_loss_is_the_multimodal_models_own(kind: str, tmp_path: Path) -> None:
     import mlx.core as mx
     import torch
     from finetune.backends.cuda import loss as cuda_loss
@@ -92,24 +98,24 @@ def test_the_loss_is_the_multimodal_models_own(tmp_path: Path) -> None:
 
     ids, mask = _rows()
     with torch.no_grad():
-        want = _reference(_full_model()(input_ids=torch.from_numpy(ids)).logits.float().numpy(), ids, mask)
+        want = _reference(_full_model(kind)(input_ids=torch.from_numpy(ids)).logits.float().numpy(), ids, mask)
     cuda = CudaBackend()
-    cuda.setup(resolve(_cfg(tmp_path / "c", "cuda")), build_multimodal())
+    cuda.setup(resolve(_cfg(kind, tmp_path / "c", "cuda")), build_multimodal(kind))
     with torch.no_grad():
         got = float(cuda_loss.token_loss_sum(cuda.model, torch.from_numpy(ids), None, torch.from_numpy(mask), 0,
                                              cuda._autocast))
     assert got == pytest.approx(want, rel=1e-5)
     mlx = MlxBackend()
-    mlx.setup(resolve(_cfg(tmp_path / "m", "mlx")), build_multimodal())
+    mlx.setup(resolve(_cfg(kind, tmp_path / "m", "mlx")), build_multimodal(kind))
     got = float(mlx_loss.token_loss_sum(mlx.model, mx.array(ids.astype(np.int32)), mx.array(mask), 0, grad=False))
     assert got == pytest.approx(want, rel=1e-4)
 
 
-def _torch_logits(adapter: Path | None) -> np.ndarray:
+def _torch_logits(kind: str, adapter: Path | None) -> np.ndarray:
     import torch
     from finetune.model_source import load_causal_lm
 
-    model = load_causal_lm(build_multimodal(), dtype=torch.float32)
+    model = load_causal_lm(build_multimodal(kind), dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
 
@@ -118,12 +124,12 @@ def _torch_logits(adapter: Path | None) -> np.ndarray:
         return model.eval()(torch.tensor([IDS])).logits[0].float().numpy()
 
 
-def _mlx_logits(adapter: Path | None, base_dir: Path | None = None) -> np.ndarray:
+def _mlx_logits(kind: str, adapter: Path | None, base_dir: Path | None = None) -> np.ndarray:
     import mlx.core as mx
     from finetune.backends.mlx.hfconfig import model_config
     from mlx_lm.utils import load
 
-    base = base_dir or build_multimodal()
+    base = base_dir or build_multimodal(kind)
     model, _ = load(str(base), adapter_path=str(adapter) if adapter else None,
                     model_config=model_config(base, seq_len=len(IDS)))
     model.eval()
@@ -140,7 +146,7 @@ def _export(*args: Any) -> None:
 
 
 @pytest.mark.parametrize("trained_on, to", [("cuda", "mlx"), ("mlx", "peft")])
-def test_adapters_cross_backends(trained_on: str, to: str, runs: dict[str, tuple[Path, dict[str, Any]]],
+def test_adapters_cross_backends(kind: str, trained_on: str, to: str, runs: dict[str, tuple[Path, dict[str, Any]]],
                                  tmp_path: Path) -> None:
     from finetune.export import read_safetensors
 
@@ -151,13 +157,13 @@ def test_adapters_cross_backends(trained_on: str, to: str, runs: dict[str, tuple
         assert names and all(n.startswith("language_model.model.layers.") for n in names), sorted(names)[:3]
     here = _torch_logits if trained_on == "cuda" else _mlx_logits
     there = _mlx_logits if trained_on == "cuda" else _torch_logits
-    want, base = here(run / "adapter"), here(None)
-    got = there(tmp_path / to)
+    want, base = here(kind, run / "adapter"), here(kind, None)
+    got = there(kind, tmp_path / to)
     diff, effect = float(np.abs(want - got).max()), float(np.abs(want - base).max())
     assert diff <= 1e-4 and effect > 1e-3, (diff, effect)
 
 
-def test_full_and_merged_saves_load_back_as_what_was_trained(runs: dict[str, tuple[Path, dict[str, Any]]],
+def test_full_and_merged_saves_load_back_as_what_was_trained(kind: str, runs: dict[str, tuple[Path, dict[str, Any]]],
                                                              tmp_path: Path) -> None:
     """A cuda merge and a cuda full fine-tune save a text checkpoint (its config, its names) that
     loads back whole, with the trained weights; an mlx full fine-tune saves mlx-lm's wrapper."""
@@ -174,10 +180,10 @@ def test_full_and_merged_saves_load_back_as_what_was_trained(runs: dict[str, tup
             return model.eval()(torch.tensor([IDS])).logits[0].numpy()
 
     _export("--merge", runs["cuda"][0] / "adapter", tmp_path / "merged")
-    assert float(np.abs(reload(tmp_path / "merged") - _torch_logits(runs["cuda"][0] / "adapter")).max()) < 1e-4
-    base = _torch_logits(None)
+    assert float(np.abs(reload(tmp_path / "merged") - _torch_logits(kind, runs["cuda"][0] / "adapter")).max()) < 1e-4
+    base = _torch_logits(kind, None)
     for backend in ("cuda", "mlx"):
         run = tmp_path / f"full-{backend}"
-        train(resolve(_cfg(run, backend, "method=full")))
-        got = reload(run / "adapter") if backend == "cuda" else _mlx_logits(None, base_dir=run / "adapter")
+        train(resolve(_cfg(kind, run, backend, "method=full")))
+        got = reload(run / "adapter") if backend == "cuda" else _mlx_logits(kind, None, base_dir=run / "adapter")
         assert float(np.abs(got - base).max()) > 1e-3, backend  # the trained weights, not the base's

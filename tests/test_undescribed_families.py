@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
-from families import UNDESCRIBED, VOCAB, build_family
+from families import VOCAB, build_family
 
 from finetune import planner
 from finetune.cli import run

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeGuard
 from finetune.errors import UserError
+from finetune.model_source import text_config
 
 # what mlx-lm's multimodal wrappers (gemma3, mistral3, ...) call their language model: the
 # runtime trains that model, and an adapter of a multimodal base names its modules under it
@@ -180,7 +181,7 @@ def model_config(model_dir: Path | str, seq_len: int | None = None) -> dict[str,
         line = refusal(text, seq_len)
         if line is not None:
             raise UserError(line)
-        out["text_config"] = normalise(text)
+        out["text_config"] = normalise(text_config(config))  # tied as the whole model's config says
         if "vocab_size" in text and "vocab_size" not in config:
             out["vocab_size"] = text["vocab_size"]
     return out

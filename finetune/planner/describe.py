@@ -19,6 +19,7 @@ import math
 from typing import Any, NamedTuple
 
 from finetune.errors import UserError
+from finetune.model_source import text_config
 from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
 
 # ---- building it from config.json --------------------------------------------------------------
@@ -49,9 +50,10 @@ _EAGER_ONLY = {"gemma2": "soft-capped attention scores", "gpt_oss": "attention s
 
 
 def _text(hf: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal config's language model (``text_config``), else the config itself."""
+    """A multimodal config's language model (``text_config``; its head tied as the whole model's
+    config says where it says so, finetune.model_source ``text_config``), else the config itself."""
     if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
-        return {**hf["text_config"], "model_type": hf["text_config"].get("model_type") or hf.get("model_type")}
+        return text_config(hf)
     return hf
 
 
