@@ -112,6 +112,13 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
         model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
                                                            config=config, key_mapping=TEXT_KEY_MAPPING,
                                                            output_loading_info=True, **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        # Qwen2.5-VL: its language model (M-RoPE over 3-D positions) has no text-only class
+        raise UserError(f"{model_dir}: a multimodal checkpoint whose language model ({config.model_type}) transformers "
+                        f"has no text-only causal LM class for, so finetune cannot load it alone; use backend=mlx "
+                        "(where mlx-lm builds it) or a text model's checkpoint") from None
     finally:
         report.removeFilter(drop)
     # Saved (a full fine-tune, a merge) as the text model it now is, in its own names: transformers

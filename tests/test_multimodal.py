@@ -187,3 +187,26 @@ def test_full_and_merged_saves_load_back_as_what_was_trained(kind: str, runs: di
         train(resolve(_cfg(kind, run, backend, "method=full")))
         got = reload(run / "adapter") if backend == "cuda" else _mlx_logits(kind, None, base_dir=run / "adapter")
         assert float(np.abs(got - base).max()) > 1e-3, backend  # the trained weights, not the base's
+
+
+def test_a_language_model_transformers_cannot_load_alone_is_refused_on_cuda(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen2.5-VL's language model (M-RoPE) has no text-only class in transformers: cuda refuses
+    in one line naming backend=mlx, where mlx-lm builds it and it trains (as a family finetune
+    prices approximately, which the run says)."""
+    import logging
+
+    from finetune.cli import run
+    from finetune.errors import UserError
+    from finetune.loop import train
+
+    with pytest.raises(UserError) as e:
+        run(_cfg("qwen2_5_vl", tmp_path / "cuda", "cuda"))
+    msg = str(e.value)
+    assert "\n" not in msg and "(qwen2_5_vl_text) transformers has no text-only causal LM class" in msg, msg
+    assert msg.endswith("use backend=mlx (where mlx-lm builds it) or a text model's checkpoint")
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        s = train(resolve(_cfg("qwen2_5_vl", tmp_path / "mlx", "mlx")))
+    assert s["steps"] == 2 and math.isfinite(s["final_train_loss"])
+    assert any("model_type=qwen2_5_vl_text" in r.getMessage() and "(approximate)" in r.getMessage()
+               for r in caplog.records)
