@@ -76,21 +76,27 @@ def family_config(name: str) -> Any:
 
 def build_family(name: str, seed: int = 0) -> Path:
     """Directory of family ``name``'s tiny checkpoint (fp32), built once and reused."""
-    import torch
     from transformers import AutoModelForCausalLM
+
+    return _build_once(f"{name}-v1-s{seed}", lambda: AutoModelForCausalLM.from_config(family_config(name)), seed)
+
+
+def _build_once(folder: str, make: Any, seed: int) -> Path:
+    """``cache_root()/folder``: the model ``make()`` builds (seeded, fp32) saved as transformers
+    saves it, with the tiny BPE tokenizer and ``dtype: float32`` in config.json; built once, and
+    renamed into place whole (another process may have built it first)."""
+    import torch
 
     from finetune.tiny import _write_tokenizer
 
-    cfg = family_config(name)
-    final = cache_root() / f"{name}-v1-s{seed}"
+    final = cache_root() / folder
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder}-", dir=final.parent))
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        model.save_pretrained(str(tmp))
+        make().to(torch.float32).save_pretrained(str(tmp))
         _write_tokenizer(tmp, VOCAB)
         hf = json.loads((tmp / "config.json").read_text())
         hf["dtype"] = "float32"
@@ -132,28 +138,20 @@ def build_multimodal(kind: str = "gemma3", seed: int = 0) -> Path:
     """A tiny multimodal checkpoint of ``kind`` (``MULTIMODAL``: a described family's text model
     beside a one-layer vision tower), saved as transformers saves it (the vocabulary in
     ``text_config`` only, as in the released configs). Built once."""
-    import torch
     from transformers import AutoModelForImageTextToText
 
-    from finetune.tiny import _write_tokenizer
+    return _build_once(f"{kind}-multimodal-v2-s{seed}",
+                       lambda: AutoModelForImageTextToText.from_config(_multimodal_config(kind)), seed)
 
-    final = cache_root() / f"{kind}-multimodal-v2-s{seed}"
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{kind}-mm-", dir=final.parent))
-    try:
-        torch.manual_seed(seed)
-        AutoModelForImageTextToText.from_config(_multimodal_config(kind), dtype=torch.float32).save_pretrained(str(tmp))
-        _write_tokenizer(tmp, VOCAB)
-        hf = json.loads((tmp / "config.json").read_text())
-        hf["dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+def reference_loss(logits: Any, ids: Any, mask: Any) -> float:
+    """The summed cross-entropy of ``logits`` [B, T, V] at the targets ``ids[:, 1:]`` weighted by
+    ``mask[:, 1:]``, in float64 with numpy: the loss a model's own logits give, to hold a
+    backend's loss to."""
+    import numpy as np
+
+    z = np.asarray(logits)[:, :-1].astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, np.asarray(ids)[:, 1:, None], -1)[..., 0]
+    return float(-(picked * np.asarray(mask)[:, 1:]).sum())

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
-from families import MULTIMODAL, VOCAB, build_multimodal
+from families import MULTIMODAL, VOCAB, build_multimodal, reference_loss
 
 from finetune import planner
 from finetune.resolver import resolve
@@ -69,13 +69,6 @@ def _rows() -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
-def _reference(logits: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> float:
-    z = logits[:, :-1].astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    return float(-(np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0] * mask[:, 1:]).sum())
-
-
 def test_both_backends_train_the_language_model_alone(kind: str, runs: dict[str, tuple[Path, dict[str, Any]]],
                                                       tmp_path: Path) -> None:
     full = sum(p.numel() for p in _full_model(kind).parameters())
@@ -98,7 +91,7 @@ def test_the_loss_is_the_multimodal_models_own(kind: str, tmp_path: Path) -> Non
 
     ids, mask = _rows()
     with torch.no_grad():
-        want = _reference(_full_model(kind)(input_ids=torch.from_numpy(ids)).logits.float().numpy(), ids, mask)
+        want = reference_loss(_full_model(kind)(input_ids=torch.from_numpy(ids)).logits.float().numpy(), ids, mask)
     cuda = CudaBackend()
     cuda.setup(resolve(_cfg(kind, tmp_path / "c", "cuda")), build_multimodal(kind))
     with torch.no_grad():

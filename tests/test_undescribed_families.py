@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
-from families import VOCAB, build_family
+from families import VOCAB, build_family, reference_loss
 
 from finetune import planner
 from finetune.cli import run
@@ -47,15 +47,6 @@ def _rows() -> tuple[np.ndarray, np.ndarray]:
     mask = np.ones((2, 24), np.float32)
     mask[:, :8] = 0
     return ids, mask
-
-
-def _reference(logits: np.ndarray, ids: np.ndarray, mask: np.ndarray) -> float:
-    """The summed cross-entropy of the model's own logits at the target positions (float64)."""
-    z = logits[:, :-1].astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    picked = np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
-    return float(-(picked * mask[:, 1:]).sum())
 
 
 # ---- the ones that train ----------------------------------------------------------------------
@@ -88,7 +79,7 @@ def test_undescribed_family_loss_is_the_models_own_torch(name: str, tmp_path: Pa
     ids, mask = _rows()
     t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
     with torch.no_grad():
-        want = _reference(be.model(input_ids=t_ids).logits.float().numpy(), ids, mask)
+        want = reference_loss(be.model(input_ids=t_ids).logits.float().numpy(), ids, mask)
         got = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 0, be._autocast))
     assert got == pytest.approx(want, rel=1e-5)
     fallback = loss_mod.head_fallback(be.model)
@@ -115,7 +106,7 @@ def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path
     m_ids, m_mask = mx.array(ids.astype(np.int32)), mx.array(mask)
     be.model.eval()
     logits = np.array(be.model(m_ids).astype(mx.float32))
-    want = _reference(logits, ids, mask)
+    want = reference_loss(logits, ids, mask)
     # and mlx-lm's module computes what transformers does for these two (the run's warning says
     # this is unchecked in general; here it is checked)
     import torch
