@@ -42,7 +42,7 @@ def resolve_model_dir(model: ModelSpec, seed: int = 0) -> Path:
         ) from None
 
 
-def local_model_dir(model: ModelSpec, seed: int = 0, hub_cache: bool = True) -> Path | str:
+def local_model_dir(model: ModelSpec, *, seed: int, hub_cache: bool = True) -> Path | str:
     """The model's directory as far as this machine alone finds it, or why there is none (a str).
 
     The one resolution order: the tiny model (built here), a local directory (which must hold

@@ -55,7 +55,7 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
     Raises:
         UserError: the data itself cannot be read (the run would stop the same way).
     """
-    model_dir = local_model_dir(spec.model)
+    model_dir = local_model_dir(spec.model, seed=0)  # the run's own (finetune.loop: resolve_model_dir(seed=0))
     if not isinstance(model_dir, Path):
         return None, model_dir
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):

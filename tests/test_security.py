@@ -236,6 +236,14 @@ def test_allow_pickle_loads_a_real_pickle_base_where_the_library_can(runs_root, 
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "mlx-adapter" / "adapters.safetensors").read_bytes() == \
         (tmp_path / "mlx-adapter-ref" / "adapters.safetensors").read_bytes()
+    # a merge onto the pickle base (--allow-pickle: transformers reads the pickle) is the merge
+    # onto the safetensors base, tensor for tensor
+    for base, out, extra in ((pk, "merged-pk", ("--allow-pickle",)), (tiny_base, "merged-ref", ())):
+        r = _export("--merge", run, tmp_path / out, "--base", base, *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+    got_w, want_w = load_file(str(tmp_path / "merged-pk" / "model.safetensors")), \
+        load_file(str(tmp_path / "merged-ref" / "model.safetensors"))
+    assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
     if HAS_MLX:
         r = _generate(tmp_path / "g2", "backend=mlx", "model=qwen2-0.5b", f"model.path={pk}", "model.allow_pickle=true")
         _one_line_error(r, "mlx-lm does not load", "use backend=cuda")
