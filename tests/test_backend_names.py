@@ -26,6 +26,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("export.py", "mlx_model_config"): "mlx-lm's config keys for that merge engine",
     ("export.py", "MLX_CONFIG"): "mlx-lm's adapter_config.json file name (a file format)",
     ("export.py", "MLX_WEIGHTS"): "mlx-lm's adapters.safetensors file name (a file format)",
+    ("export.py", "MLX_TEXT_PREFIX"): "the name under which an mlx-lm adapter of a multimodal base names its modules "
+                                      "(mlx-lm's wrapper's language_model.: a file format)",
     ("generate.py", "MLX_CONFIG"): "adapter_config.json, the file name export defines for both formats",
     ("accounting/accountant.py", "cuda_context"): "the samples' cuda_context bytes, a field of the metrics schema",
     ("records.py", "cuda_context"): "a field of the Sample record, named as metrics.jsonl has always named it",

@@ -189,6 +189,7 @@ class MlxBackend:
         trust = spec.model.trust_remote_code  # the tokenizer's own code runs only when set
         # transformers-5 keys (rope_parameters, ...) in mlx-lm's words; refuses before any weights
         hf_keys = mlx_model_config(model_dir, seq_len=spec.train.seq_len)
+        self.desc = desc = model_desc(spec.model, model_dir)  # what the planner priced; _adapt reads it too
         try:
             model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
                                                             tokenizer_config={"trust_remote_code": trust},
@@ -198,14 +199,12 @@ class MlxBackend:
             # config.json names otherwise (TypeError), its module builds other weights than the
             # file holds (ValueError: "parameters not in model", "Expected shape"), or its module
             # exits on import for a package it lacks (SystemExit, after printing which)
-            desc = model_desc(spec.model, model_dir)
             fix = "use backend=cuda" + ("" if desc.described else
                                         f", or a model of a described family: {', '.join(sorted(FAMILIES))}")
             why = (f"its module exited on import (status {e.code}), needing what it printed above"
                    if isinstance(e, SystemExit) else " ".join(str(e).split())[:200])
             raise UserError(f"{model_dir}: mlx-lm {_mlx_lm_version()} cannot load model_type={desc.model_type} from "
                             f"this checkpoint ({why}); {fix}") from None
-        desc = model_desc(spec.model, model_dir)
         if not desc.described:  # tests/test_families_mlx.py checks mlx-lm against transformers per described family
             log.warning("model_type=%s: mlx-lm's %s module builds it, and finetune has not checked that it computes "
                         "what transformers does for this family (a RoPE variant or a config key it does not read "
@@ -266,7 +265,7 @@ class MlxBackend:
         n = lc.num_layers
         # the keys the model description resolves (null: the model's default ones), as the
         # planner counted them
-        desc = model_desc(spec.model, model_dir)
+        desc = self.desc
         keys = lora_keys(desc, lc.keys)
         if not desc.described:  # priced as a Llama-style decoder: its blocks may not be one
             check_targets(desc, keys, {k.rsplit(".", 1)[-1] for k in self._block_linears()}, f"mlx-lm {_mlx_lm_version()}")
