@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any, cast
 
+from finetune import quiet
 from finetune.errors import UserError
 from finetune.spec import ModelSpec
 from finetune.tiny import _arch, build_tiny, hf_config
@@ -97,9 +98,12 @@ def load_causal_lm(model_dir: Path, trust_remote_code: bool = False, **kwargs: A
     language model alone: the text-only class of its ``text_config``, its weights found through
     ``TEXT_KEY_MAPPING``, the vision tower's left unread. Every weight of that text model must be
     found (else UserError); transformers' report listing the vision tower's keys as unexpected
-    is not printed, since they are left out on purpose. The model saves as a text checkpoint."""
+    is not printed, since they are left out on purpose. The model saves as a text checkpoint.
+    transformers' "Loading weights" bar is not drawn (``quiet.no_loading_bar``): training,
+    generation and merges all load through here."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    quiet.no_loading_bar()
     hf = _read_config_json(Path(model_dir) / "config.json")
     if not is_multimodal(hf):
         return AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **kwargs)

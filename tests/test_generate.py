@@ -73,6 +73,13 @@ def test_generate_through_the_console_script(runs_root, capsys, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     want, _ = _generate(capsys, tmp_path / "in", "backend=mlx", f"generate.adapter={run}")
     assert r.stdout == want["completion"] + "\n"
+    # on cuda too, and transformers draws no "Loading weights" bar over it (finetune.quiet)
+    r = subprocess.run([*finetune_cmd(), "mode=generate", "backend=cuda", f"generate.adapter={run}",
+                        f"prompt={PROMPT}", "generate.max_new_tokens=8", f"hydra.run.dir={tmp_path}/c"],
+                       check=False, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert r.returncode == 0, r.stderr[-2000:]
+    want, _ = _generate(capsys, tmp_path / "in-cuda", "backend=cuda", f"generate.adapter={run}")
+    assert r.stdout == want["completion"] + "\n" and "Loading weights" not in r.stderr, r.stderr[-2000:]
 
 
 def test_generate_without_a_prompt_is_one_line(tmp_path):

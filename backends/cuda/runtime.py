@@ -36,7 +36,7 @@ from finetune.backends.cuda import varlen
 from finetune.backends.cuda.memory import FSDP_OPTIMIZERS, packed_path
 
 from finetune.errors import UserError
-from finetune import precision as precision_mod, quiet
+from finetune import precision as precision_mod
 from finetune.accounting.probes import NvmlProbe
 from finetune.model_source import TOKENIZER_FILES, load_causal_lm, stored_dtype, stored_quantization
 from finetune.records import CENSUS_KEYS, Census, CensusKey
@@ -428,7 +428,6 @@ class CudaBackend:
         if m.name == "qlora":
             kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or self.weight_dtype)
 
-        quiet.no_loading_bar()
         try:
             hf = load_causal_lm(model_dir, **kwargs)  # a multimodal checkpoint: its language model alone
         except (RuntimeError, NotImplementedError, ImportError) as e:
