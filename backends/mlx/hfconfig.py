@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeGuard
 from finetune.errors import UserError
-from finetune.model_source import text_config
+from finetune.model_source import is_multimodal, text_config
 
 # what mlx-lm's multimodal wrappers (gemma3, mistral3, ...) call their language model: the
 # runtime trains that model, and an adapter of a multimodal base names its modules under it
@@ -173,11 +173,11 @@ def model_config(model_dir: Path | str, seq_len: int | None = None) -> dict[str,
     if line is not None:
         raise UserError(line)
     out = {k: v for k, v in normalise(config).items() if k not in config or config[k] != v}
-    text = config.get("text_config")
-    if isinstance(text, dict) and any(k in config for k in ("vision_config", "audio_config")):
-        # a multimodal checkpoint (mlx-lm's wrapper builds its language model from text_config):
-        # the same words for the text model, and the vocabulary where the wrapper reads it (its
-        # default is Gemma 3's 262,208, whatever text_config says)
+    if is_multimodal(config):
+        # mlx-lm's wrapper builds its language model from text_config: the same words for the
+        # text model, and the vocabulary where the wrapper reads it (its default is Gemma 3's
+        # 262,208, whatever text_config says)
+        text = config["text_config"]
         line = refusal(text, seq_len)
         if line is not None:
             raise UserError(line)

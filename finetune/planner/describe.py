@@ -215,15 +215,16 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
     c = _text(hf)
     mt = str(c.get("model_type") or "")
     notes: list[str] = []
-    if mt not in FAMILIES:
+    described = mt in FAMILIES
+    if not described:
         notes.append(f"model_type={mt or '?'} is not a family finetune describes exactly "
                      f"({', '.join(sorted(FAMILIES))}): priced as a Llama-style decoder from its sizes (approximate)")
     c = {**FAMILIES.get(mt, {"tie_word_embeddings": False}), **{k: v for k, v in c.items() if v is not None}}
-    if mt not in FAMILIES and any(int(c.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+    if not described and any(int(c.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         raise UserError(f"{source}: model_type={mt} is a mixture of experts finetune cannot describe (priced as "
                         "a dense decoder, its experts would be left out of the plan and of LoRA's targets); use a "
                         f"model of a described family: {', '.join(sorted(FAMILIES))}")
-    if mt not in FAMILIES and any(c.get(k) is None for k in _LLAMA_SIZES):
+    if not described and any(c.get(k) is None for k in _LLAMA_SIZES):
         # GPT-2 (n_embd, n_layer), T5-style (d_model), ...: no Llama-style sizes to price, even roughly
         missing = ", ".join(k for k in _LLAMA_SIZES if c.get(k) is None)
         raise UserError(f"{source}: model_type={mt or '?'} is not a family finetune can describe (its config.json "
@@ -265,7 +266,7 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         final_softcap=c.get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
         sliding_window=int(sliding_window) if sliding_window else None,
         attn_default="eager" if mt in _EAGER_ONLY else "sdpa", fused_qkv=fused, source=source,
-        notes=tuple(notes), described=mt in FAMILIES,
+        notes=tuple(notes), described=described,
     )
 
 
