@@ -92,10 +92,19 @@ def test_sweep_peaks_do_not_depend_on_job_order_mlx(tmp_path: Path) -> None:
     a, b = _summaries(fwd), _summaries(rev)
     assert set(a) == set(b) == {"adamw", "sgd"}
     for optim in a:
-        pa, pb = a[optim]["memory"]["peaks"], b[optim]["memory"]["peaks"]
-        for key in ("allocated_bytes", "rss_bytes"):
-            assert abs(pa[key] - pb[key]) <= 0.05 * max(pa[key], pb[key]), (optim, key, pa[key], pb[key])
-        _census_close(a[optim]["memory"]["census_first_optimizer"], b[optim]["memory"]["census_first_optimizer"])
+        ma, mb = a[optim]["memory"], b[optim]["memory"]
+        # What a job holds at its end is exact: a job sharing a process with the one before would
+        # carry that job's live arrays into it.
+        assert ma["last"]["allocated_bytes"] == mb["last"]["allocated_bytes"], optim
+        ra, rb = ma["peaks"]["rss_bytes"], mb["peaks"]["rss_bytes"]
+        assert abs(ra - rb) <= 0.05 * max(ra, rb), (optim, ra, rb)
+        # The allocated peak (~7 MB on this model, in step 1) is not exact between identical runs:
+        # MLX runs the graph on its stream's thread and frees an input when the last reference
+        # drops, so whether a temporary is freed before the next is allocated depends on the two
+        # threads' timing. Measured: 6963220 or 7053328 at rest, 6373680 once in CI under load.
+        pa, pb = ma["peaks"]["allocated_bytes"], mb["peaks"]["allocated_bytes"]
+        assert abs(pa - pb) <= max(0.05 * max(pa, pb), 1 << 20), (optim, pa, pb)
+        _census_close(ma["census_first_optimizer"], mb["census_first_optimizer"])
 
 
 @needs_torch
