@@ -65,7 +65,22 @@ class Block:
     @property
     def mlp_width(self) -> int:
         """The width of the MLP's hidden activation for one token (an expert's for MoE)."""
-        return max((lin.in_f for lin in self.group(STAGE_MLP_OUT)), default=0)
+        outs = self.group(STAGE_MLP_OUT)
+        if self.moe:
+            outs = tuple(lin for lin in outs if lin.experts > 1)
+        return max((lin.in_f for lin in outs), default=0)
+
+    @property
+    def shared_width(self) -> int:
+        """An MoE block's shared expert (Qwen2-MoE's ``mlp.shared_expert``, a gated MLP every
+        token runs beside its routed experts): its hidden width per token; 0 where there is none."""
+        if not self.moe:
+            return 0
+        return max((lin.in_f for lin in self.group(STAGE_MLP_OUT) if lin.experts == 1), default=0)
+
+    def shared_group(self, stage: int) -> tuple[Linear, ...]:
+        """The linears of one stage that every token runs once (no routed expert, no router)."""
+        return tuple(lin for lin in self.group(stage) if lin.experts == 1 and lin.kind != "router")
 
 
 @dataclass(frozen=True)

@@ -46,19 +46,27 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
                             "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
                 "MoE with biases and attention sinks"),
     "starcoder2": ("starcoder2", {"use_bias": True}, "plain two-matrix MLP, biases, LayerNorm"),
+    "granite": ("granite", {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                            "attention_multiplier": 0.25}, "Llama's layout, scaled embeddings, residuals and logits"),
+    "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layer_interval": 2},
+                "Llama's layout, tied head, RoPE left out of every second layer"),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, "MoE, 4 experts, top-2, q/k norms over the "
+              "whole projection"),
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 96},
+                  "MoE, 4 experts, top-2, a shared expert with a sigmoid gate, q/k/v biases"),
 }
 
 # Families finetune does not describe exactly (finetune/planner/describe.py FAMILIES): a dense
-# Llama-like one priced from its sizes (granite: with logit scaling), a plain-MLP one with q/k/v
-# names (phi-2), and the layouts it must refuse in one line (GPT-NeoX's fused query_key_value,
-# GPT-2's n_embd sizes, an MoE it cannot price).
+# Llama-like one priced from its sizes (cohere: LayerNorm without bias, a parallel block, logits
+# scaled after the head), a plain-MLP one with q/k/v names (phi-2), and the layouts it must refuse
+# in one line (GPT-NeoX's fused query_key_value, GPT-2's n_embd sizes, an MoE it cannot price).
 UNDESCRIBED: dict[str, tuple[str, dict[str, Any], str]] = {
-    "granite": ("granite", {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
-                            "attention_multiplier": 0.25}, "Llama-like, scaled logits: trains, priced approximately"),
+    "cohere": ("cohere", {"logit_scale": 0.25, "tie_word_embeddings": True}, "Llama-like names, parallel block, scaled logits: trains, approximate"),
     "phi": ("phi", {"partial_rotary_factor": 0.5}, "phi-2: q/k/v/dense, fc1/fc2, LayerNorm: trains, approximate"),
     "gpt_neox": ("gpt_neox", {}, "fused query_key_value: LoRA refused"),
     "gpt2": ("gpt2", {}, "n_embd/n_layer sizes: refused"),
-    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, "an MoE not described: refused"),
+    "granitemoe": ("granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2}, "an MoE not described: refused"),
 }
 
 

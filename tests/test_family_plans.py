@@ -187,8 +187,9 @@ def test_mlx_peak_within_ten_percent_for_every_family(tmp_path):
     process for all (MLX's counters are process-wide); each family's baseline is what is alive
     before it loads."""
     cases = [(f, B, T, "null") for f in ("llama", "gemma2", "gemma3", "qwen3", "phi3", "olmo2", "mixtral",
-                                          "qwen3_moe", "starcoder2") for B, T in ((4, 64), (16, 64))]
-    cases += [(f, 4, 96, "all-linear") for f in ("gemma2", "phi3", "mixtral", "starcoder2")]
+                                          "qwen3_moe", "starcoder2", "granite", "smollm3", "olmoe", "qwen2_moe")
+             for B, T in ((4, 64), (16, 64))]
+    cases += [(f, 4, 96, "all-linear") for f in ("gemma2", "phi3", "mixtral", "starcoder2", "qwen2_moe")]
     script = MLX_PEAK_SCRIPT.format(tests=str(REPO / "tests"), cases=cases, run=str(tmp_path / "run"))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]

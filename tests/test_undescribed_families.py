@@ -2,13 +2,13 @@
 either trains correctly, priced as a Llama-style decoder and saying so, or is refused in one
 line naming the fix, on both backends. Never a traceback, never a wrong loss.
 
-- granite (Llama-like, logits scaled after the head) and phi-2 (q/k/v/dense, fc1/fc2,
+- cohere (Llama-like names, logits scaled after the head) and phi-2 (q/k/v/dense, fc1/fc2,
   LayerNorm, partial rotary): the run says at its start that the plan is approximate; the loss
-  the backend trains on equals the framework's own model's loss on the same rows (granite's
+  the backend trains on equals the framework's own model's loss on the same rows (cohere's
   scaled logits keep the head on every position, and its chunked loss is refused); the plan's
   LoRA count equals the backend's.
 - gpt_neox (a fused query_key_value where a Llama has q_proj/v_proj), gpt2 (sizes named n_embd,
-  n_layer), olmoe (an MoE the planner cannot price): one line naming the family and the fix,
+  n_layer), granitemoe (an MoE the planner cannot price): one line naming the family and the fix,
   nothing written that looks like a result.
 """
 
@@ -51,7 +51,7 @@ def _rows() -> tuple[np.ndarray, np.ndarray]:
 
 # ---- the ones that train ----------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["cuda", "mlx"])
-@pytest.mark.parametrize("name", ["granite", "phi"])
+@pytest.mark.parametrize("name", ["cohere", "phi"])
 def test_undescribed_family_trains_and_says_the_plan_is_approximate(name: str, backend: str, tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     from finetune.loop import train
@@ -68,7 +68,7 @@ def test_undescribed_family_trains_and_says_the_plan_is_approximate(name: str, b
     assert out["params_trainable"] == p["params_trainable"]  # q_proj/v_proj priced as the Llama's, which they are
 
 
-@pytest.mark.parametrize("name", ["granite", "phi"])
+@pytest.mark.parametrize("name", ["cohere", "phi"])
 def test_undescribed_family_loss_is_the_models_own_torch(name: str, tmp_path: Path) -> None:
     import torch
     from finetune.backends.cuda import loss as loss_mod
@@ -83,7 +83,7 @@ def test_undescribed_family_loss_is_the_models_own_torch(name: str, tmp_path: Pa
         got = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 0, be._autocast))
     assert got == pytest.approx(want, rel=1e-5)
     fallback = loss_mod.head_fallback(be.model)
-    if name == "granite":  # logits / logits_scaling: the head cannot run on target rows alone
+    if name == "cohere":  # logits * logit_scale: the head cannot run on target rows alone
         assert fallback is not None
         why = be.set_loss_chunk(8)  # the governor's lever declines, saying why
         assert why is not None and "logits are not its output head applied" in why, why
@@ -94,7 +94,7 @@ def test_undescribed_family_loss_is_the_models_own_torch(name: str, tmp_path: Pa
         assert chunked == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["granite", "phi"])
+@pytest.mark.parametrize("name", ["cohere", "phi"])
 def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path) -> None:
     import mlx.core as mx
     from finetune.backends.mlx import loss as loss_mod
@@ -117,8 +117,8 @@ def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path
         assert float(np.abs(hf(torch.from_numpy(ids)).logits.numpy() - logits).max()) < 1e-5
     got = float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 0))
     assert got == pytest.approx(want, rel=1e-5)
-    if name == "granite":
-        assert "logits_scaling" in loss_mod.head_fallback(be.model)
+    if name == "cohere":
+        assert "logit_scale" in loss_mod.head_fallback(be.model)
     else:
         assert loss_mod.head_fallback(be.model) is None
         assert float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 7, grad=False)) == pytest.approx(want, rel=1e-5)
@@ -133,8 +133,8 @@ REFUSED = [
     ("gpt2", "cuda", (), ["model_type=gpt2 is not a family finetune can describe", "no hidden_size",
                           "use a model of a described family"]),
     ("gpt2", "mlx", ("mode=plan",), ["model_type=gpt2 is not a family finetune can describe"]),
-    ("olmoe", "cuda", (), ["model_type=olmoe is a mixture of experts", "use a model of a described family"]),
-    ("olmoe", "mlx", ("mode=plan",), ["model_type=olmoe is a mixture of experts"]),
+    ("granitemoe", "cuda", (), ["model_type=granitemoe is a mixture of experts", "use a model of a described family"]),
+    ("granitemoe", "mlx", ("mode=plan",), ["model_type=granitemoe is a mixture of experts"]),
 ]
 
 

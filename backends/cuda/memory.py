@@ -660,12 +660,16 @@ def _mlp_kept(kept: _Kept) -> None:
     MLP's gelu keeps its input. MoE (integrations/moe.py, any experts implementation): each
     token runs top-k experts, so the MLP terms count n x k tokens at an expert's width; the fp32
     router softmax [n, E], the routing weights and indices, and each expert output kept for its
-    routing weight's grad. Approximated: the dispatch's own index copies are not counted."""
+    routing weight's grad. Approximated: the dispatch's own index copies are not counted. A shared
+    expert (modeling_qwen2_moe.py Qwen2MoeSparseMoeBlock) is a dense gated MLP on every token, and
+    sigmoid(shared_expert_gate(x)) * its output keeps both factors."""
     arch, block = kept.arch, kept.block
     n, k, a, w, h = kept.n, kept.k, kept.s.a, block.mlp_width, arch.hidden
     if block.moe:
         E = arch.experts
         kept.parts["mlp"] += 3 * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
+        if block.shared_width:
+            kept.parts["mlp"] += 3 * n * block.shared_width * a + n * h * a + 2 * n * a
     elif arch.gated_mlp:
         kept.parts["mlp"] += 3 * n * w * a
     else:
@@ -703,7 +707,10 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     _inputs_kept(kept, block.group(STAGE_MLP_IN), h, kept.st, False)
     if kept.keep(STAGE_MLP_IN):
         _mlp_kept(kept)
-    _inputs_kept(kept, block.group(STAGE_MLP_OUT), block.mlp_width, s.a, False)
+    outs = block.group(STAGE_MLP_OUT)  # routed experts' down projections, and a dense (or shared) one
+    _inputs_kept(kept, tuple(lin for lin in outs if lin.experts > 1), block.mlp_width, s.a, False)
+    _inputs_kept(kept, tuple(lin for lin in outs if lin.experts == 1), block.shared_width or block.mlp_width, s.a,
+                 False)
     for stage, width in norms:
         if stage > STAGE_MLP_OUT:
             _norm_kept(kept, stage, width)

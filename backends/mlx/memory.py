@@ -395,16 +395,17 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     if start <= STAGE_MLP_IN:
         if block.moe:
             parts["mlp"] += 4 * n * k * w * a + n * k * h * a + n * arch.experts * 4
+            if block.shared_width:  # qwen2_moe: a gated MLP on every token; sigmoid(gate) * its output
+                parts["mlp"] += 4 * n * block.shared_width * a + n * h * a + 2 * n * a
         elif arch.gated_mlp:
             parts["mlp"] += 4 * n * w * a
         else:
             parts["mlp"] += int(MLX_PLAIN_MLP_NF * n * w * a)
-    widths = {STAGE_ATTN_IN: h, STAGE_ATTN_OUT: qd, STAGE_MLP_IN: h, STAGE_MLP_OUT: w}
-    sources: dict[tuple[int, bool], int] = {}
+    sources: dict[tuple[int, bool], int] = {}  # each source tensor a trained linear reads: its input
     for lin in block.linears:
         if lin.kind != "router" and (full or lin.key in s.keys):
             expert = lin.experts > 1
-            sources[(lin.stage, expert)] = n * (k if expert else 1) * widths[lin.stage] * a
+            sources[(lin.stage, expert)] = n * (k if expert else 1) * lin.in_f * a
     parts["linear_inputs"] += sum(sources.values())
     if full:
         parts["norms"] += 2 * n * h * a

@@ -42,7 +42,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt_oss": {"tie_word_embeddings": False, "num_local_experts": 128, "num_experts_per_tok": 4,
                 "attention_bias": True},
     "starcoder2": {"tie_word_embeddings": True, "use_bias": True},
+    # Llama's layout: granite scales embeddings, residuals, attention and logits (no weight of
+    # its own); smollm3 leaves RoPE out of every fourth layer (no weight either)
+    "granite": {"tie_word_embeddings": False, "logits_scaling": 1.0},
+    "smollm3": {"tie_word_embeddings": True},
+    "olmoe": {"tie_word_embeddings": False, "num_experts": 64, "num_experts_per_tok": 8},
+    "qwen2_moe": {"tie_word_embeddings": False, "num_experts": 60, "num_experts_per_tok": 4,
+                  "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "qkv_bias": True},
 }
+
+# MoE families whose layer pattern is decoder_sparse_step / mlp_only_layers and whose experts'
+# width is moe_intermediate_size (the others: intermediate_size, every layer)
+_SPARSE_STEP = ("qwen3_moe", "qwen2_moe")
+# olmo2 and olmoe norm q and k over the whole projection; qwen3 and gemma3 per head
+_QK_NORM_FULL = ("olmo2", "olmoe")
 
 # transformers picks eager attention for these (their modeling files do not support sdpa:
 # soft-capped scores in Gemma-2, attention sinks in gpt-oss); sdpa elsewhere.
@@ -107,7 +121,7 @@ def _attention(c: dict[str, Any], mt: str, z: _Sizes) -> tuple[list[Linear], Oth
     fused projection and whether q and k are normed."""
     h, q_out, kv_out = z.hidden, z.q_out, z.kv_out
     bias_all = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("attention_bias", False))
-    qkv_bias = True if mt == "qwen2" else bias_all
+    qkv_bias = True if mt == "qwen2" else bool(c.get("qkv_bias")) if mt == "qwen2_moe" else bias_all
     o_bias = False if mt == "qwen2" else bias_all
     fused = mt == "phi3"
     attn: list[Linear] = []
@@ -120,10 +134,10 @@ def _attention(c: dict[str, Any], mt: str, z: _Sizes) -> tuple[list[Linear], Oth
                  Linear("v_proj", "self_attn.v_proj", h, kv_out, qkv_bias, "attention", STAGE_ATTN_IN)]
     attn.append(Linear("o_proj", "self_attn.o_proj", q_out, h, o_bias, "attention", STAGE_ATTN_OUT))
     others: Others = []
-    qk_norm = mt in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
+    qk_norm = mt in ("qwen3", "qwen3_moe", "gemma3_text", *_QK_NORM_FULL)
     if qk_norm:
-        # Qwen3/Gemma3: RMSNorm over head_dim; OLMo2: over the whole projection
-        qn, kn = ((q_out,), (kv_out,)) if mt == "olmo2" else ((z.head_dim,), (z.head_dim,))
+        # Qwen3/Gemma3: RMSNorm over head_dim; OLMo2/OLMoE: over the whole projection
+        qn, kn = ((q_out,), (kv_out,)) if mt in _QK_NORM_FULL else ((z.head_dim,), (z.head_dim,))
         others += [("self_attn.q_norm.weight", qn, "norm", 1.5, q_out),
                    ("self_attn.k_norm.weight", kn, "norm", 1.5, kv_out)]
     if mt == "gpt_oss":
@@ -165,14 +179,21 @@ def _dense_mlp(mt: str, h: int, width: int, bias: bool) -> tuple[list[Linear], O
             Linear("down_proj", "mlp.down_proj", width, h, bias, "mlp", STAGE_MLP_OUT)], []
 
 
-def _moe_mlp(mt: str, h: int, width: int, experts: int) -> tuple[list[Linear], Others]:
+def _moe_mlp(mt: str, h: int, width: int, experts: int, shared: int) -> tuple[list[Linear], Others]:
     """transformers 5: the router, then every expert's gate and up fused into one stacked
     [E, 2 x width, h] parameter and the down projections in [E, h, width] (gpt-oss stores them
-    transposed, [E, h, 2 x width] and [E, width, h]: same counts)."""
+    transposed, [E, h, 2 x width] and [E, width, h]: same counts). Qwen2-MoE adds a shared
+    expert every token runs (``mlp.shared_expert``, a gated MLP of width ``shared``) and its
+    sigmoid gate (``mlp.shared_expert_gate``, one output)."""
     router = "router" if mt == "gpt_oss" else "gate"
     lins = [Linear(router, f"mlp.{router}", h, experts, mt == "gpt_oss", "router", STAGE_MLP_IN),
             Linear("experts", "mlp.experts.gate_up_proj", h, 2 * width, False, "expert", STAGE_MLP_IN, experts),
             Linear("experts", "mlp.experts.down_proj", width, h, False, "expert", STAGE_MLP_OUT, experts)]
+    if shared:  # Qwen2MoeSparseMoeBlock: shared_expert (Qwen2MoeMLP) and shared_expert_gate
+        lins += [Linear("gate_proj", "mlp.shared_expert.gate_proj", h, shared, False, "mlp", STAGE_MLP_IN),
+                 Linear("up_proj", "mlp.shared_expert.up_proj", h, shared, False, "mlp", STAGE_MLP_IN),
+                 Linear("down_proj", "mlp.shared_expert.down_proj", shared, h, False, "mlp", STAGE_MLP_OUT),
+                 Linear("shared_expert_gate", "mlp.shared_expert_gate", h, 1, False, "router", STAGE_MLP_IN)]
     others: Others = []
     if mt == "gpt_oss":  # GptOssExperts: gate_up_proj_bias [E, 2 x width], down_proj_bias [E, h]
         others = [("mlp.experts.gate_up_proj_bias", (experts, 2 * width), "bias", 4.0, 0),
@@ -182,8 +203,8 @@ def _moe_mlp(mt: str, h: int, width: int, experts: int) -> tuple[list[Linear], O
 
 def _experts(c: dict[str, Any], mt: str) -> tuple[int, int]:
     """(experts, top-k) of a described MoE family; (0, 0) for a dense model."""
-    experts = int(c.get("num_local_experts") or c.get("num_experts") or 0) if mt in ("mixtral", "qwen3_moe",
-                                                                                     "gpt_oss") else 0
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or 0) if mt in (
+        "mixtral", "qwen3_moe", "gpt_oss", "olmoe", "qwen2_moe") else 0
     top_k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0) if experts else 0
     return experts, top_k
 
@@ -196,7 +217,7 @@ def _layer_kinds(c: dict[str, Any], mt: str, layers: int, experts: int,
     step = int(c.get("decoder_sparse_step") or 1)
     kinds: list[tuple[bool, bool]] = []
     for i in range(layers):
-        is_moe = bool(experts) and (mt != "qwen3_moe" or (i not in mlp_only and (i + 1) % step == 0))
+        is_moe = bool(experts) and (mt not in _SPARSE_STEP or (i not in mlp_only and (i + 1) % step == 0))
         if layer_types and i < len(layer_types):
             sliding = layer_types[i] == "sliding_attention" and bool(sliding_window)
         elif mt == "gemma2":
@@ -243,11 +264,13 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
     for key in _layer_kinds(c, mt, z.layers, experts, sliding_window):
         is_moe, sliding = key
         if key not in cache:
-            width = (int(c.get("moe_intermediate_size") or f) if mt == "qwen3_moe" else f) if is_moe else f
+            width = (int(c.get("moe_intermediate_size") or f) if mt in _SPARSE_STEP else f) if is_moe else f
             if width <= 0:
                 raise UserError(f"{source}: config.json has no intermediate_size; "
                                 "point model.path at a complete model directory")
-            mlp, mlp_others = _moe_mlp(mt, h, width, experts) if is_moe else _dense_mlp(mt, h, width, mlp_bias)
+            shared = int(c.get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+            mlp, mlp_others = (_moe_mlp(mt, h, width, experts, shared) if is_moe
+                               else _dense_mlp(mt, h, width, mlp_bias))
             cache[key] = Block(tuple(attn + mlp), tuple(attn_others + norms + mlp_others), is_moe, sliding)
         blocks.append(cache[key])
 
