@@ -622,24 +622,45 @@ def _inputs_kept(kept: _Kept, lins: tuple[Linear, ...], width: int, src_bytes: i
         kept.parts["linear_inputs"] += kept.n * width * src_bytes
 
 
+def _masked(kept: _Kept) -> bool:
+    """Whether transformers hands this layer's sdpa a mask (masking_utils.sdpa_mask): a padding
+    mask, or a sliding-window layer whose rows reach the window (``_ignore_causal_mask_sdpa``
+    skips the mask only while kv_length < the window)."""
+    arch, s = kept.arch, kept.s
+    window = kept.block.sliding and arch.sliding_window
+    return s.padding_mask or bool(window and s.seq_len >= window)
+
+
 def _attention_kept(kept: _Kept) -> None:
     """The attention's own tensors: sdpa (flash/efficient) keeps q, k, v, out and the fp32
     logsumexp [B, H, T]; eager (eager_attention_forward) keeps q, repeat_kv'd k and v, the fp32
     softmax, its cast, and the contiguous output; Gemma-2's soft-capping (scores / cap, tanh,
-    * cap) keeps the tanh output too."""
+    * cap) keeps the tanh output too.
+
+    Where the layer's sdpa gets a mask (``_masked``), transformers repeats k and v to every
+    query head (integrations/sdpa_attention.py ``use_gqa_in_sdpa``: GQA only without a mask),
+    and sdpa keeps the mask converted to the compute dtype, [B, 1, T, T], per layer. A fused
+    qkv projection (Phi-3) hands attention v as a view of its output, which keeps the whole
+    [n, q + 2 kv] output alive where v is kept as it is (not repeated)."""
     arch, s = kept.arch, kept.s
     n, a = kept.n, s.a
     qd, kv = arch.q_out, arch.kv_out
+    groups = arch.heads // arch.kv_heads
+    repeated = s.attn == "eager" or _masked(kept)
+    v_kept = n * (qd if repeated and groups > 1 else kv) * a
+    if arch.fused_qkv and not (repeated and groups > 1):
+        v_kept = n * (qd + 2 * kv) * a  # the fused output v is a view of
     if s.attn == "eager":
-        groups = arch.heads // arch.kv_heads
         kv_kept = n * (qd if groups > 1 else kv) * a
         scores = s.batch * arch.heads * s.seq_len ** 2
         probs = scores * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
         if arch.attn_softcap:
             probs += scores * a  # tanh's output, kept for its backward
-        kept.parts["attention"] += n * qd * a + 2 * kv_kept + probs
+        kept.parts["attention"] += n * qd * a + kv_kept + v_kept + probs
     else:
-        kept.parts["attention"] += n * (2 * qd + 2 * kv) * a + s.batch * arch.heads * s.seq_len * 4
+        k_kept = n * (qd if repeated and groups > 1 else kv) * a
+        mask = s.batch * s.seq_len ** 2 * a if _masked(kept) else 0
+        kept.parts["attention"] += n * 2 * qd * a + k_kept + v_kept + s.batch * arch.heads * s.seq_len * 4 + mask
 
 
 def _attention_output_kept(kept: _Kept) -> None:
@@ -667,7 +688,8 @@ def _mlp_kept(kept: _Kept) -> None:
     n, k, a, w, h = kept.n, kept.k, kept.s.a, block.mlp_width, arch.hidden
     if block.moe:
         E = arch.experts
-        kept.parts["mlp"] += 3 * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
+        act = 6 if arch.mlp_act == "clamped_swiglu" else 3  # gpt-oss: gate_up, both clamps, sigmoid, products
+        kept.parts["mlp"] += act * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
         if block.shared_width:
             kept.parts["mlp"] += 3 * n * block.shared_width * a + n * h * a + 2 * n * a
     elif arch.gated_mlp:

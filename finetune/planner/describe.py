@@ -283,7 +283,9 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         model_type=mt, hidden=h, layers=z.layers, heads=z.heads, kv_heads=z.kv_heads, head_dim=z.head_dim,
         vocab=z.vocab, tie=bool(c.get("tie_word_embeddings")), blocks=tuple(blocks), top=tuple(top),
         experts=experts, top_k=top_k, gated_mlp=mt != "starcoder2",
-        mlp_act=str(c.get("hidden_act") or c.get("hidden_activation") or "silu"),
+        # gpt-oss's experts ignore hidden_act: GptOssExperts._apply_gate clamps gate and up, then
+        # (up + 1) * gate * sigmoid(alpha * gate)
+        mlp_act="clamped_swiglu" if mt == "gpt_oss" else str(c.get("hidden_act") or c.get("hidden_activation") or "silu"),
         norm="layer" if layer_norm else "rms", qk_norm=qk_norm,
         attn_softcap=c.get("attn_logit_softcapping") if mt == "gemma2" else None,
         final_softcap=c.get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
