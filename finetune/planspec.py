@@ -82,12 +82,11 @@ class Setup:
         levers change the two and keep their product)."""
         return self.batch * self.grad_accum
 
-    def head_rows(self, n: int, softcap: bool) -> int:
+    def head_rows(self, n: int) -> int:
         """Rows of the output head for ``n`` positions: the target rows where the head runs on
-        targets only; every position for a model whose logits are not its head applied to its
-        hidden states (soft-capping) or where the runtime computes them all (a compiled cuda
-        loss, FSDP shards)."""
-        if softcap or not self.target_head:
+        targets only (a soft-cap or logit scale after the head runs on those rows too); every
+        position where the runtime computes them all (a compiled cuda loss, FSDP shards)."""
+        if not self.target_head:
             return n
         return max(1, -(-int(n * self.target_fraction * 1_000_000) // 1_000_000))
 

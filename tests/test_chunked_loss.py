@@ -236,18 +236,17 @@ def test_torch_chunked_step_never_holds_the_logits(model_dir: Path, method: str)
 
 
 @needs_torch
-def test_torch_refuses_soft_capped_logits() -> None:
-    """Gemma2 soft-caps its logits after lm_head (tanh(x / 30) x 30): the chunked path would
-    train a different loss, so it refuses, naming the key; unchunked it runs."""
+def test_torch_refuses_logits_transformed_after_the_head_unknown_way() -> None:
+    """A model that does something to its logits after lm_head that finetune does not know
+    (tests/odd_heads.py: doubles them): the chunked path would train a different loss, so it
+    refuses, naming the fix; unchunked it runs. (Gemma-2's soft-cap, Granite's and Cohere's
+    logit scales are known: tests/test_post_head.py.)"""
     import torch
     from finetune.backends.cuda.loss import UnsupportedModel, token_loss_sum
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from odd_heads import ODD_VOCAB, torch_doubled
 
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                           final_logit_softcapping=30.0))
-    ids = torch.randint(0, 64, (2, 9))
+    model = torch_doubled()
+    ids = torch.randint(0, ODD_VOCAB, (2, 9))
     attn, mask = torch.ones_like(ids), torch.ones(2, 9)
     assert float(token_loss_sum(model, ids, attn, mask, 0, nullcontext).detach()) > 0
     with pytest.raises(UnsupportedModel, match="train.loss_chunk=0"):
@@ -375,16 +374,13 @@ def test_mlx_chunked_peak_below_the_logits(model_dir: Path, method: str) -> None
 
 
 @needs_mlx
-def test_mlx_refuses_soft_capped_logits() -> None:
+def test_mlx_refuses_logits_transformed_after_the_head_unknown_way() -> None:
     import mlx.core as mx
     from finetune.backends.mlx.loss import UnsupportedModel, token_loss_sum
-    from mlx_lm.models import gemma2
+    from odd_heads import ODD_VOCAB, mlx_doubled
 
-    args = gemma2.ModelArgs(model_type="gemma2", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
-                            num_attention_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=64,
-                            num_key_value_heads=1)
-    model = gemma2.Model(args)
-    ids, mask = mx.array(np.arange(18).reshape(2, 9) % 64), mx.ones((2, 9))
+    model = mlx_doubled()
+    ids, mask = mx.array(np.arange(18).reshape(2, 9) % ODD_VOCAB), mx.ones((2, 9))
     assert float(token_loss_sum(model, ids, mask, 0)) > 0
-    with pytest.raises(UnsupportedModel, match="final_logit_softcapping"):
+    with pytest.raises(UnsupportedModel, match="its __call__ transforms them"):
         token_loss_sum(model, ids, mask, 4)

@@ -4,8 +4,9 @@ vocabulary of 2,048 (so the head matters), tied and untied.
 Asserted: the loss sum and every trained parameter's gradient with the head on target rows
 only equal those with the head on every position (``target_head=False``), with masked prompts
 and padding, packed or not, with and without the chunked loss; a model whose logits are not
-its head applied to its hidden states (Gemma2's soft-capping) falls back to every position and
-says why, its loss the full head's.
+its head applied to its hidden states, nor a transform of them finetune knows (tests/odd_heads.py),
+falls back to every position and says why, its loss the full head's. Soft-capped and scaled
+logits: tests/test_post_head.py.
 """
 
 from __future__ import annotations
@@ -95,21 +96,18 @@ def test_torch_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
 
 
 @needs_torch
-def test_torch_soft_capped_model_falls_back() -> None:
+def test_torch_model_with_an_unknown_transform_after_the_head_falls_back() -> None:
     import torch
     from finetune.backends.cuda.loss import head_fallback, token_loss_sum
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from odd_heads import ODD_VOCAB, torch_doubled
 
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                           final_logit_softcapping=30.0))
-    ids = torch.randint(0, 64, (2, 9))
+    model = torch_doubled()
+    ids = torch.randint(0, ODD_VOCAB, (2, 9))
     mask = torch.ones(2, 9)
     mask[:, :4] = 0
     got = float(token_loss_sum(model, ids, None, mask, 0, nullcontext).detach())
     assert got == pytest.approx(float(token_loss_sum(model, ids, None, mask, 0, nullcontext, target_head=False).detach()))
-    assert "soft-capping" in head_fallback(model)
+    assert "finetune knows" in head_fallback(model)
 
 
 # ---- mlx ----------------------------------------------------------------------------------------
@@ -147,17 +145,14 @@ def test_mlx_target_head_equals_full_head(model: tuple[Path, bool]) -> None:
 
 
 @needs_mlx
-def test_mlx_soft_capped_model_falls_back() -> None:
+def test_mlx_model_with_an_unknown_transform_after_the_head_falls_back() -> None:
     import mlx.core as mx
     from finetune.backends.mlx.loss import head_fallback, token_loss_sum
-    from mlx_lm.models import gemma2
+    from odd_heads import ODD_VOCAB, mlx_doubled
 
-    args = gemma2.ModelArgs(model_type="gemma2", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
-                            num_attention_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=64,
-                            num_key_value_heads=1)
-    model = gemma2.Model(args)
-    ids = mx.array(np.arange(18).reshape(2, 9) % 64)
+    model = mlx_doubled()
+    ids = mx.array(np.arange(18).reshape(2, 9) % ODD_VOCAB)
     mask = mx.array(np.r_[np.zeros(4), np.ones(5)][None].repeat(2, 0).astype(np.float32))
     got = float(token_loss_sum(model, ids, mask, 0))
     assert got == pytest.approx(float(token_loss_sum(model, ids, mask, 0, target_head=False)))
-    assert "final_logit_softcapping" in head_fallback(model)
+    assert "its __call__ transforms them" in head_fallback(model)

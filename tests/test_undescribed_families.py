@@ -4,8 +4,8 @@ line naming the fix, on both backends. Never a traceback, never a wrong loss.
 
 - cohere (Llama-like names, logits scaled after the head) and phi-2 (q/k/v/dense, fc1/fc2,
   LayerNorm, partial rotary): the run says at its start that the plan is approximate; the loss
-  the backend trains on equals the framework's own model's loss on the same rows (cohere's
-  scaled logits keep the head on every position, and its chunked loss is refused); the plan's
+  the backend trains on equals the framework's own model's loss on the same rows, with the head on
+  target rows and chunked too (cohere's logit scale applied to them); the plan's
   LoRA count equals the backend's.
 - gpt_neox (a fused query_key_value where a Llama has q_proj/v_proj), gpt2 (sizes named n_embd,
   n_layer), granitemoe (an MoE the planner cannot price): one line naming the family and the fix,
@@ -82,16 +82,13 @@ def test_undescribed_family_loss_is_the_models_own_torch(name: str, tmp_path: Pa
         want = reference_loss(be.model(input_ids=t_ids).logits.float().numpy(), ids, mask)
         got = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 0, be._autocast))
     assert got == pytest.approx(want, rel=1e-5)
-    fallback = loss_mod.head_fallback(be.model)
-    if name == "cohere":  # logits * logit_scale: the head cannot run on target rows alone
-        assert fallback is not None
-        why = be.set_loss_chunk(8)  # the governor's lever declines, saying why
-        assert why is not None and "logits are not its output head applied" in why, why
-    else:  # phi-2's logits are its head on its body's output: the head on target rows, chunked too
-        assert fallback is None
-        with torch.no_grad():
-            chunked = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 7, be._autocast))
-        assert chunked == pytest.approx(want, rel=1e-5)
+    # phi-2's logits are its head on its body's output, cohere's that times logit_scale: the head
+    # on target rows (applying the scale), chunked too
+    assert loss_mod.head_fallback(be.model) is None
+    assert loss_mod.post_head(be.model) == (("logit_scale", 0.25) if name == "cohere" else None)
+    with torch.no_grad():
+        chunked = float(loss_mod.token_loss_sum(be.model, t_ids, None, t_mask, 7, be._autocast))
+    assert chunked == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["cohere", "phi"])
@@ -117,11 +114,9 @@ def test_undescribed_family_loss_is_the_models_own_mlx(name: str, tmp_path: Path
         assert float(np.abs(hf(torch.from_numpy(ids)).logits.numpy() - logits).max()) < 1e-5
     got = float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 0))
     assert got == pytest.approx(want, rel=1e-5)
-    if name == "cohere":
-        assert "logit_scale" in loss_mod.head_fallback(be.model)
-    else:
-        assert loss_mod.head_fallback(be.model) is None
-        assert float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 7, grad=False)) == pytest.approx(want, rel=1e-5)
+    assert loss_mod.head_fallback(be.model) is None
+    assert loss_mod.post_head(be.model) == (("logit_scale", 0.25) if name == "cohere" else None)
+    assert float(loss_mod.token_loss_sum(be.model, m_ids, m_mask, 7, grad=False)) == pytest.approx(want, rel=1e-5)
 
 
 # ---- the ones refused -------------------------------------------------------------------------

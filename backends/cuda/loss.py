@@ -21,8 +21,13 @@ Only target tokens (loss mask 1) go through the head, chunked or not (``target_h
 model runs its body, the hidden states of target positions are gathered, and the head and
 cross-entropy run on those alone. A masked position adds 0 to the sum and nothing to any
 gradient, so skipping it changes no number and saves its share of the head's matmul and of
-the [N, V] logits (prompts and padding: often more than half the tokens of chat data). A model
-whose logits are not its head applied to its hidden states (soft-capping, a logit scale)
+the [N, V] logits (prompts and padding: often more than half the tokens of chat data).
+
+What a model does to its logits after the head, position by position, the head's chunks do too
+(``post_head``: Gemma-2/3's final soft-capping, Granite's ``logits_scaling``, Cohere's
+``logit_scale``, read from its config), so those models get the target-only head and the
+chunked loss as well. Every model is checked once (``_check_head``): its logits must equal
+that transform of its head applied to its hidden states; one that does something else
 computes every position's logits as before, and ``head_fallback`` says why.
 
 Both paths follow the convention of ``backends/base.py``: the sum of fp32 per-token
@@ -88,8 +93,9 @@ def token_loss_sum(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """
     if chunk <= 0 and not (target_head and _head_applies(model, input_ids, attention_mask, autocast_ctx)):
         return _full_loss_sum(model, input_ids, attention_mask, loss_mask, autocast_ctx, position_ids)
-    head = output_head(model)
-    hidden = _body(model, head, input_ids, attention_mask, autocast_ctx, position_ids)
+    hook = output_head(model)
+    hidden = _body(model, hook, input_ids, attention_mask, autocast_ctx, position_ids)
+    head = head_call(model, hook)
     flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts token t + 1
     targets = input_ids[:, 1:].reshape(-1)
     weights = loss_mask[:, 1:].reshape(-1).float()
@@ -143,6 +149,49 @@ def check_chunkable(model: torch.nn.Module, device: torch.device, autocast_ctx: 
     if model not in _HEAD_CHECKED:
         ids = torch.arange(8, device=device)[None, :]
         _check_head(model, head, ids, torch.ones_like(ids), autocast_ctx)
+
+
+# config fields of transformers models whose forward transforms the head's output position by
+# position, and the transform (modeling_gemma2.py / gemma3: logits / cap, tanh, * cap;
+# modeling_granite.py: logits / logits_scaling; modeling_cohere.py: logits * logit_scale)
+_POST_HEAD: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "final_logit_softcapping": lambda x, cap: torch.tanh(x / cap) * cap,
+    "logits_scaling": lambda x, v: x / v,
+    "logit_scale": lambda x, v: x * v,
+}
+
+
+class _PostHead(torch.nn.Module):
+    """The head followed by what the model does to its logits (``post_head``); its parameters
+    are the head's own."""
+
+    def __init__(self, head: torch.nn.Module, field: str, value: float):
+        super().__init__()
+        self.head, self.field, self.value = head, field, value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _POST_HEAD[self.field](self.head(x), self.value)
+
+
+def post_head(model: torch.nn.Module) -> tuple[str, float] | None:
+    """(config field, value) of the transform ``model``'s forward applies to its head's output
+    (``_POST_HEAD``), or None. The one-time ``_check_head`` proves it numerically."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    cfg = getattr(inner, "config", None)
+    for field in _POST_HEAD:
+        v = getattr(cfg, field, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) not in (0.0, 1.0):
+            return field, float(v)
+    return None
+
+
+def head_call(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Module:
+    """What maps hidden states to the model's logits: ``head``, or ``head`` and the model's
+    transform of its output (``post_head``)."""
+    post = post_head(model)
+    return head if post is None else _PostHead(head, *post)
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module:
@@ -230,13 +279,15 @@ def _check_head(model: torch.nn.Module, head: torch.nn.Module, input_ids: torch.
         with torch.no_grad():
             hidden, out = _forward_keeping_head_input(model, head, input_ids, attention_mask, autocast_ctx)
             with autocast_ctx():
-                again = head(hidden[:, -1:])
+                again = head_call(model, head)(hidden[:, -1:])
     finally:
         model.train(was_training)
     if not torch.allclose(again.float(), out.logits.float(), rtol=1e-5, atol=1e-6):
+        post = post_head(model)
+        how = f"then {post[0]}={post[1]:g}" if post else "nor a soft-cap or logit scale finetune knows after it"
         raise UnsupportedModel("train.loss_chunk: this model's logits are not its output head applied "
-                         "to the hidden states (e.g. soft-capping or a logit scale after the "
-                         "head), which the chunked loss would not reproduce; set train.loss_chunk=0")
+                               f"to the hidden states ({how}), which the chunked loss would not "
+                               "reproduce; set train.loss_chunk=0")
     _HEAD_CHECKED.add(model)
 
 

@@ -296,18 +296,18 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
     # log_softmax's grad: 3 x 4 B per (token, vocab) at the start of backward (the forward
     # end is no higher: model logits + fp32 copy + log_softmax output).
     # the head runs on target rows only (backends/cuda/loss.py target_head): their logits
-    nt = s.head_rows(n, bool(arch.final_softcap))
-    logits = 12 * nt * V
-    if arch.final_softcap:
-        # Gemma-2's final soft-capping (logits / cap, tanh, * cap) in the model's dtype: the
-        # tanh output is kept for backward, beside the capped logits the loss reads
-        logits += 2 * n * V * a
+    nt = s.head_rows(n)
+    # Gemma-2's final soft-capping (logits / cap, tanh, * cap; backends/cuda/loss.py applies it
+    # to the head's rows too) in the model's dtype: the tanh output is kept for backward,
+    # beside the capped logits the loss reads
+    cap = 2 * V * a if arch.final_softcap else 0
+    logits = 12 * nt * V + cap * nt
     if s.loss_chunk and s.loss_chunk < nt:
         # train.loss_chunk (backends/cuda/loss.py): one chunk's fp32 logits, softmax and their
         # gradient at a time (3 x 4 B per chunk token and vocab entry), the target hidden
         # states' gradient taken in forward and kept for backward (fp32 [nt, h]), and the head
         # weight's fp32 gradient accumulator where the head trains
-        logits = 12 * s.loss_chunk * V + 4 * nt * h + (4 * V * h if full else 0)
+        logits = (12 * V + cap) * s.loss_chunk + 4 * nt * h + (4 * V * h if full else 0)
     return {"layer": layer, "layer_parts": lparts, "lowest": low, "saved": saved, "head": head,
             "transient": transient,
             "logits": logits,

@@ -23,9 +23,11 @@ Target rows only, chunked or not (``target_head``): where the loss mask can be r
 ``nn.value_and_grad`` step; not under ``mx.compile``, which forbids reading arrays), the body's
 hidden states at the rows that count are gathered and only they go through the head; a masked
 row adds 0 to the sum and nothing to any gradient, so no number changes, and neither the
-head's matmul nor the logits exist for prompt or pad tokens. A model whose logits are not its
-head applied to its body's output computes every position's logits, and ``head_fallback``
-says why.
+head's matmul nor the logits exist for prompt or pad tokens. What an mlx-lm model does to its
+logits after the head, position by position (gemma2's final soft-capping, granite's
+``logits_scaling``, cohere's ``logit_scale``), the head's chunks do too (``_POST_HEAD``). A model
+whose logits are not its head (so transformed) applied to its body's output computes every
+position's logits, and ``head_fallback`` says why.
 """
 
 from __future__ import annotations
@@ -45,11 +47,18 @@ from finetune.backends.mlx.memory import PACKED_BLOCK_MASK, PACKED_PER_SAMPLE
 
 _HEAD_CHECKED: dict[int, weakref.ref] = {}  # id(model): models whose logits are head(body)
 _HEAD_REFUSED: dict[int, tuple[weakref.ref, str]] = {}  # id(model): (model, why its head runs everywhere)
-# ModelArgs fields of mlx-lm models whose __call__ transforms the head's output (gemma2 and
-# others: soft-capping; cohere: logit_scale; granite: logits_scaling), used where the
-# numeric check cannot run (under mx.compile).
-_POST_HEAD_ARGS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                   "logit_softcap")
+# ModelArgs fields of mlx-lm models whose __call__ transforms the head's output position by
+# position, and the transform, as their __call__ writes it (models/gemma2.py: tanh(out / cap) *
+# cap; cohere.py, cohere2.py: out * logit_scale; granite.py: out / logits_scaling): the head's
+# chunks apply it too
+_POST_HEAD: dict[str, Any] = {
+    "final_logit_softcapping": lambda x, cap: mx.tanh(x / cap) * cap,
+    "logit_scale": lambda x, v: x * v,
+    "logits_scaling": lambda x, v: x / v,
+}
+# fields of other mlx-lm models that transform the head's output some other way: refused by
+# name where the numeric check cannot run (under mx.compile)
+_POST_HEAD_ARGS = ("output_multiplier", "logit_softcap")
 
 
 
@@ -360,12 +369,31 @@ def output_head(model: nn.Module) -> tuple[nn.Module, Any]:
     ``model.lm_head`` twice, or the embedding and its ``as_linear`` when tied."""
     head = getattr(model, "lm_head", None)
     if head is not None:
-        return head, head
+        return head, _with_post(model, head)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if embed is None or not hasattr(embed, "as_linear"):
         raise UnsupportedModel(f"train.loss_chunk: {type(model).__name__} has neither lm_head nor a tied "
                          "model.embed_tokens.as_linear; set train.loss_chunk=0")
-    return embed, embed.as_linear
+    return embed, _with_post(model, embed.as_linear)
+
+
+def post_head(model: nn.Module) -> tuple[str, float] | None:
+    """(ModelArgs field, value) of the transform ``model``'s __call__ applies to its head's output
+    (``_POST_HEAD``), or None. mlx-lm's cohere reads its args from ``model.model``."""
+    for args in (getattr(model, "args", None), getattr(getattr(model, "model", None), "args", None)):
+        for field in _POST_HEAD:
+            v = getattr(args, field, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) not in (0.0, 1.0):
+                return field, float(v)
+    return None
+
+
+def _with_post(model: nn.Module, call: Any) -> Any:
+    post = post_head(model)
+    if post is None:
+        return call
+    field, value = post
+    return lambda h: _POST_HEAD[field](call(h), value)
 
 
 def _chunk_loss(module: nn.Module, call: Any, params: dict, h: mx.array, targets: mx.array,
@@ -432,7 +460,7 @@ def _check_head(model: nn.Module, call: Any, ids: mx.array) -> None:
     if ref is not None and ref() is model:
         return
     args = getattr(model, "args", None)
-    named = [k for k in _POST_HEAD_ARGS if getattr(args, k, None) not in (None, 1, 1.0)]
+    named = [k for k in _POST_HEAD_ARGS if getattr(args, k, None) not in (None, 1, 1.0)]  # transforms not applied
     same = not named
     if same:
         x = ids[:1, :8]
