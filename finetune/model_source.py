@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any, cast
@@ -416,15 +417,11 @@ _ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_
                    "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 
 
-def safetensors_damage(path: Path | str) -> str | None:
-    """Why a ``.safetensors`` file cannot be whole, or None when its layout holds: the 8-byte
-    little-endian header length, the JSON header it announces, and every tensor's
-    ``data_offsets`` inside the file (their end is the file's end, as safetensors writes it),
-    each tensor's bytes its dtype times its shape. Reads the header only: no torch, no weights."""
+def _safetensors_header(p: Path) -> tuple[dict[str, Any], int, int] | str:
+    """(the JSON header, its length, the file's size) of a ``.safetensors`` file, or why it has
+    none (the 8-byte little-endian length, then that many bytes of a JSON object)."""
     import json
-    import math
 
-    p = Path(path)
     try:
         size = p.stat().st_size
         with p.open("rb") as f:
@@ -443,6 +440,20 @@ def safetensors_damage(path: Path | str) -> str | None:
         return "its header is not valid JSON"
     if not isinstance(header, dict):
         return "its header is not a JSON object"
+    return header, n, size
+
+
+def safetensors_damage(path: Path | str) -> str | None:
+    """Why a ``.safetensors`` file cannot be whole, or None when its layout holds: the 8-byte
+    little-endian header length, the JSON header it announces, and every tensor's
+    ``data_offsets`` inside the file (their end is the file's end, as safetensors writes it),
+    each tensor's bytes its dtype times its shape. Reads the header only: no torch, no weights."""
+    import math
+
+    got = _safetensors_header(Path(path))
+    if isinstance(got, str):
+        return got
+    header, n, size = got
     data_bytes, end_max = size - 8 - n, 0
     for name, t in header.items():
         if name == "__metadata__":
@@ -460,6 +471,54 @@ def safetensors_damage(path: Path | str) -> str | None:
     if end_max != data_bytes:
         return f"{data_bytes - end_max:,} bytes after its last tensor"
     return None
+
+
+def _weight_files(d: Path) -> list[Path]:
+    """The safetensors files of one checkpoint in ``d``: the shards its index names, else
+    ``model.safetensors``, else every ``model*.safetensors`` (never Mistral's duplicate
+    ``consolidated.safetensors`` or an adapter's file)."""
+    import json
+
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return [d / f for f in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))]
+        except (OSError, ValueError, AttributeError):
+            return []
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    return sorted(d.glob("model*.safetensors"))
+
+
+def checkpoint_elements(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[int, str] | None:
+    """Elements of every tensor the checkpoint's safetensors files hold, read from their headers
+    (no weights, no torch), and the directory read; None where this machine has no such files
+    for the model (a hub id not downloaded, pickle-only weights, a file without a readable
+    header). ``model_dir``: a loaded model's directory; else the local directory or hub-cache
+    snapshot ``local_model_dir`` finds."""
+    d = Path(str(model_dir)) if model_dir is not None else local_model_dir(model, seed=0)
+    if not isinstance(d, Path) or not d.is_dir():
+        return None
+    files = _weight_files(d)
+    if not files or not all(f.is_file() for f in files):
+        return None
+    total = _elements(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+    return None if total is None else (total, str(d))
+
+
+@functools.lru_cache(maxsize=32)
+def _elements(files: tuple[tuple[str, int, int], ...]) -> int | None:
+    """Elements of the tensors of ``files`` ((path, mtime, size): a file rewritten is read again)."""
+    import math
+
+    total = 0
+    for f, _, _ in files:
+        got = _safetensors_header(Path(f))
+        if isinstance(got, str):
+            return None
+        total += sum(math.prod(t.get("shape") or [1]) for k, t in got[0].items()
+                     if k != "__metadata__" and isinstance(t, dict))
+    return total
 
 
 def _download_again(f: Path, model: ModelSpec) -> str:

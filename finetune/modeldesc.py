@@ -129,6 +129,18 @@ class ModelDesc:
         """The widest MLP activation per token: a dense MLP's width, or top-k experts' widths."""
         return max(b.mlp_width * (self.top_k if b.moe else 1) for b in self.blocks)
 
+    def weight_elements(self) -> int:
+        """Elements of every weight the description lists (embeddings, the head once unless tied,
+        every block's matrices, biases and other weights, the top-level ones): what a checkpoint
+        of it holds."""
+        import math
+
+        total = self.vocab * self.hidden * (1 if self.tie else 2)
+        for b in self.blocks:
+            total += sum(lin.numel + (lin.out_f * lin.experts if lin.bias else 0) for lin in b.linears)
+            total += sum(math.prod(shape) for _, shape, _, _, _ in b.others)
+        return total + sum(math.prod(shape) for _, shape, _, _, _ in self.top)
+
     def linear_keys(self) -> tuple[str, ...]:
         """Every adaptable key of the blocks, in forward order."""
         seen: dict[str, None] = {}

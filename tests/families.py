@@ -67,6 +67,8 @@ UNDESCRIBED: dict[str, tuple[str, dict[str, Any], str]] = {
     "gpt_neox": ("gpt_neox", {}, "fused query_key_value: LoRA refused"),
     "gpt2": ("gpt2", {}, "n_embd/n_layer sizes: refused"),
     "granitemoe": ("granitemoe", {"num_local_experts": 4, "num_experts_per_tok": 2}, "an MoE not described: refused"),
+    "gemma4_text": ("gemma4_text", {"head_dim": 16, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
+                    "per-layer input embeddings the Llama-style layout leaves out: priced from the checkpoint"),
 }
 
 

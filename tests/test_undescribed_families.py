@@ -7,6 +7,10 @@ line naming the fix, on both backends. Never a traceback, never a wrong loss.
   the backend trains on equals the framework's own model's loss on the same rows, with the head on
   target rows and chunked too (cohere's logit scale applied to them); the plan's
   LoRA count equals the backend's.
+- the weights: held against the checkpoint's safetensors headers. gemma4_text's per-layer input
+  embeddings, which the Llama-style layout leaves out, are priced from them (the plan's total is
+  the checkpoint's); where the layout lists more (phi-2, cohere) the note says by how much; with
+  no weights to read (config.json alone) nothing changes.
 - gpt_neox (a fused query_key_value where a Llama has q_proj/v_proj), gpt2 (sizes named n_embd,
   n_layer), granitemoe (an MoE the planner cannot price): one line naming the family and the fix,
   nothing written that looks like a result.
@@ -145,3 +149,47 @@ def test_undescribed_layout_is_refused_in_one_line(name: str, backend: str, extr
     assert "without a plan" not in msg  # the old MoE message named a fix that did not exist
     names = {p.name for p in run_dir.rglob("*")} if run_dir.exists() else set()
     assert not names & {"summary.json", "adapter", "checkpoints", "plan.json"}, sorted(names)
+
+
+# ---- the weights, against the checkpoint ------------------------------------------------------
+def _plan(run_dir: Path, model_dir: Path, backend: str = "cuda") -> dict[str, Any]:
+    return planner.plan(resolve(make_cfg(run_dir, f"model.path={model_dir}", f"backend={backend}", "method=full",
+                                         "mode=plan")), recommend=False)
+
+
+def _checkpoint_elements(model_dir: Path) -> int:
+    """What transformers saves of the model: every parameter and persistent buffer, a tied
+    weight once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return sum(t.numel() for t in {v.data_ptr(): v for v in m.state_dict().values()}.values())
+
+
+@pytest.mark.parametrize("backend", ["cuda", "mlx"])
+def test_weights_the_layout_leaves_out_are_priced_from_the_checkpoint(backend: str, tmp_path: Path) -> None:
+    d = build_family("gemma4_text")
+    p = _plan(tmp_path / "run", d, backend)
+    real = _checkpoint_elements(d)
+    assert p["params_total"] == real  # the per-layer embeddings included, to the element
+    note = next(n for n in p["notes"] if "safetensors headers" in n)
+    assert f"its checkpoint holds {real:,} weights" in note and "more than the Llama-style layout lists" in note
+    # without weights to read (config.json alone), the layout's count and no such note
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((d / "config.json").read_bytes())
+    q = _plan(tmp_path / "run2", bare, backend)
+    assert q["params_total"] < real / 2 and not any("safetensors headers" in n for n in q["notes"])
+    assert any(APPROX in n for n in q["notes"])
+
+
+@pytest.mark.parametrize("name, share", [("phi", "12%"), ("cohere", "under 1%")])
+def test_a_layout_listing_more_than_the_checkpoint_says_by_how_much(name: str, share: str, tmp_path: Path) -> None:
+    d = build_family(name)
+    p = _plan(tmp_path / "run", d)
+    real = _checkpoint_elements(d)
+    assert p["params_total"] > real  # phi-2's plain MLP, cohere's single norm: the Llama-style layout lists more
+    note = next(n for n in p["notes"] if "safetensors headers" in n)
+    assert f"lists {p['params_total']:,} weights, its checkpoint holds {real:,}" in note
+    assert f"priced {share} high" in note  # phi-2: 139,584 listed, 124,544 held; cohere: 128 of 106,688

@@ -16,6 +16,7 @@ No torch, no mlx: ``mode=plan`` stays light.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from finetune.errors import UserError
@@ -293,6 +294,41 @@ def describe(hf: dict[str, Any], source: str) -> ModelDesc:
         attn_default="eager" if mt in _EAGER_ONLY else "sdpa", fused_qkv=fused, source=source,
         notes=tuple(notes), described=described,
     )
+
+
+# ---- a family not described, against its checkpoint ------------------------------------------
+
+UNDESCRIBED_WEIGHTS = "model.weights_not_in_layout"  # the top-level entry carrying them
+
+
+def reconcile(desc: ModelDesc, found: tuple[int, str] | None) -> ModelDesc:
+    """A family priced as a Llama-style decoder, held against what its checkpoint holds (``found``:
+    the elements of its safetensors files' tensors and where they were read,
+    ``finetune.model_source.checkpoint_elements``). Weights the layout leaves out (per-layer
+    embeddings, a hybrid's linear-attention projections, extra norms) are priced as one more
+    top-level weight of the load dtype, so the plan's weights, and under full fine-tuning its
+    gradients and optimizer state, are the checkpoint's own; a layout that lists more than the
+    checkpoint holds is said, with how much. Activations stay the Llama-style layout's. A
+    described family, or nothing read, is returned as it is."""
+    if desc.described or found is None:
+        return desc
+    real, where = found
+    listed = desc.weight_elements()
+    if real == listed:
+        note = f"its {real:,} weights are the ones its checkpoint holds ({where}: safetensors headers)"
+        return replace(desc, notes=desc.notes + (note,))
+    share = abs(real - listed) / real if real else 1.0
+    pct = f"{share:.0%}" if share >= 0.01 else "under 1%"
+    if real < listed:
+        note = (f"the Llama-style layout lists {listed:,} weights, its checkpoint holds {real:,} ({where}: "
+                f"safetensors headers): weights priced {pct} high")
+        return replace(desc, notes=desc.notes + (note,))
+    extra = real - listed
+    note = (f"its checkpoint holds {real:,} weights ({where}: safetensors headers), {extra:,} ({pct}) more "
+            "than the Llama-style layout lists: those are priced as frozen weights of the load dtype, their "
+            "activations not at all")
+    top = desc.top + ((UNDESCRIBED_WEIGHTS, (extra,), "other", 6.0, 0),)
+    return replace(desc, top=top, notes=desc.notes + (note,))
 
 
 # ---- what LoRA adapts --------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from typing import Any
 from finetune import precision as prec_mod
 from finetune.backends import capabilities, memory_model
 from finetune.errors import UserError
-from finetune.model_source import model_config, stored_dtype, stored_quantization
+from finetune.model_source import checkpoint_elements, is_multimodal, model_config, stored_dtype, stored_quantization
 from finetune.modeldesc import ModelDesc
-from finetune.planner.describe import _EAGER_ONLY, HEAD, describe, lora_keys
+from finetune.planner.describe import _EAGER_ONLY, HEAD, describe, lora_keys, reconcile
 from finetune.planspec import DTYPE_BYTES, GIB, MIB, Setup, Tensor  # noqa: F401  (re-exported: the planner's names)
 from finetune.spec import ModelSpec, RunSpec
 
@@ -31,8 +31,18 @@ def model_desc(model: ModelSpec, model_dir: Any = None) -> ModelDesc:
     """The description of the model ``model`` names: from ``model_dir`` (a loaded model's
     directory), a local ``model.path``, the hub's cached config of a hub id, or the preset's
     released config facts (finetune.model_source.model_config)."""
+    return _describe(model, model_dir)[0]
+
+
+def _describe(model: ModelSpec, model_dir: Any = None) -> tuple[ModelDesc, dict[str, Any]]:
+    """``describe`` of the model's config.json, and that config; a family not described is held
+    against its checkpoint's safetensors headers where this machine has them (``reconcile``: not
+    for a multimodal or quantized checkpoint, whose files hold other tensors or packed ones)."""
     hf, source = model_config(model, model_dir)
-    return describe(hf, source)
+    arch = describe(hf, source)
+    if arch.described or is_multimodal(hf) or "quantization" in hf or "quantization_config" in hf:
+        return arch, hf
+    return reconcile(arch, checkpoint_elements(model, model_dir)), hf
 
 
 # ---- the resolved setup -----------------------------------------------------------------------
@@ -124,8 +134,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
     micro-batch's positions that are targets at most, from the data (``finetune.data.build``
     ``head_fraction``); None: every position, the bound without data. Raises UserError for a
     combination the backend would refuse (finetune.resolver runs this once as a check)."""
-    hf, hf_source = model_config(spec.model)
-    arch = describe(hf, hf_source)
+    arch, hf = _describe(spec.model)
     backend = state.backend if state is not None else spec.backend.resolved
     m, o, t = spec.method, spec.optim, spec.train
     method, optim, precision = m.name, o.name, spec.precision.name
