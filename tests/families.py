@@ -50,6 +50,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
                             "attention_multiplier": 0.25}, "Llama's layout, scaled embeddings, residuals and logits"),
     "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layer_interval": 2},
                 "Llama's layout, tied head, RoPE left out of every second layer"),
+    "ministral3": ("ministral3", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}},
+                   "Llama's layout, YaRN RoPE and position-scaled attention"),
+    "olmo3": ("olmo3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+              "OLMo2's post-norms and q/k norms, local/global layers"),
+    "glm4": ("glm4", {"head_dim": 16}, "q/k/v biases, fused gate_up_proj, four norms a layer, partial RoPE"),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, "MoE, 4 experts, top-2, q/k norms over the "
               "whole projection"),
     "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -187,7 +187,8 @@ def test_mlx_peak_within_ten_percent_for_every_family(tmp_path):
     process for all (MLX's counters are process-wide); each family's baseline is what is alive
     before it loads."""
     cases = [(f, B, T, "null") for f in ("llama", "gemma2", "gemma3", "qwen3", "phi3", "olmo2", "mixtral",
-                                          "qwen3_moe", "starcoder2", "granite", "smollm3", "olmoe", "qwen2_moe")
+                                          "qwen3_moe", "starcoder2", "granite", "smollm3", "olmoe", "qwen2_moe",
+                                          "ministral3", "olmo3", "glm4")
              for B, T in ((4, 64), (16, 64))]
     cases += [(f, 4, 96, "all-linear") for f in ("gemma2", "phi3", "mixtral", "starcoder2", "qwen2_moe")]
     script = MLX_PEAK_SCRIPT.format(tests=str(REPO / "tests"), cases=cases, run=str(tmp_path / "run"))
@@ -218,10 +219,13 @@ def test_a_lora_on_the_head_is_counted_as_peft_builds_it(tmp_path):
 
 # (family, keys) -> tolerance where the CPU keeps more than a GPU would, with the reason
 SAVED_TOL = {
-    # Phi-3's partial RoPE concatenates, so q reaches sdpa contiguous in [B, H, T, d]; the CPU
-    # kernel returns its output in that layout and attention's transpose(1, 2).contiguous()
-    # then copies it for the adapted o_proj (measured 6.4% here: one [n, q] copy per layer)
+    # Phi-3's and GLM-4's partial RoPE concatenates, so q reaches sdpa contiguous in [B, H, T, d];
+    # the CPU kernel returns its output in that layout and attention's transpose(1, 2).contiguous()
+    # then copies it for the adapted o_proj (one [n, q] copy per layer; measured 6.4% and 5.7%
+    # here). CUDA's flash and efficient kernels return [B, T, H, d] whatever q's layout, so the
+    # plan does not price that copy.
     ("phi3", "all-linear"): 0.07,
+    ("glm4", "all-linear"): 0.07,
 }
 
 

@@ -46,6 +46,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Llama's layout: granite scales embeddings, residuals, attention and logits (no weight of
     # its own); smollm3 leaves RoPE out of every fourth layer (no weight either)
     "granite": {"tie_word_embeddings": False, "logits_scaling": 1.0},
+    "ministral3": {"tie_word_embeddings": False, "head_dim": 128},  # Llama's layout, YaRN RoPE
+    "olmo3": {"tie_word_embeddings": False, "sliding_window": 4096},  # OLMo2's, local/global layers
+    # q/k/v biases, fused gate_up_proj, a norm after attention and after the MLP besides Llama's two
+    "glm4": {"tie_word_embeddings": False, "attention_bias": True, "head_dim": 128},
     "smollm3": {"tie_word_embeddings": True},
     "olmoe": {"tie_word_embeddings": False, "num_experts": 64, "num_experts_per_tok": 8},
     "qwen2_moe": {"tie_word_embeddings": False, "num_experts": 60, "num_experts_per_tok": 4,
@@ -57,7 +61,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 # width is moe_intermediate_size (the others: intermediate_size, every layer)
 _SPARSE_STEP = ("qwen3_moe", "qwen2_moe")
 # olmo2 and olmoe norm q and k over the whole projection; qwen3 and gemma3 per head
-_QK_NORM_FULL = ("olmo2", "olmoe")
+_QK_NORM_FULL = ("olmo2", "olmoe", "olmo3")
 
 # transformers picks eager attention for these (their modeling files do not support sdpa:
 # soft-capped scores in Gemma-2, attention sinks in gpt-oss); sdpa elsewhere.
@@ -123,7 +127,7 @@ def _attention(c: dict[str, Any], mt: str, z: _Sizes) -> tuple[list[Linear], Oth
     h, q_out, kv_out = z.hidden, z.q_out, z.kv_out
     bias_all = bool(c.get("use_bias")) if mt == "starcoder2" else bool(c.get("attention_bias", False))
     qkv_bias = True if mt == "qwen2" else bool(c.get("qkv_bias")) if mt == "qwen2_moe" else bias_all
-    o_bias = False if mt == "qwen2" else bias_all
+    o_bias = False if mt in ("qwen2", "glm4") else bias_all
     fused = mt == "phi3"
     attn: list[Linear] = []
     if fused:  # Phi3Attention: one qkv_proj of (heads + 2 kv) * head_dim
@@ -150,16 +154,19 @@ def _block_norms(mt: str, h: int) -> Others:
     """The norms of a block (and a LayerNorm's biases), each at the stage where it runs."""
     names = {"gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                         "post_feedforward_layernorm"),
-             "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
+             "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+             "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")}
+    names["olmo3"] = names["olmo2"]
     norm_names = names.get(mt, ("input_layernorm", "post_attention_layernorm"))
     if mt == "gemma3_text":
         norm_names = names["gemma2"]
     layer_norm = mt == "starcoder2"  # nn.LayerNorm with bias
     # where each norm runs: before attention, after its output projection (Gemma/OLMo2's
     # post-attention norm), before the MLP, after it
-    sandwich = mt in ("gemma2", "gemma3_text", "olmo2")
+    sandwich = mt in ("gemma2", "gemma3_text", "olmo2", "olmo3")
     where = {"input_layernorm": 0.0, "post_attention_layernorm": 2.5 if sandwich else 3.0,
-             "pre_feedforward_layernorm": 3.0, "post_feedforward_layernorm": 5.5}
+             "pre_feedforward_layernorm": 3.0, "post_feedforward_layernorm": 5.5,
+             "post_self_attn_layernorm": 2.5, "post_mlp_layernorm": 5.5}  # glm4's
     norms: Others = []
     for n in norm_names:
         norms.append((f"{n}.weight", (h,), "norm", where[n], h))
@@ -172,7 +179,7 @@ def _dense_mlp(mt: str, h: int, width: int, bias: bool) -> tuple[list[Linear], O
     if mt == "starcoder2":  # Starcoder2MLP: c_fc, gelu, c_proj (both with use_bias)
         return [Linear("c_fc", "mlp.c_fc", h, width, bias, "mlp", STAGE_MLP_IN),
                 Linear("c_proj", "mlp.c_proj", width, h, bias, "mlp", STAGE_MLP_OUT)], []
-    if mt == "phi3":  # Phi3MLP: one gate_up_proj of 2 x intermediate
+    if mt in ("phi3", "glm4"):  # Phi3MLP, Glm4MLP: one gate_up_proj of 2 x intermediate
         return [Linear("gate_up_proj", "mlp.gate_up_proj", h, 2 * width, bias, "mlp", STAGE_MLP_IN),
                 Linear("down_proj", "mlp.down_proj", width, h, bias, "mlp", STAGE_MLP_OUT)], []
     return [Linear("gate_proj", "mlp.gate_proj", h, width, bias, "mlp", STAGE_MLP_IN),
