@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import UserError
 from finetune.backends import capabilities
 from finetune.backends.runtimes import get_backend
 from finetune.export import MLX_CONFIG, convert, detect_format, find_adapter_dir
