@@ -238,9 +238,8 @@ def test_cuda_saved_tensors_match_activation_model_for_every_family(name, tmp_pa
     only some families do: a sliding-window layer whose rows reach the window (gemma3, gpt-oss:
     sdpa gets a mask, so transformers repeats k and v to every head), a fused qkv whose output v
     is a view of (phi3), gpt-oss's clamped SwiGLU experts, Qwen2-MoE's shared expert."""
-    import torch
     from families import VOCAB, build_family
-    from test_planner import _fixed_batch
+    from test_planner import _fixed_batch, kept_by_autograd
 
     from finetune.backends.cuda.runtime import CudaBackend
 
@@ -250,24 +249,7 @@ def test_cuda_saved_tensors_match_activation_model_for_every_family(name, tmp_pa
                        f"train.seq_len={T}", "precision=32-true", f"method.lora.keys={keys}")
         be = CudaBackend()
         be.setup(resolve(cfg), build_family(name))
-        params = {p.untyped_storage().data_ptr() for p in be.model.parameters()}
-        seen: dict[int, tuple[str, int]] = {}
-        region = ["model"]
-
-        def pack(t, seen=seen, region=region, params=params):
-            try:
-                ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-            except (RuntimeError, NotImplementedError):
-                return t
-            if ptr not in params and ptr not in seen:
-                seen[ptr] = (region[0], nbytes)
-            return t
-
-        be.eval_loss(_fixed_batch(VOCAB, B, T))  # the one-time head check's forward, before counting
-        be.hf.get_output_embeddings().register_forward_hook(lambda *a, region=region: region.__setitem__(0, "loss"))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            be.forward_backward(_fixed_batch(VOCAB, B, T), 1.0)
-        kept = sum(n for r, n in seen.values() if r == "model")
+        kept, _ = kept_by_autograd(be, _fixed_batch(VOCAB, B, T))
         arch, s = planner.resolve(resolve(cfg), seq_len=T)
         _, _, d = planner.activations(arch, s)
         predicted = d["saved_layers"] + d["head"]

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -250,6 +251,35 @@ def test_plan_equals_backend_census_after_a_step(backend, tmp_path):
 
 # ---- activations vs what the frameworks keep ---------------------------------------------------
 
+def kept_by_autograd(be: Any, batch: Any) -> tuple[int, int]:
+    """Bytes autograd saves for backward in one CudaBackend.forward_backward of ``batch``: (up to
+    the output head, in the head and loss). Unique storages, parameters excluded
+    (torch.autograd.graph.saved_tensors_hooks); the one-time head check runs first, uncounted."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in be.model.parameters()}
+    seen: dict[int, tuple[str, int]] = {}
+    region = ["model"]
+
+    def pack(t: Any) -> Any:
+        try:
+            ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = (region[0], nbytes)
+        return t
+
+    be.eval_loss(batch)  # the one-time head check's forward, before counting
+    handle = be.hf.get_output_embeddings().register_forward_hook(lambda *a: region.__setitem__(0, "loss"))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            be.forward_backward(batch, 1.0)
+    finally:
+        handle.remove()
+    return (sum(n for r, n in seen.values() if r == "model"), sum(n for r, n in seen.values() if r == "loss"))
+
+
 @needs_torch
 @pytest.mark.parametrize("over", [(), ("method=full",), ("precision=bf16-mixed",), ("precision=bf16-true", "method=full"),
                                   ("method.lora.keys=[o_proj,down_proj]", "method.lora.num_layers=1")])
@@ -266,25 +296,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
     be = CudaBackend()
     be.setup(resolve(cfg), resolve_model_dir(cfg.model))
-    params = {p.untyped_storage().data_ptr() for p in be.model.parameters()}
-    seen: dict[int, tuple[str, int]] = {}
-    region = ["model"]
-
-    def pack(t):
-        try:
-            ptr, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if ptr not in params and ptr not in seen:
-            seen[ptr] = (region[0], nbytes)
-        return t
-
-    be.eval_loss(_fixed_batch(cfg.model.vocab_size, B, T))  # the one-time head check's forward, before counting
-    be.hf.get_output_embeddings().register_forward_hook(lambda *a: region.__setitem__(0, "loss"))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        be.forward_backward(_fixed_batch(cfg.model.vocab_size, B, T), 1.0)
-    kept = sum(n for r, n in seen.values() if r == "model")
-    loss = sum(n for r, n in seen.values() if r == "loss")
+    kept, loss = kept_by_autograd(be, _fixed_batch(cfg.model.vocab_size, B, T))
     arch, s = planner.resolve(resolve(cfg), seq_len=T)
     _, _, d = planner.activations(arch, s)
     predicted = d["saved_layers"] + d["head"] - B * T * T  # no padding here: sdpa gets no mask
