@@ -490,34 +490,39 @@ def _weight_files(d: Path) -> list[Path]:
     return sorted(d.glob("model*.safetensors"))
 
 
-def checkpoint_elements(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[int, str] | None:
+def checkpoint_elements(model: ModelSpec, model_dir: Path | str | None = None,
+                        text_only: bool = False) -> tuple[int, str] | None:
     """Elements of every tensor the checkpoint's safetensors files hold, read from their headers
     (no weights, no torch), and the directory read; None where this machine has no such files
     for the model (a hub id not downloaded, pickle-only weights, a file without a readable
     header). ``model_dir``: a loaded model's directory; else the local directory or hub-cache
-    snapshot ``local_model_dir`` finds."""
+    snapshot ``local_model_dir`` finds. ``text_only``: a multimodal checkpoint's language model
+    alone (the tensors ``TEXT_KEY_MAPPING`` maps, and the head), what ``load_causal_lm`` loads."""
     d = Path(str(model_dir)) if model_dir is not None else local_model_dir(model, seed=0)
     if not isinstance(d, Path) or not d.is_dir():
         return None
     files = _weight_files(d)
     if not files or not all(f.is_file() for f in files):
         return None
-    total = _elements(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
-    return None if total is None else (total, str(d))
+    total = _elements(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files), text_only)
+    return None if total is None else (total, f"{d}, its language model" if text_only else str(d))
 
 
 @functools.lru_cache(maxsize=32)
-def _elements(files: tuple[tuple[str, int, int], ...]) -> int | None:
+def _elements(files: tuple[tuple[str, int, int], ...], text_only: bool) -> int | None:
     """Elements of the tensors of ``files`` ((path, mtime, size): a file rewritten is read again)."""
     import math
+    import re
 
+    text = [re.compile(p) for p in (*TEXT_KEY_MAPPING, r"^lm_head\.")]
     total = 0
     for f, _, _ in files:
         got = _safetensors_header(Path(f))
         if isinstance(got, str):
             return None
         total += sum(math.prod(t.get("shape") or [1]) for k, t in got[0].items()
-                     if k != "__metadata__" and isinstance(t, dict))
+                     if k != "__metadata__" and isinstance(t, dict)
+                     and (not text_only or any(p.match(k) for p in text)))
     return total
 
 

@@ -136,6 +136,11 @@ def _multimodal_config(kind: str) -> Any:
                   "image_size": 28, "patch_size": 14}
         return AutoConfig.for_model("gemma3", text_config=family_config("gemma3").to_dict(), vision_config=vision,
                                     mm_tokens_per_image=4, image_token_index=5, boi_token_index=6, eoi_token_index=7)
+    if kind == "qwen3_5":  # Qwen3.5: a hybrid language model (linear and full attention) no family describes
+        text = {**COMMON, "model_type": "qwen3_5_text", "head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"]}
+        return AutoConfig.for_model("qwen3_5", text_config=text, vision_config={
+            "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64})
     if kind == "qwen2_5_vl":  # a language model with M-RoPE, which transformers has no text-only class for
         text = {**COMMON, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e4}}
         return AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config={

@@ -9,8 +9,9 @@ line naming the fix, on both backends. Never a traceback, never a wrong loss.
   LoRA count equals the backend's.
 - the weights: held against the checkpoint's safetensors headers. gemma4_text's per-layer input
   embeddings, which the Llama-style layout leaves out, are priced from them (the plan's total is
-  the checkpoint's); where the layout lists more (phi-2, cohere) the note says by how much; with
-  no weights to read (config.json alone) nothing changes.
+  the checkpoint's), and a multimodal Qwen3.5's hybrid language model alone (its vision tower
+  left out, as the run leaves it); where the layout lists more (phi-2, cohere) the note says by
+  how much; with no weights to read (config.json alone) nothing changes.
 - gpt_neox (a fused query_key_value where a Llama has q_proj/v_proj), gpt2 (sizes named n_embd,
   n_layer), granitemoe (an MoE the planner cannot price): one line naming the family and the fix,
   nothing written that looks like a result.
@@ -193,3 +194,20 @@ def test_a_layout_listing_more_than_the_checkpoint_says_by_how_much(name: str, s
     note = next(n for n in p["notes"] if "safetensors headers" in n)
     assert f"lists {p['params_total']:,} weights, its checkpoint holds {real:,}" in note
     assert f"priced {share} high" in note  # phi-2: 139,584 listed, 124,544 held; cohere: 128 of 106,688
+
+
+def test_a_multimodal_checkpoints_language_model_is_priced_from_its_own_tensors(tmp_path: Path) -> None:
+    """Qwen3.5 (Qwen3_5ForConditionalGeneration): its text model (linear-attention layers beside
+    full ones) priced from the checkpoint's language-model tensors, to the element of what the
+    run loads (load_causal_lm), the vision tower's weights not among them."""
+    from families import build_multimodal
+
+    from finetune.model_source import load_causal_lm
+
+    d = build_multimodal("qwen3_5")
+    p = _plan(tmp_path / "run", d)
+    m = load_causal_lm(d)
+    loaded = sum(t.numel() for t in {v.data_ptr(): v for v in m.state_dict().values()}.values())
+    assert p["params_total"] == loaded
+    note = next(n for n in p["notes"] if "safetensors headers" in n)
+    assert f"its checkpoint holds {loaded:,} weights ({d}, its language model" in note

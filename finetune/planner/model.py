@@ -36,13 +36,14 @@ def model_desc(model: ModelSpec, model_dir: Any = None) -> ModelDesc:
 
 def _describe(model: ModelSpec, model_dir: Any = None) -> tuple[ModelDesc, dict[str, Any]]:
     """``describe`` of the model's config.json, and that config; a family not described is held
-    against its checkpoint's safetensors headers where this machine has them (``reconcile``: not
-    for a multimodal or quantized checkpoint, whose files hold other tensors or packed ones)."""
+    against its checkpoint's safetensors headers where this machine has them (``reconcile``; a
+    multimodal checkpoint's language model alone; not a quantized checkpoint, whose packed
+    tensors count otherwise)."""
     hf, source = model_config(model, model_dir)
     arch = describe(hf, source)
-    if arch.described or is_multimodal(hf) or "quantization" in hf or "quantization_config" in hf:
+    if arch.described or "quantization" in hf or "quantization_config" in hf:
         return arch, hf
-    return reconcile(arch, checkpoint_elements(model, model_dir)), hf
+    return reconcile(arch, checkpoint_elements(model, model_dir, text_only=is_multimodal(hf))), hf
 
 
 # ---- the resolved setup -----------------------------------------------------------------------
