@@ -230,6 +230,8 @@ def _layer_kinds(c: dict[str, Any], mt: str, layers: int, experts: int,
             sliding = layer_types[i] == "sliding_attention" and bool(sliding_window)
         elif mt == "gemma2":
             sliding = i % 2 == 0 and bool(sliding_window)  # Gemma2: every other layer, from the first
+        elif mt == "olmo3":  # Olmo3Config's default layer_types: every fourth layer global
+            sliding = (i + 1) % 4 != 0 and bool(sliding_window)
         else:
             sliding = bool(sliding_window)
         kinds.append((is_moe, sliding))
