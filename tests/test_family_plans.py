@@ -255,3 +255,17 @@ def test_cuda_saved_tensors_match_activation_model_for_every_family(name, tmp_pa
         predicted = d["saved_layers"] + d["head"]
         tol = SAVED_TOL.get((name, keys), 0.03)
         assert predicted == pytest.approx(kept, rel=tol), (name, keys, predicted, kept, round(predicted / kept - 1, 4))
+
+
+@pytest.mark.parametrize("model_type", ["olmo3", "gemma2"])
+def test_local_global_layers_without_layer_types_follow_the_config_class(model_type):
+    """A config.json without ``layer_types``: each layer's window as the family's config class
+    builds it (Olmo3Config: every fourth layer global; Gemma2: every other, from the first)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    from finetune.planner.describe import describe
+
+    built = AutoConfig.for_model(model_type, num_hidden_layers=8, sliding_window=16).to_dict()
+    want = [t == "sliding_attention" for t in built.pop("layer_types")]
+    assert [b.sliding for b in describe(built, model_type).blocks] == want
