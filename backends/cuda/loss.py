@@ -182,7 +182,7 @@ def post_head(model: torch.nn.Module) -> tuple[str, float] | None:
     cfg = getattr(inner, "config", None)
     for field in _POST_HEAD:
         v = getattr(cfg, field, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) not in (0.0, 1.0):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) != 1.0:
             return field, float(v)
     return None
 

@@ -383,7 +383,7 @@ def post_head(model: nn.Module) -> tuple[str, float] | None:
     for args in (getattr(model, "args", None), getattr(getattr(model, "model", None), "args", None)):
         for field in _POST_HEAD:
             v = getattr(args, field, None)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) not in (0.0, 1.0):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and float(v) != 1.0:
                 return field, float(v)
     return None
 

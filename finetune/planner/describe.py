@@ -45,7 +45,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "starcoder2": {"tie_word_embeddings": True, "use_bias": True},
     # Llama's layout: granite scales embeddings, residuals, attention and logits (no weight of
     # its own); smollm3 leaves RoPE out of every fourth layer (no weight either)
-    "granite": {"tie_word_embeddings": False, "logits_scaling": 1.0},
+    "granite": {"tie_word_embeddings": False},
     "ministral3": {"tie_word_embeddings": False, "head_dim": 128},  # Llama's layout, YaRN RoPE
     "olmo3": {"tie_word_embeddings": False, "sliding_window": 4096},  # OLMo2's, local/global layers
     # q/k/v biases, fused gate_up_proj, a norm after attention and after the MLP besides Llama's two
