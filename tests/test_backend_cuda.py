@@ -365,4 +365,10 @@ def test_right_padded_rows_need_no_padding_mask(tiny_dir, batch, monkeypatch):
                                      "train.batch_size=2", "train.seq_len=512", *extra), recommend=False)
 
     masked, causal = plan("model.trust_remote_code=true"), plan()
-    assert masked["peak_bytes"] - causal["peak_bytes"] == 2 * 512 * 512  # bool [B, 1, T, T]
+    # with a mask, every layer's sdpa gets it: the bool [B, 1, T, T] once, and per layer k and v
+    # repeated to every query head (transformers' use_gqa_in_sdpa: GQA only without a mask) and
+    # the mask in the compute dtype (bf16 here), as measured on gemma3's masked sliding layers
+    # (tests/test_family_plans.py); Qwen2-0.5B: 24 layers, 14 heads, 2 kv heads, head_dim 64
+    n, a = 2 * 512, 2
+    per_layer = 2 * n * (14 - 2) * 64 * a + 2 * 512 * 512 * a
+    assert masked["peak_bytes"] - causal["peak_bytes"] == 2 * 512 * 512 + 24 * per_layer
