@@ -473,16 +473,22 @@ def safetensors_damage(path: Path | str) -> str | None:
     return None
 
 
+def _shard_names(index: Path) -> list[str]:
+    """The shard files a ``model.safetensors.index.json`` names (OSError, ValueError or
+    AttributeError where it is unreadable)."""
+    import json
+
+    return sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+
+
 def _weight_files(d: Path) -> list[Path]:
     """The safetensors files of one checkpoint in ``d``: the shards its index names, else
     ``model.safetensors``, else every ``model*.safetensors`` (never Mistral's duplicate
     ``consolidated.safetensors`` or an adapter's file)."""
-    import json
-
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
-            return [d / f for f in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))]
+            return [d / f for f in _shard_names(index)]
         except (OSError, ValueError, AttributeError):
             return []
     if (d / "model.safetensors").is_file():
@@ -504,7 +510,8 @@ def checkpoint_elements(model: ModelSpec, model_dir: Path | str | None = None,
     files = _weight_files(d)
     if not files or not all(f.is_file() for f in files):
         return None
-    total = _elements(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files), text_only)
+    stats = [f.stat() for f in files]
+    total = _elements(tuple((str(f), st.st_mtime_ns, st.st_size) for f, st in zip(files, stats)), text_only)
     return None if total is None else (total, f"{d}, its language model" if text_only else str(d))
 
 
@@ -538,13 +545,11 @@ def _download_again(f: Path, model: ModelSpec) -> str:
 def _check_shards(d: Path, model: ModelSpec) -> None:
     """A sharded checkpoint's index (``model.safetensors.index.json``) names every shard; one
     missing is an incomplete download."""
-    import json
-
     index = d / "model.safetensors.index.json"
     if not index.is_file():
         return
     try:
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        shards = _shard_names(index)
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{index} is unreadable ({e}); {_download_again(index, model)}") from None
     missing = [s for s in shards if not (d / s).is_file()]

@@ -78,10 +78,6 @@ class Block:
             return 0
         return max((lin.in_f for lin in self.group(STAGE_MLP_OUT) if lin.experts == 1), default=0)
 
-    def shared_group(self, stage: int) -> tuple[Linear, ...]:
-        """The linears of one stage that every token runs once (no routed expert, no router)."""
-        return tuple(lin for lin in self.group(stage) if lin.experts == 1 and lin.kind != "router")
-
 
 @dataclass(frozen=True)
 class ModelDesc:
