@@ -473,6 +473,19 @@ class MemoryModel(Protocol):
         """The collectives' buffers per rank, by name."""
         ...
 
+    # ---- the phases: reserved, the device level, the host -------------------------------------
+    def alloc_conf(self, spec: RunSpec) -> str | None:
+        """The allocator configuration the run uses (cuda: PYTORCH_CUDA_ALLOC_CONF), refused in
+        one line where the framework would not parse it; None: the framework's default."""
+        ...
+
+    def device_phases(self, arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[str, int],
+                      buffers: dict[str, dict[str, Any]], devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Per device (``devices``: the priced figures, allocated per phase): ``phases`` (load,
+        step1, steady: allocated, reserved, device and host bytes), ``non_allocator`` (what the
+        device shows beyond reserved, by name), ``step2_reserved_leap_bytes`` and ``alloc_conf``."""
+        ...
+
     # ---- what the plan says ----------------------------------------------------------------
     def notes(self, s: Setup) -> list[str]:
         """The backend's notes for the plan."""

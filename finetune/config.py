@@ -39,6 +39,11 @@ class BackendConfig:
     # gradients and optimizer state over ranks (FSDP2 fully_shard). The planner plans per rank
     # for it when backend.num_devices > 1 without device_map=auto.
     strategy: str = "ddp"
+    # cuda backend: PYTORCH_CUDA_ALLOC_CONF for the run (e.g. "expandable_segments:True"),
+    # set before CUDA starts and planned (the plan replays the step through a model of torch's
+    # caching allocator with it); null: the environment's PYTORCH_CUDA_ALLOC_CONF, else torch's
+    # default allocator
+    alloc_conf: str | None = None
 
 
 @dataclass
@@ -109,6 +114,10 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.0  # sgd only
     max_grad_norm: float | None = 1.0  # null: no clipping
+    # adam/adamw on the cuda backend: torch's fused kernel (no workspace; HF Trainer's
+    # adamw_torch_fused); false: torch's default path (foreach on a GPU: one more copy of every
+    # trainable tensor during the step)
+    fused: bool = True
 
 
 @dataclass
@@ -196,6 +205,10 @@ class MemoryConfig:
     # freed and will ask for again (its measured peak above the live bytes), so the footprint
     # stays near the peak; a size ("512MiB") fixes it; null leaves MLX's default (32 MiB).
     cache_limit: str | None = "auto"
+    # release the allocator's cache (torch.cuda.empty_cache / mx.clear_cache) after every N-th
+    # optimizer step (0: never): reserved falls back to what is live at each step's start, at
+    # the cost of new device allocations every step (HF Trainer's torch_empty_cache_steps)
+    empty_cache_every: int = 0
 
 
 @dataclass
@@ -330,6 +343,7 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "train.tokens_per_micro": (2, INF, True, False, True),
     "memory.sample_every": (0, INF, True, False, False),
     "memory.phase_every": (1, INF, True, False, False),
+    "memory.empty_cache_every": (0, INF, True, False, False),
     "generate.max_new_tokens": (1, INF, True, False, False),
     "generate.temperature": (0, INF, True, False, False),
 }

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from finetune import data as data_mod
+from finetune.backends.base import padded_length
 from finetune.model_source import TOKENIZER_FILES, local_model_dir
 from finetune.spec import RunSpec
 
@@ -44,9 +45,12 @@ class DataLengths:
     # packed: the most (query, key) pairs per position of a packed micro-batch (attention runs one
     # sample at a time, so a row's scores are its samples' squares); None unpacked
     pair_span: float | None = None
+    # the padded widths of the first optimizer steps (unpacked; the allocator replay's shapes)
+    step_widths: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "pair_span" or v is not None}
+        return {k: (list(v) if k == "step_widths" else v) for k, v in asdict(self).items()
+                if k != "pair_span" or v is not None}
 
 
 def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
@@ -73,8 +77,11 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
     d = spec.data
     source = {"synthetic": "synthetic", "jsonl": Path(str(d.path)).name, "hf": f"{d.hf_name}:{d.hf_split}"}[d.name]
     planned = int(stats.get("max_micro_tokens") or stats["max_padded_tokens"])
+    widths = () if spec.train.packing else tuple(
+        padded_length(int(src.step_lengths(i).max()), stats["pad_multiple"], spec.train.seq_len)
+        for i in range(min(2, spec.train.steps)))
     return DataLengths(source=source, samples=int(len(lens)), min=int(lens.min()), median=int(pct[0]),
                        p90=int(pct[1]), p99=int(pct[2]), max=int(lens.max()), mean=round(float(lens.mean()), 1),
                        planned_tokens=planned, head_fraction=round(float(stats["head_fraction"]), 4),
                        packed=bool(spec.train.packing),
-                       pair_span=stats.get("pair_span") if spec.train.packing else None), ""
+                       pair_span=stats.get("pair_span") if spec.train.packing else None, step_widths=widths), ""

@@ -75,6 +75,15 @@ class Setup:
     # target rows only (backends' target_head) unless ``target_head`` is False.
     target_fraction: float = 1.0
     target_head: bool = True
+    # backend.alloc_conf (else the environment's PYTORCH_CUDA_ALLOC_CONF): the caching allocator
+    # the plan replays the run's allocations through; memory.empty_cache_every
+    alloc_conf: str | None = None
+    empty_cache_every: int = 0
+    # the padded widths of the run's first steps, from the data where the plan read it: the
+    # allocator replay runs those steps at their own shapes (step 2's reserve depends on what
+    # step 1 cached), then the planned width (``seq_len``); empty: every step at ``seq_len``
+    step_widths: tuple[int, ...] = ()
+    fused: bool = True  # optim.fused: adam/adamw through torch's fused kernel (cuda backend)
 
     @property
     def effective_batch(self) -> int:

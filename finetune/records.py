@@ -174,6 +174,13 @@ class PlanDevice(PlanTotals):
     modules: str  # "first..last" module on this device
     overhead_detail: dict[str, int]
     buffers: dict[str, int]  # the ranks' collective buffers on this device, by name
+    step1_allocated_bytes: int  # the first step's allocated peak (the optimizer's state created at its end)
+    # {load, step1, steady}: {allocated_bytes, reserved_bytes, device_bytes, host_bytes}
+    phases: dict[str, dict[str, int]]
+    non_allocator: dict[str, int]  # what NVML counts beyond reserved, by name
+    step2_reserved_leap_bytes: int  # reserved at step 2 over step 1 at the same phase's end
+    alloc_conf: str | None
+    device_level_planned: bool  # whether the device level is planned above the allocator (a GPU)
 
 
 class PlanCore(PlanTotals):
@@ -188,6 +195,14 @@ class PlanCore(PlanTotals):
     optimizer_step_workspace_bytes: int
     collective_buffers: dict[str, dict[str, Any]]  # name -> {bytes, phase it adds to}
     per_rank: dict[str, Any] | None
+    # the load, step 1 and the steady state of the device whose device level peaks highest:
+    # {phase: {allocated_bytes, reserved_bytes, device_bytes, host_bytes}}
+    phases: dict[str, dict[str, int]]
+    max_device_level_bytes: int  # the highest device level (NVML's view) of any phase and device
+    max_host_bytes: int  # the process's RSS at its highest
+    fits_bytes: int  # what ``fits`` compares with the budget: the device level where planned, else the peak
+    step2_reserved_leap_bytes: int
+    alloc_conf: str | None  # PYTORCH_CUDA_ALLOC_CONF the replay used (null: torch's default)
 
 
 class PlanData(TypedDict, total=False):

@@ -26,6 +26,7 @@ class BackendSpec:
     num_devices: int | None  # as configured (world.num_devices: what the run plans for)
     attn_implementation: str
     strategy: str
+    alloc_conf: str | None  # backend.alloc_conf: PYTORCH_CUDA_ALLOC_CONF as configured (null: the environment's)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class OptimSpec:
     eps: float
     momentum: float
     max_grad_norm: float | None
+    fused: bool  # adam/adamw: torch's fused kernel where it runs (cuda backend)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class MemorySpec:
     adapt: bool
     supervise: bool
     cache_limit: str | None
+    empty_cache_every: int
 
 
 @dataclass(frozen=True)

@@ -119,13 +119,13 @@ def prune_by_plan(spec: RunSpec, run_dir: Path) -> dict[str, Any] | None:
     budget = p["budget_bytes"]
     if p["fits"] is not False or budget is None:  # fits is False only against a budget
         return None
-    rec = {"pruned": "plan_over_budget", "planned_peak_bytes": p["max_device_peak_bytes"],
+    rec = {"pruned": "plan_over_budget", "planned_peak_bytes": p["fits_bytes"],
            "budget_bytes": budget, "backend": p["backend"], "method": p["method"], "optim": p["optim"],
            "precision": p["precision"], "batch_size": p["batch_size"], "seq_len": p["seq_len"]}
 
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_dir / "pruned.json", rec)
-    print(f"[sweep] pruned by plan: peak {p['max_device_peak_bytes'] / 2**30:.2f} GiB > memory.budget "
+    print(f"[sweep] pruned by plan: peak {p['fits_bytes'] / 2**30:.2f} GiB > memory.budget "
           f"{budget / 2**30:.2f} GiB ({run_dir})", file=sys.stderr)
     return rec
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from typing import Any
 
 from finetune.errors import UserError
@@ -26,6 +28,8 @@ from finetune.modeldesc import (
 )
 from finetune.planspec import MIB, Setup, Tensor
 from finetune.spec import RunSpec
+from finetune.backends.cuda import trace
+from finetune.backends.cuda.allocator import parse_alloc_conf
 from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.budget import DeviceMemory, cuda_devices, host_memory
 
@@ -44,6 +48,24 @@ BNB_MIN_8BIT_SIZE = 4096
 BNB_PAGED_MIN_NUMEL = 100_000
 BNB_QMAPS_BYTES = 2 * 256 * 4  # name2qmap["dynamic"] and ["udynamic"], shared by every 8-bit state
 CUDA_CONTEXT_BYTES = 500 * MIB  # estimate: CUDA context + cuBLAS/cuDNN handles, outside torch's allocator
+# The device level, as NVML shows it (benchmarks/results/gpu_check_h200.txt: torch 2.11 + CUDA 13.0
+# on an H200): the context measured when torch created it, 524 MiB; what the driver loads after
+# that (CUDA's lazy module loading, CUDA_MODULE_LOADING=LAZY, loads each kernel's module on its
+# first launch, and library handles grow), 229 MiB after ten steps of a full fine-tune (227 MiB
+# for a LoRA run, 252 MiB for the paged one: the smallest two agree).
+CUDA_CONTEXT_MEASURED_BYTES = 524 * MIB
+CUDA_LAZY_MODULES_BYTES = 229 * MIB
+# NCCL (docs: NCCL_BUFFSIZE, default 4 MiB per channel and peer, for its Simple protocol, beside
+# LL128's ~4.5 MiB and LL's 256 KiB): a ring rank talks to two peers over up to 16 channels on
+# NVLink machines: 2 x 16 x ~8.75 MiB. An estimate, said in the plan; gloo keeps its buffers on
+# the host.
+NCCL_BUFFERS_BYTES = 2 * 16 * (4 * MIB + 4608 * 1024 + 256 * 1024)
+# The host (RSS) of a run's process before its weights: the interpreter with torch, transformers,
+# PEFT, bitsandbytes and finetune imported, measured on this project's CPU box (torch 2.13 CPU
+# build: 453 MiB); on a GPU the CUDA runtime's host side adds to it (the H200 run's RSS was
+# 1.54 GiB at its end, its weights on the GPU and its checkpoint files closed).
+HOST_BASE_CPU_BYTES = 453 * MIB
+HOST_BASE_CUDA_BYTES = 1577 * MIB
 CUDA_ALLOC_ROUND = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
 
 
@@ -218,6 +240,13 @@ def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, 
     raise UserError(f"optim={optim} is not valid; choose one of: {', '.join(CAPABILITIES.optimizers)}")
 
 
+def adam_fused(s: Setup) -> bool:
+    """Whether the runtime steps Adam/AdamW with torch's fused kernel (backends/cuda/runtime.py
+    ``_fused``): ``optim.fused``, on plain tensors on the CPU or a GPU; FSDP's DTensor shards keep
+    torch's default (foreach)."""
+    return s.fused and not (s.strategy == "fsdp" and s.world_size > 1)
+
+
 def optimizer_shared_bytes(s: Setup, trainable: list[Tensor]) -> int:
     """State shared by every tensor, held once on the first device: bitsandbytes' 8-bit maps."""
     if s.optim in ("adamw_8bit", "paged_adamw_8bit") and any(t.local_numel >= BNB_MIN_8BIT_SIZE for t in trainable):
@@ -232,9 +261,12 @@ def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
     # per rank: under FSDP the optimizer steps each parameter's local shard (a DTensor's
     # _local_tensor), so every size here is the local one
     largest = max(t.local_numel * t.dtype_bytes for t in trainable)
+    if s.optim in ("adamw", "adam") and adam_fused(s):
+        return 0  # torch/optim/adam.py _fused_adam: one kernel per tensor group, no workspace
     if s.optim in ("adamw", "adam") and s.device == "cuda":
-        # torch/optim/adam.py _multi_tensor_adam (foreach, the CUDA default):
-        # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs) allocates one more state-sized list.
+        # torch/optim/adam.py _multi_tensor_adam (foreach, torch's CUDA default, kept for FSDP's
+        # DTensor shards): exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs) allocates one
+        # more state-sized list.
         return sum(t.local_numel * t.dtype_bytes for t in trainable)
     if s.optim == "adafactor":
         # transformers Adafactor.step: fp32 `update` (grad**2 + eps, then the approximation)
@@ -461,6 +493,110 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
     }
 
 
+# ---- the phases: allocated, reserved, the device level and the host ---------------------------------
+
+def alloc_conf(spec: RunSpec) -> str | None:
+    """PYTORCH_CUDA_ALLOC_CONF the run uses: ``backend.alloc_conf``, else the environment's
+    (the runtime sets the former before CUDA starts). Refuses one torch would not parse."""
+    text = spec.backend.alloc_conf
+    if text is None:
+        text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    try:
+        parse_alloc_conf(text)
+    except ValueError as e:
+        raise UserError(f"backend.alloc_conf={text!r}: {e}") from None
+    return text or None
+
+
+def non_allocator(s: Setup, paged_bytes: int) -> dict[str, int]:
+    """What NVML counts on one device beyond torch's reserved memory, by name (bytes)."""
+    if s.device != "cuda":
+        return {}
+    out = {"cuda_context": CUDA_CONTEXT_MEASURED_BYTES, "lazy_modules": CUDA_LAZY_MODULES_BYTES,
+           # bitsandbytes' paged state (cudaMallocManaged) is resident on the device while it
+           # fits: NVML counts it, the allocator does not
+           "paged_optimizer_state": paged_bytes}
+    if s.world_size > 1:
+        out["nccl_buffers"] = NCCL_BUFFERS_BYTES
+    return out
+
+
+def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[str, int],
+                  buffers: dict[str, dict[str, Any]], devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per device: the load, step 1 and the steady state, each as allocated, reserved, the
+    device level (what NVML shows) and the host (the process's RSS), in bytes.
+
+    On a GPU, allocated and reserved come from a replay of the run's allocations, one tensor at a
+    time as the memory model prices them, through a model of torch's caching allocator
+    (backends/cuda/trace.py): the sequence gives what the category sums cannot (gradients growing
+    while activations are freed, the cuBLAS workspaces, the cache and its fragmentation). On the CPU torch's allocator hands freed memory back to malloc:
+    reserved is allocated, and the device is the host.
+    """
+    mm = sys.modules[__name__]  # this memory model, as the trace reads it
+    host_base = HOST_BASE_CUDA_BYTES if s.device == "cuda" else HOST_BASE_CPU_BYTES
+    file_bytes = sum(t.numel * s.wd if t.role not in ("lora_A", "lora_B", "dora_m") else 0 for t in held)
+    out = []
+    for d, dev in enumerate(devices):
+        b = dev["bytes"]
+        load_alloc = b["weights"] + (_qlora_load_transient(arch, s) if s.method == "qlora" else 0)
+        step1_alloc, steady_alloc = dev["step1_allocated_bytes"], dev["peak_allocated_bytes"]
+        phases: dict[str, dict[str, Any]] = {}
+        if s.device == "cuda":
+            conf = parse_alloc_conf(s.alloc_conf)
+            # every step at the planned shape: the load, a first step and the steady state
+            plain = dataclasses.replace(s, step_widths=())
+            figs = trace.replay(trace.build(arch, plain, held, mm, assign, d, buffers, steps=3,
+                                            empty_cache_every=s.empty_cache_every), conf)
+            leap, steady = _leap(figs), _peaks(figs, "step3")
+            if s.step_widths:
+                # the data's first steps at their own shapes, then the planned one: the leap of
+                # step 2 over step 1 as the run will see it, and what varied shapes leave cached
+                last = len(s.step_widths) + 2
+                mixed = trace.replay(trace.build(arch, s, held, mm, assign, d, buffers, steps=last,
+                                                 empty_cache_every=s.empty_cache_every), conf)
+                leap = _leap(mixed)
+                steady = max(steady, _peaks(mixed, f"step{last}"))
+            rows = {"load": (figs["load"].peak_allocated, figs["load"].peak_reserved),
+                    "step1": _peaks(figs, "step1"), "steady": steady}
+            extra = non_allocator(s, b["optimizer_state_paged"])
+            for name, (alloc, resv) in rows.items():
+                # at the load, the context alone: kernels load on first use, bitsandbytes pages
+                # its state at the first step, NCCL connects at the first collective
+                level = resv + (extra["cuda_context"] if name == "load" else sum(extra.values()))
+                host = host_base + (file_bytes if name == "load" else 0)
+                phases[name] = {"allocated_bytes": alloc, "reserved_bytes": resv, "device_bytes": level,
+                                "host_bytes": host}
+            out.append({"phases": phases, "non_allocator": extra, "step2_reserved_leap_bytes": leap,
+                        "alloc_conf": s.alloc_conf, "device_level_planned": True})
+        else:
+            for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
+                host = host_base + alloc + (file_bytes if name == "load" else 0)
+                phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
+                                "host_bytes": host}
+            out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
+                        "device_level_planned": False})
+    return out
+
+
+def _peaks(figs: dict[str, Any], step: str) -> tuple[int, int]:
+    """(allocated, reserved) at their peaks in ``step`` of a replay (every phase of it)."""
+    ph = [f for k, f in figs.items() if k.startswith(step + ":")]
+    return max(f.peak_allocated for f in ph), max(f.peak_reserved for f in ph)
+
+
+def _leap(figs: dict[str, Any]) -> int:
+    """Step 2's reserved over step 1's at the end of the same phase, the largest (as the run's
+    accounting measures it, finetune/accounting/rules.py rule_step_growth)."""
+    return max(figs[f"step2:{p}"].end_reserved - figs[f"step1:{p}"].end_reserved
+               for p in ("forward", "backward", "optimizer"))
+
+
+def _qlora_load_transient(arch: ModelDesc, s: Setup) -> int:
+    """transformers' bitsandbytes quantizer loads each Linear's weight in the compute dtype and
+    quantizes it on the device, one at a time: the largest such weight, briefly, beside the rest."""
+    return max((lin.numel * s.a for b in arch.blocks for lin in b.linears if lin.experts == 1), default=0)
+
+
 # ---- overheads and notes ---------------------------------------------------------------------------
 
 def device_overhead(s: Setup) -> int:
@@ -524,6 +660,15 @@ class _Kept:
     start: int  # the stage where gradients start in this layer (0 in any layer above the lowest)
     parts: dict[str, int] = dataclasses.field(default_factory=lambda: {
         "norms": 0, "linear_inputs": 0, "weight_casts": 0, "adapters": 0, "attention": 0, "mlp": 0})
+    # the same bytes one tensor at a time, in the order the forward creates them: (kind, bytes)
+    tensors: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+    def add(self, kind: str, *sizes: int) -> None:
+        """Keep tensors of ``sizes`` bytes (one each; a 0 is no tensor) under ``kind``."""
+        for b in sizes:
+            if b:
+                self.parts[kind] += b
+                self.tensors.append((kind, b))
 
     @property
     def n(self) -> int:
@@ -554,25 +699,25 @@ def _norm_kept(kept: _Kept, stage: float, width: int) -> None:
     start keeps nothing unless its own weight trains."""
     n = kept.n
     if kept.keep(stage) and (stage > kept.start or kept.full or not kept.lowest):
-        kept.parts["norms"] += n * width * 4 + n * 4
+        kept.add("norms", n * width * 4, n * 4)
         if kept.full:
-            kept.parts["norms"] += n * width * kept.st
+            kept.add("norms", n * width * kept.st)
 
 
 def _full_linear_kept(kept: _Kept, lin: Linear, tokens: int, src_bytes: int) -> bool:
     """A trained Linear's saved input (full fine-tuning); True where it is the shared source
     tensor itself. Under autocast the bf16/fp16 cast of the input (autocast casts activations
     per call, no cache) and the cast weight."""
-    parts, ac = kept.parts, kept.s.autocast
+    ac = kept.s.autocast
     shared = False
     if ac and src_bytes != 2:
-        parts["linear_inputs"] += tokens * lin.in_f * 2  # autocast's cast of the input, per call
+        kept.add("linear_inputs", tokens * lin.in_f * 2)  # autocast's cast of the input, per call
     elif lin.experts > 1:
-        parts["linear_inputs"] += tokens * lin.in_f * src_bytes  # each expert's gathered tokens
+        kept.add("linear_inputs", tokens * lin.in_f * src_bytes)  # each expert's gathered tokens
     else:
         shared = True
     if ac:
-        parts["weight_casts"] += lin.numel * 2
+        kept.add("weight_casts", lin.numel * 2)
     return shared
 
 
@@ -581,21 +726,21 @@ def _adapter_kept(kept: _Kept, lin: Linear, tokens: int, src_bytes: int) -> bool
     (_cast_input_dtype), lora_A keeps it, lora_B keeps lora_A's output [n, r]; DoRA
     (lora/dora.py DoraLinearLayer.forward) also keeps base_result and lora_B's output, both
     [n, out], for the magnitude's grad); True where lora_A keeps the shared source tensor itself."""
-    s, parts, ac, ad = kept.s, kept.parts, kept.s.autocast, kept.s.ad
+    s, ac, ad = kept.s, kept.s.autocast, kept.s.ad
     shared = False
     if s.dropout > 0:
-        parts["adapters"] += tokens * lin.in_f * (1 + ad)  # dropout mask + its output (lora_A's input)
+        kept.add("adapters", tokens * lin.in_f, tokens * lin.in_f * ad)  # dropout mask + its output (lora_A's input)
     elif ac and ad != 2:
-        parts["adapters"] += tokens * lin.in_f * 2  # autocast cast of x (fp32) for lora_A
+        kept.add("adapters", tokens * lin.in_f * 2)  # autocast cast of x (fp32) for lora_A
     elif src_bytes != ad or lin.experts > 1:
-        parts["adapters"] += tokens * lin.in_f * ad  # _cast_input_dtype copy kept by lora_A
+        kept.add("adapters", tokens * lin.in_f * ad)  # _cast_input_dtype copy kept by lora_A
     else:
         shared = True
-    parts["adapters"] += tokens * s.rank * (2 if ac else ad)  # lora_A output kept by lora_B
+    kept.add("adapters", tokens * s.rank * (2 if ac else ad))  # lora_A output kept by lora_B
     if ac:
-        parts["weight_casts"] += s.rank * (lin.in_f + lin.out_f) * 2 * lin.experts
+        kept.add("weight_casts", s.rank * lin.in_f * 2 * lin.experts, s.rank * lin.out_f * 2 * lin.experts)
     if s.method == "dora":
-        parts["adapters"] += tokens * lin.out_f * (s.a + (2 if ac else ad))
+        kept.add("adapters", tokens * lin.out_f * s.a, tokens * lin.out_f * (2 if ac else ad))
     return shared
 
 
@@ -617,9 +762,9 @@ def _inputs_kept(kept: _Kept, lins: tuple[Linear, ...], width: int, src_bytes: i
         if lin.key in s.keys:
             shared = _adapter_kept(kept, lin, tokens, src_bytes) or shared
         if s.autocast and s.method != "qlora" and grad_in:
-            kept.parts["weight_casts"] += lin.numel * 2  # cast weight kept for the input's grad
+            kept.add("weight_casts", lin.numel * 2)  # cast weight kept for the input's grad
     if shared and not src_already_kept:
-        kept.parts["linear_inputs"] += kept.n * width * src_bytes
+        kept.add("linear_inputs", kept.n * width * src_bytes)
 
 
 def _masked(kept: _Kept) -> bool:
@@ -653,14 +798,14 @@ def _attention_kept(kept: _Kept) -> None:
     if s.attn == "eager":
         kv_kept = n * (qd if groups > 1 else kv) * a
         scores = s.batch * arch.heads * s.seq_len ** 2
-        probs = scores * (4 + (a if a != 4 else 0))  # fp32 softmax + its cast
+        probs_t = [scores * 4] + ([scores * a] if a != 4 else [])  # fp32 softmax + its cast
         if arch.attn_softcap:
-            probs += scores * a  # tanh's output, kept for its backward
-        kept.parts["attention"] += n * qd * a + kv_kept + v_kept + probs
+            probs_t.append(scores * a)  # tanh's output, kept for its backward
+        kept.add("attention", n * qd * a, kv_kept, v_kept, *probs_t)
     else:
         k_kept = n * (qd if repeated and groups > 1 else kv) * a
         mask = s.batch * s.seq_len ** 2 * a if _masked(kept) else 0
-        kept.parts["attention"] += n * 2 * qd * a + k_kept + v_kept + s.batch * arch.heads * s.seq_len * 4 + mask
+        kept.add("attention", n * qd * a, n * qd * a, k_kept, v_kept, s.batch * arch.heads * s.seq_len * 4, mask)
 
 
 def _attention_output_kept(kept: _Kept) -> None:
@@ -670,7 +815,7 @@ def _attention_output_kept(kept: _Kept) -> None:
     qd, a = kept.arch.q_out, kept.s.a
     if kept.s.attn == "eager":
         if kept.full or any(lin.key in kept.s.keys for lin in out_proj):
-            kept.parts["linear_inputs"] += kept.n * qd * a  # attn_output.transpose(1, 2).contiguous()
+            kept.add("linear_inputs", kept.n * qd * a)  # attn_output.transpose(1, 2).contiguous()
         _inputs_kept(kept, out_proj, qd, a, True)
     else:
         _inputs_kept(kept, out_proj, qd, a, kept.keep(STAGE_ATTN_IN))
@@ -689,13 +834,13 @@ def _mlp_kept(kept: _Kept) -> None:
     if block.moe:
         E = arch.experts
         act = 6 if arch.mlp_act == "clamped_swiglu" else 3  # gpt-oss: gate_up, both clamps, sigmoid, products
-        kept.parts["mlp"] += act * n * k * w * a + n * k * h * a + n * E * 4 + n * k * (8 + 8 + 4)
+        kept.add("mlp", *[n * k * w * a] * act, n * k * h * a, n * E * 4, n * k * 8, n * k * 8, n * k * 4)
         if block.shared_width:
-            kept.parts["mlp"] += 3 * n * block.shared_width * a + n * h * a + 2 * n * a
+            kept.add("mlp", *[n * block.shared_width * a] * 3, n * h * a, n * a, n * a)
     elif arch.gated_mlp:
-        kept.parts["mlp"] += 3 * n * w * a
+        kept.add("mlp", n * w * a, n * w * a, n * w * a)
     else:
-        kept.parts["mlp"] += n * w * a  # the activation keeps its input
+        kept.add("mlp", n * w * a)  # the activation keeps its input
 
 
 def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> tuple[int, dict[str, int]]:
@@ -708,6 +853,16 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     each piece's docstring names the ops it counts. Every norm of the block is counted where it
     runs (Gemma's and OLMo2's post-norms, q/k norms over their projections).
     """
+    kept = _layer_kept(arch, s, lowest, block)
+    return sum(kept.parts.values()), kept.parts
+
+
+def layer_tensors(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> list[tuple[str, int]]:
+    """``layer_bytes`` one tensor at a time, in forward order: (kind, bytes)."""
+    return _layer_kept(arch, s, lowest, block).tensors
+
+
+def _layer_kept(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> _Kept:
     block = block or arch.blocks[0]
     kept = _Kept(arch, s, block, lowest, s.first_stage(arch) if lowest else 0)
     h = arch.hidden
@@ -736,4 +891,4 @@ def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
     for stage, width in norms:
         if stage > STAGE_MLP_OUT:
             _norm_kept(kept, stage, width)
-    return sum(kept.parts.values()), kept.parts
+    return kept

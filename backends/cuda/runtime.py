@@ -267,23 +267,26 @@ def _bnb(name: str) -> Callable[[list[torch.nn.Parameter], OptimSpec], torch.opt
     return make
 
 
-def _fused_on_cpu(params: list[torch.nn.Parameter]) -> dict[str, Any]:
-    """``fused=True`` for Adam/AdamW whose parameters are all plain floating tensors on the
-    CPU: one kernel per tensor instead of torch's single-tensor path of a dozen ops (measured
-    0.44 -> 0.10 ms per step for the 16 LoRA tensors of benchmarks/vs_peers.py's model; HF
-    Trainer's default, adamw_torch_fused, is the same kernel). On CUDA torch's own default
-    (foreach) stays: the planner's CUDA pricing of the step's workspace was measured with it."""
-    ok = bool(params) and all(p.device.type == "cpu" and p.is_floating_point() and type(p.data) is torch.Tensor
-                              for p in params)
+def _fused(params: list[torch.nn.Parameter], o: OptimSpec) -> dict[str, Any]:
+    """``fused=True`` for Adam/AdamW whose parameters are all plain floating tensors on the CPU or
+    a CUDA device: one kernel per tensor (CPU: 0.44 -> 0.10 ms per step for the 16 LoRA tensors
+    of benchmarks/vs_peers.py's model) and, on CUDA, no workspace: torch's default foreach path
+    allocates one more copy of every trainable tensor in its step (``_foreach_sqrt`` of
+    exp_avg_sq; +6 GiB at a 3B full fine-tune in bf16), the fused kernel none. HF Trainer's
+    default since torch 2.8 is this kernel (adamw_torch_fused) and torchtune's configs set
+    fused=True. ``optim.fused=false`` and FSDP's DTensor shards keep torch's default (foreach), as the planner prices
+    (backends/cuda/memory.py adam_fused)."""
+    ok = o.fused and bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                              and type(p.data) is torch.Tensor for p in params)
     return {"fused": True} if ok else {}
 
 
 # One constructor per name in CAPABILITIES.optimizers (tests/test_capabilities.py checks both ways)
 OPTIMIZER_BUILDERS: dict[str, Callable[[list[torch.nn.Parameter], OptimSpec], torch.optim.Optimizer]] = {
     "adamw": lambda p, o: torch.optim.AdamW(p, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                            **_fused_on_cpu(p)),
+                                            **_fused(p, o)),
     "adam": lambda p, o: torch.optim.Adam(p, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                          **_fused_on_cpu(p)),
+                                          **_fused(p, o)),
     "sgd": lambda p, o: torch.optim.SGD(p, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay),
     "adafactor": _adafactor,
     "adamw_8bit": _bnb("AdamW8bit"),

@@ -31,7 +31,10 @@ def _setup_with(s: Setup, **changes: Any) -> Setup:
     return dataclasses.replace(s, **changes)
 
 def _fits(p: PlanCore, budget: int | None) -> bool | None:
-    return None if budget is None else p["max_device_peak_bytes"] <= budget
+    """Whether the plan fits ``budget`` bytes per device: in the metric that runs out first, the
+    device level (what NVML shows: reserved, the context, libraries, paged state) in every phase,
+    where the backend plans it above allocated; else the peak with overhead."""
+    return None if budget is None else p["fits_bytes"] <= budget
 
 def chunk_lever_ok(spec: RunSpec, s: Setup) -> bool:
     """Whether the governor may turn on ``train.loss_chunk`` for this run: it is off, the
@@ -63,7 +66,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
         except UserError:
             return
         if _fits(p, budget):
-            out.append({"change": change, "peak_bytes": p["max_device_peak_bytes"]})
+            out.append({"change": change, "peak_bytes": p["fits_bytes"]})
 
     if not s.ckpt:
         trial("train.grad_checkpointing=true", ckpt=True)
@@ -92,7 +95,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
                 hi = mid - 1
         if best:
             p = _core(arch, _setup_with(s, lora_layers=tuple(range(arch.layers - best, arch.layers))))
-            out.append({"change": f"method.lora.num_layers={best}", "peak_bytes": p["max_device_peak_bytes"]})
+            out.append({"change": f"method.lora.num_layers={best}", "peak_bytes": p["fits_bytes"]})
     if s.device == caps.gpu_device and s.world_size == 1:
         # more GPUs: device_map=auto splits the layers over them (a model whose weights alone
         # exceed one device, e.g. an MoE's experts, fits no other way)
@@ -101,7 +104,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
                 p = _core(arch, _setup_with(s, n_devices=n))
                 if _fits(p, budget):
                     out.append({"change": f"backend.device_map=auto backend.num_devices={n}",
-                                "peak_bytes": p["max_device_peak_bytes"]})
+                                "peak_bytes": p["fits_bytes"]})
                     break
     best, lo, hi = None, 8, s.seq_len - 1
     while lo <= hi:
@@ -112,7 +115,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
             hi = mid - 1
     if best:
         p = _core(arch, _setup_with(s, seq_len=best))
-        out.append({"change": f"train.seq_len={best}", "peak_bytes": p["max_device_peak_bytes"]})
+        out.append({"change": f"train.seq_len={best}", "peak_bytes": p["fits_bytes"]})
     return out
 
 def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] | None:
@@ -127,7 +130,7 @@ def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] 
     if not s.ckpt:
         rec["max_micro_batch_with_grad_checkpointing"] = _largest_fitting_micro(arch, s, budget, True)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
-    rec["smallest_peak_bytes"] = _core(arch, smallest)["max_device_peak_bytes"]  # micro-batch 1 + checkpointing
+    rec["smallest_peak_bytes"] = _core(arch, smallest)["fits_bytes"]  # micro-batch 1 + checkpointing
     base = s if micro is not None else smallest  # levers on top of the smallest configuration
     rec["levers"] = _levers(arch, base, budget) if not _fits(_core(arch, base), budget) else []
     if micro is None:
@@ -176,22 +179,22 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
 
     p0 = _core(arch, s)
     before = {"batch_size": s.batch, "grad_accum": s.grad_accum, "grad_checkpointing": s.ckpt,
-              "peak_bytes": p0["max_device_peak_bytes"], "budget_bytes": budget}
+              "peak_bytes": p0["fits_bytes"], "budget_bytes": budget}
     if _fits(p0, budget):
         return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, loss_chunk=s.loss_chunk,
                          tokens_per_micro=base.tokens_per_micro)
     events: list[dict[str, Any]] = []
     chunked = _setup_with(s, loss_chunk=LOSS_CHUNK_LEVER)
     pc = _core(arch, chunked) if chunk_lever_ok(spec, s) else p0
-    if pc["max_device_peak_bytes"] < p0["max_device_peak_bytes"]:  # a step of over LOSS_CHUNK_LEVER targets
+    if pc["fits_bytes"] < p0["fits_bytes"]:  # a step of over LOSS_CHUNK_LEVER targets
         s = chunked
         events.append({"trigger": "plan_over_budget", "action": "enable_loss_chunk",
-                       "before": {"loss_chunk": 0, "peak_bytes": p0["max_device_peak_bytes"], "budget_bytes": budget},
-                       "after": {"loss_chunk": LOSS_CHUNK_LEVER, "peak_bytes": pc["max_device_peak_bytes"]}})
+                       "before": {"loss_chunk": 0, "peak_bytes": p0["fits_bytes"], "budget_bytes": budget},
+                       "after": {"loss_chunk": LOSS_CHUNK_LEVER, "peak_bytes": pc["fits_bytes"]}})
         if _fits(pc, budget):
             return FitResult(True, full_plan(s.batch, s.ckpt), s.batch, s.grad_accum, s.ckpt, events,
                              loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
-        before = {**before, "peak_bytes": pc["max_device_peak_bytes"]}
+        before = {**before, "peak_bytes": pc["fits_bytes"]}
     if s.packed:
         return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, head_fraction, pair_span)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
@@ -204,12 +207,12 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
             if d != s.batch:
                 events.append({"trigger": "plan_over_budget", "action": "lower_micro_batch", "before": before,
                                "after": {"batch_size": d, "grad_accum": eff // d, "grad_checkpointing": s.ckpt,
-                                         "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=eff // d))["max_device_peak_bytes"]}})
+                                         "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=eff // d))["fits_bytes"]}})
             if ckpt and not s.ckpt:
                 prev = events[-1]["after"] if events else before
                 events.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing",
                                "before": {**prev}, "after": {**prev, "grad_checkpointing": True,
-                                                             "peak_bytes": p["max_device_peak_bytes"]}})
+                                                             "peak_bytes": p["fits_bytes"]}})
             return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events, loss_chunk=s.loss_chunk)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
@@ -247,13 +250,13 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
                                "before": {"tokens_per_micro": tokens, "peak_bytes": before["peak_bytes"],
                                           "budget_bytes": budget},
                                "after": {"tokens_per_micro": c,
-                                         "peak_bytes": priced(c, s.ckpt)["max_device_peak_bytes"]}})
+                                         "peak_bytes": priced(c, s.ckpt)["fits_bytes"]}})
             if ckpt and not s.ckpt:
                 prev = events[-1]["after"] if events else {"tokens_per_micro": tokens,
                                                            "peak_bytes": before["peak_bytes"]}
                 events.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing",
                                "before": {**prev, "grad_checkpointing": False},
-                               "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["max_device_peak_bytes"]}})
+                               "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["fits_bytes"]}})
             state = base.with_(tokens_per_micro=c, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk)
             full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state,
                         head_fraction=head_fraction, pair_span=pair_span)
@@ -318,7 +321,7 @@ def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, 
 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None, head_fraction: float | None = None,
-         pair_span: float | None = None) -> Plan:
+         pair_span: float | None = None, step_widths: tuple[int, ...] = ()) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -333,11 +336,14 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         pair_span: packed, the most (query, key) pairs per position of a packed micro-batch,
             from the data (its samples' squares summed over its width); None: the bound, the
             longest sample ``train.seq_len`` allows.
+        step_widths: the padded widths of the run's first steps, from the data: the caching
+            allocator's replay runs them at their own shapes (step 2's leap over step 1).
 
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
     arch, s = resolve(spec, seq_len, state, head_fraction, pair_span)
+    s.step_widths = tuple(int(w) for w in step_widths)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)

@@ -176,6 +176,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         strategy=strategy,
         loss_chunk=state.loss_chunk if state is not None else t.loss_chunk,
         padding_mask=spec.model.trust_remote_code,
+        alloc_conf=mm.alloc_conf(spec), empty_cache_every=spec.memory.empty_cache_every, fused=o.fused,
     )
     _packed_setup(setup, spec, state, seq_len, pair_span)
     if head_fraction is not None:

@@ -181,6 +181,10 @@ def _core(arch: ModelDesc, s: Setup) -> PlanCore:
         if last:
             dev_act += act_detail["head"]
         devices.append(_price(s, agg, dev_act, dev_logits, opt_tr if agg["grads"] else 0, d, mods, buffers))
+    for dev, extra in zip(devices, mm.device_phases(arch, s, held, assign, buffers, cast(list[dict[str, Any]], devices))):
+        dev.update(extra)  # type: ignore[typeddict-item]
+    worst = max(devices, key=lambda dv: max(p["device_bytes"] for p in dv["phases"].values()))
+    level = max(p["device_bytes"] for p in worst["phases"].values())
     summary = _across_devices(devices)
     return {
         "params_total": total, "params_trainable": trainable,
@@ -197,6 +201,15 @@ def _core(arch: ModelDesc, s: Setup) -> PlanCore:
         # the ranks' collective buffers: {name: {bytes, phase they add to}}, in per_device too
         "collective_buffers": buffers,
         "per_rank": _per_rank(s, devices[0]) if s.world_size > 1 else None,
+        # the phases of the device whose device level peaks highest (every device's in per_device)
+        "phases": worst["phases"],
+        "max_device_level_bytes": level,
+        # what ``fits`` is judged on: the device level where the backend plans one above its
+        # allocator (a GPU: reserved, context, kernels, paged state), else the peak with overhead
+        "fits_bytes": level if worst["device_level_planned"] else max(dv["peak_bytes"] for dv in devices),
+        "max_host_bytes": max(p["host_bytes"] for p in worst["phases"].values()),
+        "step2_reserved_leap_bytes": worst["step2_reserved_leap_bytes"],
+        "alloc_conf": s.alloc_conf,
     }
 
 
@@ -237,6 +250,9 @@ def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, in
         phases["grad_sync"] = G + extra("grad_sync")
     phase = max(phases, key=phases.__getitem__)
     peak_alloc = W + S + phases[phase] + rounding
+    # step 1: the optimizer creates its state at the step (lazily), so forward and backward run
+    # without it
+    step1_alloc = W + max(phases["forward_backward"], S + phases["optimizer_step"]) + rounding
     return {
         "index": index,
         "modules": f"{modules[0]}..{modules[-1]}" if modules else "",
@@ -254,6 +270,10 @@ def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, in
         "buffers": {k: b["bytes"] for k, b in buffers.items()},
         "steady_state_allocated_bytes": W + S,
         "peak_allocated_bytes": peak_alloc,
+        "step1_allocated_bytes": step1_alloc,
         "peak_bytes": peak_alloc + overhead,
         "peak_phase": phase,
+        # the memory model's device_phases fills these (_core)
+        "phases": {}, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
+        "device_level_planned": False,
     }

@@ -71,7 +71,9 @@ def format_table(plan: Plan) -> str:
         where += f", {pr['strategy']} over {pr['world_size']} ranks"
     head = (f"plan: {plan['model'].get('name') or 'model'} {plan['method']} {plan['optim']} {plan['precision']} "
             f"on {plan['backend']} ({where}): "
-            f"peak {plan['max_device_peak_bytes'] / GIB:.2f} GiB per {'rank' if pr else 'device'} vs budget "
+            f"peak {plan['fits_bytes'] / GIB:.2f} GiB per {'rank' if pr else 'device'}"
+            + (" (NVML used)" if plan.get("phases") and plan["fits_bytes"] != plan["max_device_peak_bytes"] else "")
+            + " vs budget "
             + (f"{budget / GIB:.2f} GiB" if (budget := plan.get("budget_bytes")) else "unknown")
             + f", fits: {verdict}")
     lines = [head,
@@ -93,6 +95,7 @@ def format_table(plan: Plan) -> str:
     lines.append(f"  {'steady state (after a step)':32s}{_gib(plan['steady_state_allocated_bytes'])}")
     lines.append(f"  {'peak allocated':32s}{_gib(plan['peak_allocated_bytes'])}  ({plan['peak_phase']})")
     lines.append(f"  {'peak (with overhead)':32s}{_gib(plan['peak_bytes'])}")
+    lines += _phase_lines(plan)
     if plan["devices"] > 1:
         budget = plan.get("budget_bytes")
         lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"
@@ -129,6 +132,40 @@ def format_table(plan: Plan) -> str:
     for n in plan.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+_PHASE_LABELS = {"load": "load", "step1": "step 1", "steady": "steady state"}
+
+
+def _phase_lines(plan: Plan) -> list[str]:
+    """The load, step 1 and the steady state in the four metrics (GiB = 2^30 bytes), and what
+    the device level adds to reserved: the figures a device and a host run out in."""
+    phases = plan.get("phases")
+    if not phases:
+        return []
+    pr = plan.get("per_rank")
+    who = "per rank" if pr else ("on the fullest GPU" if plan["devices"] > 1 else "per device")
+    gpu = plan["device"] == capabilities(plan["backend"]).gpu_device
+    dev_label = "NVML used" if plan["backend"] == "cuda" and gpu else "device"
+    out = [f"  by phase ({who}, GiB)        {'allocated':>10s}{'reserved':>10s}{dev_label:>11s}{'host RSS':>10s}"]
+    for k, label in _PHASE_LABELS.items():
+        ph = phases[k]
+        out.append(f"    {label:28s}" + "".join(f"{ph[m] / GIB:10.3f}" for m in ("allocated_bytes", "reserved_bytes"))
+                   + f"{ph['device_bytes'] / GIB:11.3f}{ph['host_bytes'] / GIB:10.3f}")
+    extra = next((dv.get("non_allocator") for dv in plan["per_device"]
+                  if dv.get("phases") == phases), None) or {}
+    if extra:
+        names = {"cuda_context": "CUDA context", "lazy_modules": "kernels loaded on first use",
+                 "paged_optimizer_state": "paged optimizer state (resident)", "nccl_buffers": "NCCL buffers (estimate)"}
+        out.append("  NVML used = reserved + " + " + ".join(f"{names.get(k, k)} {v / 2**20:,.0f} MiB"
+                                                          for k, v in extra.items() if v))
+    leap = plan.get("step2_reserved_leap_bytes") or 0
+    if gpu and plan["backend"] == "cuda":
+        conf = plan.get("alloc_conf") or "torch's default"
+        out.append(f"  reserved: torch's caching allocator replayed ({conf}); step 2 reserves "
+                   f"{leap / 2**20:+,.0f} MiB over step 1 at the same phase (blocks step 1 cached and its optimizer "
+                   "state took)")
+    return out
 
 
 def _data_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
@@ -191,7 +228,7 @@ def run_plan(spec: RunSpec) -> Plan:
         bound = plan(spec, recommend=False)
         # unpacked, the run pads to at most train.seq_len already (data.padded_length)
         p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction,
-                 pair_span=lengths.pair_span)
+                 pair_span=lengths.pair_span, step_widths=lengths.step_widths)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],

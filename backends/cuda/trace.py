@@ -1,0 +1,347 @@
+"""A training run's allocations as torch's caching allocator sees them, torch-free: the load, then
+three steps, one tensor at a time, replayed through the allocator model
+(``backends/cuda/allocator.py``) to plan *reserved* memory, the figure a GPU runs out in.
+
+The sequence follows what the cuda runtime does (backends/cuda/runtime.py) with the sizes the
+memory model prices (backends/cuda/memory.py): the weights as they load (a 4-bit weight through
+its bf16 transient), the adapters, then per step and micro-batch the forward (each layer's saved
+tensors in the order the forward creates them, ``layer_tensors``; the residual stream and the
+MLP's largest temporary as transients; the head and the loss), the backward (the loss's
+gradients, then each layer's workspace, its parameters' gradients and the release of what it
+saved), the gradient sum of several ranks, the optimizer's state (created lazily at the first
+step, as torch and bitsandbytes do), its workspace, and ``zero_grad(set_to_none=True)``.
+
+Replayed, step 2's leap over step 1 comes out of it: the first step's optimizer state takes the
+best-fitting cached blocks its activations left, so the second step's activations need new
+segments while allocated stays where it was. Figures are reported as the replay's gap between
+reserved and allocated, added to the memory model's allocated (calibrated per family against
+torch's saved tensors): the allocator model says how much cache and fragmentation a step carries,
+the memory model what is live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune.modeldesc import ModelDesc
+from finetune.planspec import Setup, Tensor
+from finetune.backends.cuda.allocator import AllocConf, CachingAllocator
+
+# torch/csrc/cuda/CublasHandlePool.cpp (getChosenWorkspaceSize): the cuBLAS workspace torch
+# allocates through the caching allocator on a handle's first GEMM, one per (handle, stream):
+# ":4096:8" (32 MiB) on Hopper and newer (sm90+), ":4096:2:16:8" (8 MiB + 128 KiB) before;
+# cuBLASLt's workspace (getCUDABlasLtWorkspace) is a second one of that size. The H200 run's
+# census found 65 MiB allocated beyond every tensor of the model at the end of a step: the two,
+# 64 MiB. The plan does not know the GPU's architecture: it takes Hopper's, the larger.
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 8
+CUBLAS_WORKSPACES = 2
+
+
+@dataclass
+class Trace:
+    """Events for the allocator model: ("alloc", key, bytes), ("free", key, 0), ("mark", phase, 0)."""
+
+    events: list[tuple[str, Any, int]] = field(default_factory=list)
+    _next: int = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        if nbytes <= 0:
+            return None
+        self._next += 1
+        self.events.append(("alloc", self._next, int(nbytes)))
+        return self._next
+
+    def free(self, *keys: int | None) -> None:
+        for k in keys:
+            if k is not None:
+                self.events.append(("free", k, 0))
+
+    def mark(self, phase: str) -> None:
+        self.events.append(("mark", phase, 0))
+
+
+@dataclass
+class PhaseFigures:
+    """What the replay measured in one phase: the allocator's peaks and where it ended."""
+
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    end_allocated: int = 0
+    end_reserved: int = 0
+
+
+def replay(trace: Trace, conf: AllocConf, device_total: int | None = None) -> dict[str, PhaseFigures]:
+    """Run ``trace`` through the caching allocator model; figures per phase (by its marks: the
+    phase a mark names runs from it to the next mark)."""
+    a = CachingAllocator(conf)
+    live: dict[Any, int] = {}
+    out: dict[str, PhaseFigures] = {}
+    cur: PhaseFigures | None = None
+    for op, key, nbytes in trace.events:
+        if op == "alloc":
+            live[key] = a.malloc(nbytes)
+        elif op == "free":
+            a.free(live.pop(key))
+        elif op == "empty_cache":
+            a.empty_cache()
+        else:  # mark: close the phase before, open this one
+            if cur is not None:
+                cur.end_allocated, cur.end_reserved = a.allocated, a.reserved
+            a.reset_peaks()
+            cur = out.setdefault(str(key), PhaseFigures())
+            continue
+        if cur is not None:
+            cur.peak_allocated = max(cur.peak_allocated, a.allocated)
+            cur.peak_reserved = max(cur.peak_reserved, a.reserved)
+    if cur is not None:
+        cur.end_allocated, cur.end_reserved = a.allocated, a.reserved
+    return out
+
+
+# ---- the sequence ---------------------------------------------------------------------------------
+
+def _module_of(t: Tensor) -> str:
+    if t.layer is not None:
+        return f"layer.{t.layer}"
+    return "embed" if t.role == "embed" else "head"
+
+
+def build(arch: ModelDesc, s: Setup, held: list[Tensor], mm: Any, assign: dict[str, int], device: int,
+          buffers: dict[str, dict[str, Any]], steps: int = 3, empty_cache_every: int = 0) -> Trace:
+    """The load and ``steps`` training steps of one rank, as device ``device`` of a
+    ``device_map=auto`` split sees them (``assign``: module -> device; one device: all 0).
+
+    Args:
+        arch, s: the model description and the resolved setup.
+        held: the tensors one rank holds (FSDP's shards), ``mm.rank_tensors``.
+        mm: the cuda memory model (backends/cuda/memory.py).
+        assign: the planner's module -> device split.
+        device: the device to trace.
+        buffers: the ranks' collective buffers (``mm.collective_buffers``), each in its phase.
+        steps: steps after the load (phase marks "step1", "step2", ... ; "load" before).
+        empty_cache_every: ``memory.empty_cache_every``: torch.cuda.empty_cache() after every N-th
+            step (0: never), as the run does.
+    """
+    tr = Trace()
+    on = {m for m, d in assign.items() if d == device}
+    mine = [t for t in held if _module_of(t) in on]
+    tr.mark("load")
+    weights = _load(tr, s, mine, mm)
+    del weights  # held for the whole run
+    trainable = [t for t in mine if t.trainable]
+    state_keys: list[int | None] = []
+    first = 0 if s.method == "full" else min(s.lora_layers)
+    layers_here = [i for i in range(arch.layers) if f"layer.{i}" in on]
+    last_device = assign.get("head", 0) == device
+    first_device = assign.get("embed", 0) == device
+    widths = list(s.step_widths)
+    cublas: list[int | None] | None = None
+    for step in range(1, steps + 1):
+        tr.mark(f"step{step}:forward")
+        if cublas is None:  # the first GEMM's handle workspaces, kept
+            cublas = [tr.alloc(CUBLAS_WORKSPACE_BYTES) for _ in range(CUBLAS_WORKSPACES)]
+        grads: dict[str, int | None] = {}
+        # a third micro-batch repeats the second's pattern exactly: two show the step's reserve
+        # the data's own widths for its first steps where known, the planned width after them
+        sk = dataclasses.replace(s, seq_len=widths[step - 1]) if step <= len(widths) else s
+        n = sk.batch * sk.seq_len
+        pieces = mm.activation_pieces(arch, sk, max(arch.layers - first, 1))
+        for micro in range(min(s.grad_accum, 2)):
+            _micro_batch(tr, arch, sk, mm, trainable, grads, pieces, layers_here, first, n,
+                         first_device, last_device, buffers, accumulate=micro > 0)
+        for b in buffers.values():
+            if b["phase"] == "grad_sync":
+                tr.free(tr.alloc(b["bytes"]))
+        tr.mark(f"step{step}:optimizer")
+        if step == 1:  # lazy optimizer state (torch _init_group, bitsandbytes init_state)
+            for t in trainable:
+                state_keys += [tr.alloc(b) for b in _state_tensors(s, t, mm)]
+            shared = mm.optimizer_shared_bytes(s, trainable) if device == 0 else 0
+            state_keys.append(tr.alloc(shared))
+        work = mm.optimizer_transient(s, trainable)
+        if work:
+            if work == sum(t.local_numel * t.dtype_bytes for t in trainable):  # foreach: a list
+                keys = [tr.alloc(t.local_numel * t.dtype_bytes) for t in trainable]
+                tr.free(*keys)
+            else:
+                tr.free(tr.alloc(work))
+        tr.free(*grads.values())  # zero_grad(set_to_none=True)
+        if empty_cache_every and step % empty_cache_every == 0:
+            tr.events.append(("empty_cache", 0, 0))
+    return tr
+
+
+def _load(tr: Trace, s: Setup, mine: list[Tensor], mm: Any) -> list[int | None]:
+    """The weights as from_pretrained places them, then PEFT's adapters. A 4-bit weight passes
+    through its bf16/fp16 copy on the device (transformers' bitsandbytes quantizer: the weight is
+    loaded in the compute dtype, then Params4bit quantizes it, one weight at a time)."""
+    keys: list[int | None] = []
+    base = [t for t in mine if t.role not in ("lora_A", "lora_B", "dora_m")]
+    adapters = [t for t in mine if t.role in ("lora_A", "lora_B", "dora_m")]
+    # transformers (modeling_utils.py caching_allocator_warmup) first allocates and frees one
+    # tensor of the bytes the model's parameters will take on the device (4-bit ones at half a
+    # byte an element), so the load carves every weight out of that one cached segment
+    warm = sum(mm.weight_bytes(t, s)[0] for t in base)
+    tr.free(tr.alloc(warm))
+    for t in base + adapters:
+        w, q = mm.weight_bytes(t, s)
+        if t.quant == "bnb4":
+            tmp = tr.alloc(t.numel * s.a)
+            keys += [tr.alloc(w), tr.alloc(q)]
+            tr.free(tmp)
+        else:
+            keys.append(tr.alloc(w))
+    return keys
+
+
+def _state_tensors(s: Setup, t: Tensor, mm: Any) -> list[int]:
+    """One trainable tensor's optimizer state as separate allocations (the allocator-held part)."""
+    held, _paged = mm.optimizer_state_bytes(s.optim, t.local_shape, t.dtype_bytes, s.device == "cuda", s.momentum,
+                                            host_step=s.device == "cpu")
+    if s.optim in ("adamw", "adam"):
+        return [held // 2, held - held // 2]  # exp_avg, exp_avg_sq
+    if s.optim in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw") and held:
+        return [held // 2, held - held // 2]  # state1/state2 (or their absmax where paged)
+    return [held]
+
+
+def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[Tensor],
+                 grads: dict[str, int | None], pieces: dict[str, Any], layers: list[int], first: int, n: int,
+                 first_device: bool, last_device: bool, buffers: dict[str, dict[str, Any]],
+                 accumulate: bool) -> None:
+    """One micro-batch's forward and backward on this device."""
+    h, st = arch.hidden, (4 if s.autocast else s.wd)
+    by_layer: dict[int | None, list[Tensor]] = {}
+    for t in trainable:
+        by_layer.setdefault(t.layer, []).append(t)
+    bufs = [tr.alloc(b["bytes"]) for b in buffers.values() if b["phase"] == "forward_backward"]
+    done: set[str] = set()  # parameters whose gradient this micro-batch produced
+    # forward
+    hidden = tr.alloc(n * h * st)  # the embeddings' output (or the previous device's hidden states)
+    saved: dict[int, list[tuple[str, int | None]]] = {}
+    for i in layers:
+        block = arch.blocks[i]
+        w = block.mlp_width * (max(arch.top_k, 1) if block.moe else 1)
+        if i < first:  # no graph below the lowest adapted layer: temporaries only
+            tr.free(tr.alloc(n * w * s.a))
+        elif s.ckpt:
+            saved[i] = [("input", tr.alloc(n * h * st))]  # the checkpointed layer's input
+            tr.free(*[tr.alloc(b) for _, b in mm.layer_tensors(arch, s, i == first, block)])
+        else:
+            saved[i] = _layer_forward(tr, arch, s, mm, block, i == first, n)
+            tr.free(tr.alloc(n * w * s.a))  # the MLP's product before down_proj
+        nxt = tr.alloc(n * h * st)  # the residual stream after the layer
+        tr.free(hidden)
+        hidden = nxt
+    head_keys: list[int | None] = []
+    logits_keys: list[int | None] = []
+    V = arch.vocab
+    nt = s.head_rows(n)
+    if last_device:
+        head_keys = [tr.alloc(n * h * 4), tr.alloc(n * 4), tr.alloc(pieces["head"] - n * h * 4 - n * 4)]
+        if s.loss_chunk and s.loss_chunk < nt:
+            logits_keys = [tr.alloc(4 * nt * h)]  # the target hidden states' gradient, kept for backward
+        else:
+            la = tr.alloc(nt * V * s.a)  # the head's output in the compute dtype
+            lf = tr.alloc(nt * V * 4)  # .float()
+            logits_keys = [tr.alloc(nt * V * 4)]  # log_softmax's output, kept
+            if arch.final_softcap:
+                logits_keys.append(tr.alloc(2 * V * s.a * nt))  # the capped logits and tanh's output
+            tr.free(lf, la)
+    tr.free(hidden)
+    if not accumulate:
+        tr.mark(_phase(tr, "backward"))
+    # backward
+    if last_device:
+        if s.loss_chunk and s.loss_chunk < nt:
+            c = s.loss_chunk
+            chunk = [tr.alloc(c * V * 4) for _ in range(3)]  # one chunk's logits, softmax, gradient
+            tr.free(*chunk)
+        else:
+            g1 = tr.alloc(nt * V * 4)  # nll_loss's dense gradient
+            g2 = tr.alloc(nt * V * 4)  # log_softmax's gradient
+            tr.free(g1, *logits_keys)
+            logits_keys = []
+            g3 = tr.alloc(nt * V * s.a)  # back through .float()
+            tr.free(g2)
+            _grads(tr, [t for t in by_layer.get(None, []) if t.role != "embed"], grads, done, accumulate)
+            tr.free(g3)
+        tr.free(*logits_keys, *head_keys)
+    grad_h = tr.alloc(n * h * st)
+    for i in reversed(layers):
+        if i not in saved:
+            continue
+        block = arch.blocks[i]
+        w = block.mlp_width * (max(arch.top_k, 1) if block.moe else 1)
+        kept = saved.pop(i)
+        if s.ckpt:  # recompute the layer (its input stays kept until the layer is done)
+            kept = kept + [(k, tr.alloc(b)) for k, b in mm.layer_tensors(arch, s, i == first, block)]
+        # autograd runs the MLP's backward first, then attention's, freeing each op's saved
+        # tensors as it goes: the MLP half's workspace, gradients and release, then attention's
+        cut = max((j + 1 for j, (kind, _) in enumerate(kept) if kind == "attention"), default=0)
+        params = by_layer.get(i, [])
+        ws = [tr.alloc(n * w * s.a) for _ in range(3)]  # grads of the MLP's intermediates
+        _grads(tr, [t for t in params if _after_attention(t)], grads, done, accumulate)
+        mid = tr.alloc(n * h * st)  # the gradient at the MLP's input
+        tr.free(*ws, *(k for _, k in kept[cut:]))
+        ws = [tr.alloc(n * h * 4) for _ in range(2)]  # the fp32 residual stream's gradients
+        _grads(tr, [t for t in params if not _after_attention(t)], grads, done, accumulate)
+        nxt = tr.alloc(n * h * st)
+        tr.free(*ws, *(k for _, k in kept[:cut]), mid, grad_h)
+        grad_h = nxt
+    _grads(tr, by_layer.get(None, []), grads, done, accumulate)  # the embeddings' (and a chunked head's)
+    tr.free(grad_h, *bufs)
+
+
+def _after_attention(t: Tensor) -> bool:
+    """Whether a layer's parameter belongs to the part after attention (its MLP or experts, the
+    norms around them), whose gradients backward produces first."""
+    return any(k in t.name for k in ("mlp", "moe", "expert", "feed_forward", "ffn", "post_attention_layernorm",
+                                      "pre_feedforward", "post_feedforward"))
+
+
+def _layer_forward(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, block: Any, lowest: bool,
+                   n: int) -> list[tuple[str, int | None]]:
+    """One layer's saved tensors in forward order, with the temporaries its forward frees as it
+    goes where they are as large (transformers' modeling code, e.g. modeling_qwen2.py):
+    RMSNorm's ``hidden.pow(2)`` (fp32 [n, h]) before each norm's kept tensors, and RoPE's
+    ``q * cos``, ``rotate_half(q)`` and its product with ``sin`` (three [n, q_out] and three
+    [n, kv_out] in the compute dtype, beside the projections' outputs) before attention."""
+    keys: list[tuple[str, int | None]] = []
+    seen: set[str] = set()
+    for kind, b in mm.layer_tensors(arch, s, lowest, block):
+        if kind not in seen:
+            seen.add(kind)
+            if kind == "norms":
+                tr.free(tr.alloc(n * arch.hidden * 4))
+            elif kind == "attention":
+                for width in (arch.q_out, arch.kv_out):
+                    proj = tr.alloc(n * width * s.a)
+                    tmp = [tr.alloc(n * width * s.a) for _ in range(3)]
+                    tr.free(*tmp, proj)
+        keys.append((kind, tr.alloc(b)))
+    return keys
+
+
+def _phase(tr: Trace, phase: str) -> str:
+    """The mark of ``phase`` in the step the trace is in."""
+    step = next(str(k).split(":")[0] for op, k, _ in reversed(tr.events) if op == "mark")
+    return f"{step}:{phase}"
+
+
+def _grads(tr: Trace, ts: list[Tensor], grads: dict[str, int | None], done: set[str], accumulate: bool) -> None:
+    """Parameters' gradients as their layer's backward produces them: the first micro-batch's
+    become ``.grad`` (AccumulateGrad keeps the computed tensor); a later one's is added in place
+    (the computed gradient is a temporary)."""
+    for t in ts:
+        if t.name in done:
+            continue
+        done.add(t.name)
+        b = t.local_numel * t.dtype_bytes
+        if t.name in grads:
+            if accumulate:
+                tr.free(tr.alloc(b))
+            continue
+        grads[t.name] = tr.alloc(b)
