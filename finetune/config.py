@@ -196,6 +196,10 @@ class MemoryConfig:
     # freed and will ask for again (its measured peak above the live bytes), so the footprint
     # stays near the peak; a size ("512MiB") fixes it; null leaves MLX's default (32 MiB).
     cache_limit: str | None = "auto"
+    # mlx: the Mac a plan's peak is judged against Metal's working set on: a JSON file of its
+    # mx.device_info(), or FILE:NAME in a file of several (tests/data/mac_device_info.json);
+    # null: this Mac's own, else memory.budget taken as the Mac's RAM
+    device_info: str | None = None
 
 
 @dataclass

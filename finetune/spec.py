@@ -159,6 +159,7 @@ class MemorySpec:
     adapt: bool
     supervise: bool
     cache_limit: str | None
+    device_info: str | None  # mlx: a recorded mx.device_info() to judge the peak against Metal's working set
 
 
 @dataclass(frozen=True)
