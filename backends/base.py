@@ -31,7 +31,7 @@ from finetune.budget import DeviceMemory
 from finetune.modeldesc import Linear, ModelDesc
 from finetune.planspec import Setup, Tensor
 from finetune.spec import RunSpec
-from finetune.records import Census
+from finetune.records import Census, PlanData
 
 PhaseHook = Callable[[str], None]
 """Called by a backend inside forward_backward with "forward" (after the forward pass, before
@@ -493,4 +493,16 @@ class MemoryModel(Protocol):
 
     def qlora_lever(self, arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
         """The Setup changes of trying method=qlora instead (None: not a lever here)."""
+        ...
+
+    def device_checks(self, spec: RunSpec, s: Setup, peak_bytes: int, budget_bytes: int | None,
+                      levers_under: Callable[[int], list[dict[str, Any]]] | None) -> tuple[PlanData, bool]:
+        """(keys plan.json gains from what the device limits beyond the budget, whether the peak
+        passes what the machine has: ``fits`` is then false). mlx: ``metal``, the peak against
+        Metal's working set; ``levers_under(limit)`` gives the planner's own changes that bring the
+        peak under ``limit`` bytes (None: not searched)."""
+        ...
+
+    def device_report(self, plan: Any) -> tuple[str, list[str]]:
+        """(text the table's head adds after ``fits``, lines under the budget) for those keys."""
         ...

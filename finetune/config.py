@@ -209,6 +209,10 @@ class MemoryConfig:
     # optimizer step (0: never): reserved falls back to what is live at each step's start, at
     # the cost of new device allocations every step (HF Trainer's torch_empty_cache_steps)
     empty_cache_every: int = 0
+    # mlx: the Mac a plan's peak is judged against Metal's working set on: a JSON file of its
+    # mx.device_info(), or FILE:NAME in a file of several (tests/data/mac_device_info.json);
+    # null: this Mac's own, else memory.budget taken as the Mac's RAM
+    device_info: str | None = None
 
 
 @dataclass

@@ -207,8 +207,10 @@ class PlanCore(PlanTotals):
 
 class PlanData(TypedDict, total=False):
     """What only mode=plan adds, where it could read the data (finetune.plandata): the samples'
-    lengths, the tokens planned, and the train.seq_len plan kept as the upper bound."""
+    lengths, the tokens planned, and the train.seq_len plan kept as the upper bound; and what a
+    backend's device limits beyond the budget (its memory model's ``device_checks``)."""
     data: dict[str, Any]
+    metal: dict[str, Any]  # mlx: the peak against Metal's working set (backends/mlx/metal.py)
 
 
 class Plan(PlanCore, PlanData):

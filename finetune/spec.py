@@ -162,6 +162,7 @@ class MemorySpec:
     supervise: bool
     cache_limit: str | None
     empty_cache_every: int
+    device_info: str | None  # mlx: a recorded mx.device_info() to judge the peak against Metal's working set
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from finetune.modeldesc import (
     ModelDesc,
 )
 from finetune.planspec import MIB, Setup, Tensor
+from finetune.records import PlanData
 from finetune.spec import RunSpec
 from finetune.backends.cuda import trace
 from finetune.backends.cuda.allocator import parse_alloc_conf
@@ -644,6 +645,16 @@ def qlora_lever(arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
         return {"lora_layers": tuple(range(arch.layers)),
                 "adapter_dtype": "bfloat16" if s.precision == "bf16-true" else "float32"}
     return None
+
+
+def device_checks(spec: RunSpec, s: Setup, peak_bytes: int, budget_bytes: int | None,
+                  levers_under: Any) -> tuple[PlanData, bool]:
+    """Nothing beyond the budget: a CUDA device's limit is its memory, which the budget is."""
+    return {}, False
+
+
+def device_report(plan: Any) -> tuple[str, list[str]]:
+    return "", []
 
 
 ATTENTION_LABEL = None  # the plan shows backend.attn_implementation

@@ -10,12 +10,15 @@ constants are calibrated (benchmarks/plan_vs_measured.py) and say so.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from finetune.errors import UserError
 from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
 from finetune.planspec import Setup, Tensor
+from finetune.records import PlanData
 from finetune.spec import RunSpec
+from finetune.backends.mlx import metal
 from finetune.backends.mlx.capabilities import CAPABILITIES
 from finetune.backends.mlx.hfconfig import refusal
 from finetune.budget import DeviceMemory, apple_silicon, apple_working_set, host_memory
@@ -120,8 +123,12 @@ def run_device(device: str = "auto") -> str:
 
 
 def device_memory(device: str) -> Any:
-    """Unified memory: Metal's recommended working set on an Apple GPU, else the host's RAM."""
+    """Unified memory: Metal's recommended working set on an Apple GPU (this Mac's
+    ``mx.device_info()``, read by a child process; else the sysctl estimate), else the host's RAM."""
     if device == "mlx:gpu":
+        info = metal.device_info_here()
+        if info is not None:
+            return DeviceMemory(metal.read_working_set(info), 1, f"mx.device_info() {metal.WORKING_SET_KEY}", False)
         total, source, est = apple_working_set()
         return DeviceMemory(total, 1, source, est)
     return host_memory()
@@ -367,6 +374,20 @@ def qlora_lever(arch: ModelDesc, s: Setup) -> dict[str, Any] | None:
     if s.method == "full":
         return {"lora_layers": tuple(range(arch.layers))}
     return None
+
+
+def device_checks(spec: RunSpec, s: Setup, peak_bytes: int, budget_bytes: int | None,
+                  levers_under: Callable[[int], list[dict[str, Any]]] | None) -> tuple[PlanData, bool]:
+    """plan.json's ``metal``: the peak against Metal's working set on the Mac the plan is for
+    (backends/mlx/metal.py), and whether it passes that Mac's RAM."""
+    m = spec.memory
+    verdict, runs_out = metal.metal_check(m.device_info, m.budget, m.adapt, peak_bytes, budget_bytes, levers_under)
+    return {"metal": verdict}, runs_out
+
+
+def device_report(plan: Any) -> tuple[str, list[str]]:
+    """The table's words for plan.json's ``metal`` (none where the plan has no such object)."""
+    return metal.report_lines(plan["metal"]) if plan.get("metal") else ("", [])
 
 
 ATTENTION_LABEL = "mx.fast.scaled_dot_product_attention"

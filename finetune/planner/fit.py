@@ -118,6 +118,37 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
         out.append({"change": f"train.seq_len={best}", "peak_bytes": p["fits_bytes"]})
     return out
 
+def _levers_under(arch: ModelDesc, s: Setup, limit: int) -> list[dict[str, Any]]:
+    """Changes, each typed as overrides, that bring the peak under ``limit`` bytes: the largest
+    smaller micro-batch that does (accumulation rises to match, so the math stays the same),
+    else with gradient checkpointing; then each of ``_levers``. Where none of those does, the
+    levers on top of micro-batch 1 with checkpointing, those overrides included."""
+    out: list[dict[str, Any]] = []
+    eff = s.effective_batch
+
+    def micro_lever(d: int, ckpt: bool) -> None:
+        p = _core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt))
+        out.append({"change": ("train.grad_checkpointing=true " if ckpt and not s.ckpt else "")
+                    + f"train.batch_size={d} train.grad_accum={eff // d}", "peak_bytes": p["max_device_peak_bytes"]})
+
+    micro = None if s.packed else _largest_fitting_micro(arch, s, limit, s.ckpt)
+    if micro is not None and micro < s.batch:
+        micro_lever(micro, s.ckpt)
+    if micro is None and not s.packed and not s.ckpt:
+        with_ckpt = _largest_fitting_micro(arch, s, limit, True)
+        if with_ckpt is not None and with_ckpt < s.batch:  # at s.batch it is _levers' own checkpointing lever
+            micro_lever(with_ckpt, True)
+    out += _levers(arch, s, limit)
+    if micro is not None or (s.batch == 1 or s.packed) and s.ckpt:
+        return out
+    # no micro-batch fits: also the levers on top of the smallest configuration, as the
+    # recommendation's are ("levers_apply_to"), with the overrides that make it
+    smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True) if not s.packed else _setup_with(s, ckpt=True)
+    prefix = ("" if s.packed else f"train.batch_size=1 train.grad_accum={eff} ") + ("" if s.ckpt else "train.grad_checkpointing=true ")
+    seen = {lv["change"] for lv in out}
+    return out + [{**lv, "change": prefix + lv["change"]} for lv in _levers(arch, smallest, limit)
+                  if prefix + lv["change"] not in seen]
+
 def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] | None:
     """Largest micro-batch that fits (a divisor of the effective batch, so the math stays the
     same), with and without checkpointing, and single levers that make the run fit."""
@@ -347,6 +378,13 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)
+    # what the device limits beyond the budget (mlx: Metal's working set), with the levers
+    # that bring the peak under it; past what the machine has, the run does not fit
+    device, runs_out = memory_model(s.backend).device_checks(
+        spec, s, core["max_device_peak_bytes"], budget,
+        (lambda limit: _levers_under(arch, s, limit)) if recommend else None)
+    if runs_out:
+        fits = False
     out: Plan = {
         "schema_version": SCHEMA_VERSION,
         "backend": s.backend,
@@ -378,6 +416,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "budget_bytes": budget,
         "budget_source": budget_source,
         "fits": fits,
+        **device,
         "recommendation": _recommend(arch, s, budget) if recommend else None,
         "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),
     }

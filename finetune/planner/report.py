@@ -10,7 +10,7 @@ from finetune.plandata import data_lengths
 from finetune.planspec import GIB
 from finetune.records import PLAN_KEYS, RANK_KEYS, WEIGHT_KEYS, Census, Plan, Sample
 from finetune.spec import RunSpec
-from finetune.backends import capabilities
+from finetune.backends import capabilities, memory_model
 
 
 def _err(predicted: int | None, measured: int | None) -> dict[str, Any]:
@@ -76,6 +76,8 @@ def format_table(plan: Plan) -> str:
             + " vs budget "
             + (f"{budget / GIB:.2f} GiB" if (budget := plan.get("budget_bytes")) else "unknown")
             + f", fits: {verdict}")
+    device_head, device_lines = memory_model(plan["backend"]).device_report(plan)
+    head += device_head
     lines = [head,
              f"  params: {plan['params_total']:,} total, {plan['params_trainable']:,} trainable",
              (f"  micro-batch {plan['batch_size']} x grad_accum {plan['grad_accum']} = {plan['effective_batch']}"
@@ -108,6 +110,7 @@ def format_table(plan: Plan) -> str:
     if pr:
         lines += _rank_table(pr, plan.get("budget_bytes"))
     lines.append(f"  {'budget':32s}{_gib(plan.get('budget_bytes'))}  ({plan.get('budget_source')})")
+    lines += device_lines
     if plan.get("budget_bytes") is None:
         gpu = plan["device"] == capabilities(plan["backend"]).gpu_device
         where = "per GPU" if gpu else "of this device"
