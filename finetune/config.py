@@ -39,10 +39,9 @@ class BackendConfig:
     # gradients and optimizer state over ranks (FSDP2 fully_shard). The planner plans per rank
     # for it when backend.num_devices > 1 without device_map=auto.
     strategy: str = "ddp"
-    # cuda backend: PYTORCH_CUDA_ALLOC_CONF for the run (e.g. "expandable_segments:True"),
-    # set before CUDA starts and planned (the plan replays the step through a model of torch's
-    # caching allocator with it); null: the environment's PYTORCH_CUDA_ALLOC_CONF, else torch's
-    # default allocator
+    # cuda backend: PYTORCH_CUDA_ALLOC_CONF for the run, set before CUDA starts and planned (the
+    # plan replays the step through a model of torch's caching allocator with it); null: the
+    # environment's PYTORCH_CUDA_ALLOC_CONF, else "expandable_segments:True"; "" torch's default
     alloc_conf: str | None = None
 
 

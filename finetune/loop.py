@@ -294,6 +294,9 @@ class Trainer:
                                  ranks=oom_ranks if world > 1 else None,
                                  row_tokens=int(batch.input_ids.shape[1]))  # every rank's batch: one decision
         grad_norm = self.backend.optimizer_step(self._lr(step))
+        every = self.spec.memory.empty_cache_every
+        if every and step % every == 0:  # memory.empty_cache_every: the cache back to the device
+            self.backend.release_cache()
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
 
     def _micro_batches(self, mine: Batch) -> list[Batch]:
@@ -374,6 +377,8 @@ class Trainer:
             print(ranks.render_rank_table(summary["memory"]["per_rank"]), file=sys.stderr)
         for ex in summary["memory"].get("explanations", []):
             print(f"[memory] {ex['text']}", file=sys.stderr)
+        if line := planner.format_run_plan_error(summary.get("plan_error_run")):
+            print(line, file=sys.stderr)
         self.runlog.close()
         self.comm.barrier()
         self.comm.close()
@@ -416,8 +421,10 @@ class Trainer:
             "final_val_loss": val_loss,
             "effective_batch": spec.train.effective_batch, "micro_batch": self.governor.micro,
             "data": self.data_stats,
-            "memory": self.acct.summary(step_seconds),
+            "memory": (mem := self.acct.summary(step_seconds)),
             "plan_error": getattr(self, "plan_error", None),
+            # the run's peaks against the plan's steady state, in the four metrics
+            "plan_error_run": planner.run_plan_error(getattr(self, "plan", None), mem.get("peaks") or {}),
             "adaptations": self.events,
             "budget_bytes": self.governor.budget_bytes,
         }

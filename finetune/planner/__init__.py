@@ -53,10 +53,10 @@ from finetune.planner.price import (
     params_total,
     trainable_params,
 )
-from finetune.planner.report import format_table, plan_error, run_plan
+from finetune.planner.report import format_run_plan_error, format_table, plan_error, run_plan, run_plan_error
 from finetune.planspec import GIB, MIB, Setup, Tensor
 
-__all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error",
+__all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error", "run_plan_error", "format_run_plan_error",
            "run_plan", "trainable_params",
            # the pieces, for tests and scripts that price parts of a plan
            "BNB_QMAPS_BYTES", "CUDA_CONTEXT_BYTES", "DDP_BUCKET_BYTES", "GIB", "MIB", "SCHEMA_VERSION", "ModelDesc", "Setup", "Tensor",

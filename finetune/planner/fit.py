@@ -80,6 +80,9 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
     qlora = memory_model(s.backend).qlora_lever(arch, s) if "qlora" in caps.methods else None
     if qlora is not None:
         trial("method=qlora", method="qlora", **qlora)
+    if s.device == caps.gpu_device and "expandable_segments:true" not in (s.alloc_conf or "").lower().replace(" ", ""):
+        # reserved without the fragmentation between steps' shapes (the allocator replayed with it)
+        trial("backend.alloc_conf=expandable_segments:True", alloc_conf="expandable_segments:True")
     if s.precision != "bf16-true":
         bf = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "autocast": False,
               "adapter_dtype": "bfloat16", "precision": "bf16-true"}

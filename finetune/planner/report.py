@@ -54,7 +54,44 @@ def plan_error(plan: Plan, census: Census | None, measured: Sample | None) -> di
         "peak_allocated": _err(plan.get("peak_allocated_bytes"),
                                m.get("step_peak_allocated", m.get("peak_allocated"))),
     }
+    step1 = (plan.get("phases") or {}).get("step1")
+    if step1:  # the first step in the metrics that run out: the allocator's reserve, NVML, the host
+        out["step1_reserved"] = _err(step1["reserved_bytes"], m.get("step_peak_reserved", m.get("peak_reserved")))
+        out["step1_device_level"] = _err(step1["device_bytes"], m.get("device_used"))
+        out["step1_host"] = _err(step1["host_bytes"], m.get("peak_rss", m.get("rss")))
     return out
+
+
+_RUN_ERR_LABELS = (("peak_allocated", "allocated"), ("peak_reserved", "reserved"),
+                   ("peak_device_level", "device (NVML)"), ("peak_host", "host RSS"))
+
+
+def format_run_plan_error(err: dict[str, Any] | None) -> str:
+    """One line: each metric's planned steady state against the run's measured peak, where both
+    are known ("" when nothing is)."""
+    if not err:
+        return ""
+    parts = []
+    for key, label in _RUN_ERR_LABELS:
+        e = err.get(key) or {}
+        if e.get("predicted") is None or e.get("measured") is None or e.get("relative_error") is None:
+            continue
+        parts.append(f"{label} {e['predicted'] / GIB:.2f} vs {e['measured'] / GIB:.2f} GiB "
+                     f"({100 * e['relative_error']:+.1f}%)")
+    return ("[plan] planned steady state vs the run's peaks: " + "; ".join(parts)) if parts else ""
+
+
+def run_plan_error(plan: Plan | None, peaks: dict[str, Any]) -> dict[str, Any] | None:
+    """The whole run's peaks against the plan's steady state: reserved, the device level (NVML's
+    device used) and the host (RSS), beside allocated; None without a plan. ``peaks``: the
+    accountant summary's ``peaks``."""
+    if not plan or not plan.get("phases"):
+        return None
+    st = plan["phases"]["steady"]
+    return {"peak_allocated": _err(st["allocated_bytes"], peaks.get("allocated_bytes")),
+            "peak_reserved": _err(st["reserved_bytes"], peaks.get("reserved_bytes")),
+            "peak_device_level": _err(plan.get("max_device_level_bytes"), peaks.get("device_used_bytes")),
+            "peak_host": _err(plan.get("max_host_bytes"), peaks.get("rss_bytes"))}
 
 def _gib(b: int | None) -> str:
     return f"{'?':>9s} {'?':>16s}" if b is None else f"{b / GIB:9.3f} {b:16,d}"

@@ -1,0 +1,194 @@
+"""Plans in the memory that runs out (issue 30): reserved, the device level and the host, for the
+load, step 1 and the steady state, held against what was measured: the H200 records of
+scripts/gpu_check.sh (tests/data/measured/h200_gpu_check.json), the RSS of a real 4-bit load on
+this CPU, and the published parameter counts of PEFT's MetaMathQA runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from finetune.backends.cuda import trace
+from finetune.backends.cuda.allocator import parse_alloc_conf
+from finetune.backends import memory_model
+from finetune.planner import plan
+from finetune.model_source import local_model_dir
+from finetune.planner.model import inventory, resolve
+from conftest import HAS_TORCH, REPO, finetune_cmd, make_spec
+
+H200 = json.loads((REPO / "tests" / "data" / "measured" / "h200_gpu_check.json").read_text())
+METAMATH = json.loads((REPO / "tests" / "data" / "measured" / "peft_metamathqa.json").read_text())
+
+
+def _cli_plan(tmp_path: Path, *overrides: str) -> dict:
+    out = tmp_path / "plan"
+    r = subprocess.run([*finetune_cmd(), "mode=plan", *overrides, f"hydra.run.dir={out}"], capture_output=True,
+                       text=True, cwd=tmp_path, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {"plan": json.loads((out / "plan.json").read_text()), "stdout": r.stdout}
+
+
+@pytest.fixture(scope="module")
+def h200_plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The two H200 runs planned as they ran: their command, torch's default allocator (as
+    measured), capped at the widest micro-batch of their ten steps (the data's own first steps
+    are replayed at their own widths)."""
+    out = {}
+    for optim in H200["runs"]:
+        out[optim] = _cli_plan(tmp_path_factory.mktemp(optim), *H200["command"].split(), f"optim={optim}",
+                               f"train.seq_len={H200['widest_of_the_ten_steps']}", "backend.alloc_conf=")
+    return out
+
+
+@pytest.mark.parametrize("optim", list(H200["runs"]))
+def test_h200_reserved_and_nvml_within_10_percent(h200_plans: dict, optim: str) -> None:
+    p, measured = h200_plans[optim]["plan"], H200["runs"][optim]
+    steady = p["phases"]["steady"]
+    assert abs(steady["reserved_bytes"] / measured["peak_reserved_bytes"] - 1) < 0.10, steady
+    assert abs(p["max_device_level_bytes"] / measured["device_used_bytes"] - 1) < 0.10, p["max_device_level_bytes"]
+    # the plan's reserved never below its allocated, in any phase
+    assert all(ph["reserved_bytes"] >= ph["allocated_bytes"] for ph in p["phases"].values())
+    assert "NVML used = reserved + CUDA context 524 MiB" in h200_plans[optim]["stdout"]
+
+
+def test_h200_step2_leap_of_the_8bit_run(h200_plans: dict) -> None:
+    """Step 2 reserves more than step 1 at the same phase while allocated barely moves: the
+    8-bit state created at step 1's end took blocks the activations had cached."""
+    planned = h200_plans["adamw_8bit"]["plan"]["step2_reserved_leap_bytes"]
+    measured = H200["runs"]["adamw_8bit"]["step2_reserved_leap_bytes"]
+    assert planned > 0 and abs(planned / measured - 1) < 0.25, (planned, measured)
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: the paged run's measured leap (72 MiB, at the backward phase) "
+                   "says step 1's backward grew reserved by at most 72 MiB beyond its forward; the replay grows it by "
+                   "~240 MiB (gradients of a full fine-tune beside the cached activations), so it plans ~290 MiB")
+def test_h200_step2_leap_of_the_paged_run(h200_plans: dict) -> None:
+    planned = h200_plans["paged_adamw_8bit"]["plan"]["step2_reserved_leap_bytes"]
+    measured = H200["runs"]["paged_adamw_8bit"]["step2_reserved_leap_bytes"]
+    assert abs(planned / measured - 1) < 0.25, (planned, measured)
+
+
+def test_paged_state_is_on_the_device_level_not_in_reserved(h200_plans: dict) -> None:
+    """bitsandbytes' paged state: NVML counts it, the allocator does not; both runs end at the
+    same NVML figure on the H200 (2.13 GiB), and so does the plan within 5%."""
+    eight, paged = (h200_plans[o]["plan"] for o in ("adamw_8bit", "paged_adamw_8bit"))
+    assert paged["per_device"][0]["non_allocator"]["paged_optimizer_state"] == paged["bytes"]["optimizer_state_paged"] > 0
+    assert paged["phases"]["steady"]["reserved_bytes"] < eight["phases"]["steady"]["reserved_bytes"]
+    assert abs(paged["max_device_level_bytes"] / eight["max_device_level_bytes"] - 1) < 0.05
+
+
+def _replay(spec, steps: int = 3, **changes):
+    arch, s = resolve(spec)
+    for k, v in changes.items():
+        setattr(s, k, v)
+    mm = memory_model("cuda")
+    tensors = inventory(arch, s)
+    held = mm.rank_tensors(tensors, s)
+    order = ["embed"] + [f"layer.{i}" for i in range(arch.layers)] + ["head"]
+    tr = trace.build(arch, s, held, mm, {m: 0 for m in order}, 0, mm.collective_buffers(tensors, s), steps=steps,
+                     empty_cache_every=s.empty_cache_every)
+    return tr, trace.replay(tr, parse_alloc_conf(s.alloc_conf))
+
+
+@pytest.mark.parametrize("overrides", [
+    ("model=llama3.2-3b", "method=full"), ("model=llama3.2-3b",), ("model=qwen3-30b-a3b", "train.seq_len=512"),
+    ("model=gemma3-12b", "train.grad_checkpointing=true"), ("model=phi-4", "method=dora"),
+    ("model=llama3.1-8b", "method=qlora", "train.grad_accum=3")])
+def test_replay_reserved_never_below_allocated(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    """Every family's replayed step (dense, MoE, soft-capped local/global, fused projections,
+    4-bit) allocates and frees every tensor it creates, and the allocator's reserve covers what
+    is live at every phase."""
+    spec = make_spec(tmp_path, "mode=plan", "backend=cuda", *overrides)
+    tr, figs = _replay(spec)
+    allocs = {k for op, k, _ in tr.events if op == "alloc"}
+    frees = [k for op, k, _ in tr.events if op == "free"]
+    assert len(frees) == len(set(frees)) and set(frees) <= allocs
+    for name, f in figs.items():
+        assert f.peak_reserved >= f.peak_allocated > 0 and f.end_reserved >= f.end_allocated, name
+    # what stays allocated after a step is the weights, the optimizer state and the workspaces
+    assert figs["step2:optimizer"].end_allocated == figs["step3:optimizer"].end_allocated
+
+
+def test_empty_cache_every_step_lowers_the_steady_reserve(tmp_path: Path) -> None:
+    spec = make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama3.2-3b", "method=full", "train.seq_len=512",
+                     "backend.alloc_conf=")
+    kept = _replay(spec)[1]["step3:forward"].peak_reserved
+    emptied = _replay(spec, empty_cache_every=1)[1]["step3:forward"].peak_reserved
+    assert emptied < kept
+
+
+def test_a_bad_alloc_conf_is_one_line(tmp_path: Path) -> None:
+    r = subprocess.run([*finetune_cmd(), "mode=plan", "backend=cuda", "backend.alloc_conf=expandable:yes",
+                        f"hydra.run.dir={tmp_path / 'r'}"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "backend.alloc_conf" in lines[0] and "expandable_segments" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "r" / "plan.json").exists()
+
+
+def test_expandable_segments_is_the_default_and_a_lever(tmp_path: Path) -> None:
+    dflt = plan(make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama2-7b", "method=full",
+                          "optim=adamw_8bit"), recommend=False)
+    assert dflt["alloc_conf"] == "expandable_segments:True"
+    off = plan(make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama2-7b", "method=full", "optim=adamw_8bit",
+                         "backend.alloc_conf=", "train.batch_size=1", "train.grad_checkpointing=true"),
+               budget_bytes=None, recommend=False)
+    assert dflt["phases"]["steady"]["reserved_bytes"] <= plan(make_spec(
+        tmp_path, "mode=plan", "backend=cuda", "model=llama2-7b", "method=full", "optim=adamw_8bit",
+        "backend.alloc_conf="), recommend=False)["phases"]["steady"]["reserved_bytes"]
+    # a budget between the expandable and the default allocator's device level: the lever names it
+    on = plan(make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama2-7b", "method=full", "optim=adamw_8bit",
+                        "train.batch_size=1", "train.grad_checkpointing=true"), recommend=False)
+    assert on["fits_bytes"] < off["fits_bytes"]
+    budget = (on["fits_bytes"] + off["fits_bytes"]) // 2
+    p = plan(make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama2-7b", "method=full", "optim=adamw_8bit",
+                       "backend.alloc_conf=", "train.batch_size=1", "train.grad_checkpointing=true",
+                       f"memory.budget={budget}"))
+    assert not p["fits"]
+    assert "backend.alloc_conf=expandable_segments:True" in [lv["change"] for lv in p["recommendation"]["levers"]]
+
+
+@pytest.mark.parametrize("run", list(METAMATH["runs"]))
+def test_metamathqa_runs_planned_to_the_published_parameter(tmp_path: Path, run: str) -> None:
+    """PEFT's MetaMathQA runs of Llama-3.2-3B, written as our command lines: the plan's
+    parameter count is the published ``num_total_params`` to the parameter (LoRA r32 and r64,
+    DoRA r32, full), and every phase is planned."""
+    r = METAMATH["runs"][run]
+    p = plan(make_spec(tmp_path, "mode=plan", *r["command"].split()), recommend=False)
+    assert p["params_total"] == r["num_total_params"]
+    assert p["params_trainable"] == r["num_trainable_params"]
+    assert set(p["phases"]) == {"load", "step1", "steady"}
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_qlora_load_host_peak_within_10_percent(tmp_path: Path) -> None:
+    """A real 4-bit load on this CPU (bitsandbytes NF4, the run's own CudaBackend.setup): the
+    process's peak RSS through the load against the plan's host figure for the load."""
+    args = ["backend=cuda", "backend.device=cpu", "method=qlora", "model.hidden_size=1024", "model.num_layers=8",
+            "model.num_heads=16", "model.num_kv_heads=4", "model.intermediate_size=4096"]
+    script = textwrap.dedent(f"""
+        import json, resource, sys
+        from finetune.config import compose
+        from finetune.resolver import resolve
+        from finetune.model_source import local_model_dir
+        from finetune.backends.runtimes import get_backend
+        spec = resolve(compose({str(tmp_path / 'run')!r}, *{args!r}))
+        b = get_backend("cuda")
+        b.connect(spec)
+        b.setup(spec, local_model_dir(spec.model, seed=0))
+        print(json.dumps({{"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+    """)
+    # the tiny model built once, before the measured process (its build is not the load)
+    spec = make_spec(tmp_path, "mode=plan", *args)
+    local_model_dir(spec.model, seed=0)
+    p = plan(spec, recommend=False)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    measured = json.loads(r.stdout.strip().splitlines()[-1])["maxrss"]
+    planned = p["phases"]["load"]["host_bytes"]
+    assert abs(planned / measured - 1) < 0.10, (planned, measured)
