@@ -44,9 +44,12 @@ class DataLengths:
     # packed: the most (query, key) pairs per position of a packed micro-batch (attention runs one
     # sample at a time, so a row's scores are its samples' squares); None unpacked
     pair_span: float | None = None
+    # packed: the most target positions one packed micro-batch of the run's steps holds (the
+    # output head's rows); None unpacked
+    row_targets: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "pair_span" or v is not None}
+        return {k: v for k, v in asdict(self).items() if k not in ("pair_span", "row_targets") or v is not None}
 
 
 def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
@@ -77,4 +80,5 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
                        p90=int(pct[1]), p99=int(pct[2]), max=int(lens.max()), mean=round(float(lens.mean()), 1),
                        planned_tokens=planned, head_fraction=round(float(stats["head_fraction"]), 4),
                        packed=bool(spec.train.packing),
-                       pair_span=stats.get("pair_span") if spec.train.packing else None), ""
+                       pair_span=stats.get("pair_span") if spec.train.packing else None,
+                       row_targets=stats.get("max_micro_targets") if spec.train.packing else None), ""
