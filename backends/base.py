@@ -58,10 +58,13 @@ class Batch:
 
     @property
     def samples(self) -> int:
-        """Samples in the batch (rows, or the samples packed into its row: its real tokens,
-        ``lengths``, lead the row; pads fill it)."""
+        """Samples in the batch: its rows, or packed the samples of its row (those whose
+        dataset ids it carries; without ids, the starts among its first ``lengths`` columns,
+        where an unfilled row's samples lead it and its pads follow)."""
         if self.position_ids is None:
             return len(self.lengths)
+        if len(self.indices):
+            return len(self.indices)
         return int((self.position_ids[0, : int(self.lengths[0])] == 0).sum())
 
     @property
@@ -94,41 +97,106 @@ class Batch:
         return out
 
 
-def pack(batch: Batch, tokens_per_micro: int, pad_id: int = 0) -> list[Batch]:
+@dataclass(frozen=True)
+class PackedRow:
+    """One micro-batch ``pack`` makes: samples ``first`` to ``end`` (exclusive) of the step, end
+    to end (``used`` tokens of theirs); ``extend``: pads that follow each of them inside its own
+    segment (``train.pack_fill``; empty otherwise), then ``pads``: the lengths of the row's
+    pad segments (each a segment of its own, positions from 0). No pad is a target."""
+
+    first: int
+    end: int
+    used: int
+    pads: tuple[int, ...] = ()
+    extend: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """Columns of the row: its samples' tokens and its pads."""
+        return self.used + sum(self.extend) + sum(self.pads)
+
+    def segments(self, lengths: list[int]) -> list[int]:
+        """Tokens of each segment attention runs over alone: its samples (``lengths``: the
+        step's) with the pads that follow them, then its pad segments."""
+        own = lengths[self.first:self.end]
+        return [n + e for n, e in zip(own, self.extend or (0,) * len(own))] + list(self.pads)
+
+    def pair_span(self, lengths: list[int]) -> float:
+        """(query, key) pairs per column of attention run one segment at a time: the squares of
+        its segments over its width."""
+        return sum(n * n for n in self.segments(lengths)) / max(self.width, 1)
+
+
+def pack_layout(lengths: Any, tokens_per_micro: int, fill: bool = False, segment: int | None = None) -> list[PackedRow]:
+    """The micro-batches ``pack`` makes of samples of ``lengths`` (in order), without building
+    them: what the data pipeline reads to plan every step's rows (``finetune.data``).
+
+    A sample goes into the current micro-batch while it fits, else starts the next one; a
+    sample longer than ``tokens_per_micro`` gets one of its own, whole. Every micro-batch but
+    the step's last is filled to ``tokens_per_micro`` with pads: fewer columns than the sample
+    that did not fit, a segment of their own.
+
+    ``fill`` (``train.pack_fill``) fills the last one too, and lays every row's pads out so
+    that each row's attention is the fullest one's: each sample's segment is followed by pads
+    up to ``segment`` tokens (the data's longest sample; default the step's), in order, and
+    what is left makes pad segments of ``segment`` tokens. A pad after a sample sees it, but no
+    token of the sample sees a pad (attention is causal), so the loss is unchanged."""
+    lens = [int(n) for n in lengths]
+    piece = max(1, int(segment) if segment else max(lens, default=1))
+    out: list[PackedRow] = []
+    start, used = 0, 0
+    for i, n in enumerate(lens + [0]):
+        last = i == len(lens)
+        if last or (i > start and used + n > tokens_per_micro):
+            gap = max(0, tokens_per_micro - used) if (fill or not last) else 0
+            extend: list[int] = []
+            if fill:
+                for m in lens[start:i]:
+                    extend.append(min(gap, max(0, piece - m)))
+                    gap -= extend[-1]
+            pads = (piece,) * (gap // piece) + ((gap % piece,) if gap % piece else ())
+            out.append(PackedRow(start, i, used, pads, tuple(extend)))
+            start, used = i, 0
+        used += n
+    return out
+
+
+def pack(batch: Batch, tokens_per_micro: int, pad_id: int = 0, fill: bool = False,
+         segment: int | None = None) -> list[Batch]:
     """The samples of ``batch`` (a padded step, rows in the sampler's order) end to end in
-    micro-batches of ``tokens_per_micro`` tokens, in the same order: a sample goes into the
-    current micro-batch while it fits, else starts the next one. A sample longer than
-    ``tokens_per_micro`` gets a micro-batch of its own, whole (cutting it would change the
-    loss; the data pipeline cuts samples once, at the configured value: ``train.pack_overflow``).
+    micro-batches of ``tokens_per_micro`` tokens, in the same order, as ``pack_layout`` lays
+    them out (a sample longer than ``tokens_per_micro`` gets a micro-batch of its own, whole:
+    cutting it would change the loss; the data pipeline cuts samples once, at the configured
+    value: ``train.pack_overflow``).
 
     Each micro-batch is one row [1, N]. Every one but the step's last is filled to exactly
     ``tokens_per_micro`` columns: the few columns its next sample did not fit into are pads,
     a segment of their own (positions from 0, no loss), so no real token attends to them or
-    they to it. The step's widest micro-batch, and with it its memory, is then the same at
-    every step (``packed_widths``). The last holds what is left, unpadded. Each sample's first
-    token is masked out of the loss (it is column 0 of its sample), so the label tokens and
-    the loss sum equal the unpacked batch's."""
+    they to it. The last holds what is left, unpadded, unless ``fill`` pads it too
+    (``train.pack_fill``, ``segment``: see ``pack_layout``): then every micro-batch of every
+    step has the same shape and attention pairs, and the step's memory with them. Each
+    sample's first token is masked out of the loss (it is column 0 of its sample), so the
+    label tokens and the loss sum equal the unpacked batch's, filled or not."""
     out: list[Batch] = []
-    start, used = 0, 0
     lengths = [int(n) for n in batch.lengths]
-    for i, n in enumerate(lengths + [0]):
-        last = i == len(lengths)
-        if last or (i > start and used + n > tokens_per_micro):
-            rows = range(start, i)
-            ids = np.concatenate([batch.input_ids[r, : lengths[r]] for r in rows]).astype(np.int32, copy=False)
-            mask = np.concatenate([batch.loss_mask[r, : lengths[r]] for r in rows]).copy()
-            pos = np.concatenate([np.arange(lengths[r], dtype=np.int32) for r in rows])
-            mask[pos == 0] = 0
-            fill = 0 if last else tokens_per_micro - len(ids)
-            if fill > 0:
-                ids = np.concatenate([ids, np.full(fill, pad_id, np.int32)])
-                mask = np.concatenate([mask, np.zeros(fill, mask.dtype)])
-                pos = np.concatenate([pos, np.arange(fill, dtype=np.int32)])
-            out.append(Batch(ids[None], mask[None], np.array([used], np.int32),
-                             batch.indices[start:i] if len(batch.indices) else batch.indices,
-                             position_ids=pos[None]))
-            start, used = i, 0
-        used += n
+    for row in pack_layout(lengths, tokens_per_micro, fill, segment):
+        ids: list[np.ndarray] = []
+        mask: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        for k, r in enumerate(range(row.first, row.end)):
+            n, e = lengths[r], row.extend[k] if row.extend else 0
+            m = batch.loss_mask[r, :n].copy()
+            m[:1] = 0  # no sample's target: the position before it belongs to another sample
+            ids += [batch.input_ids[r, :n].astype(np.int32, copy=False), np.full(e, pad_id, np.int32)]
+            mask += [m, np.zeros(e, m.dtype)]
+            pos.append(np.arange(n + e, dtype=np.int32))
+        for n in row.pads:
+            ids.append(np.full(n, pad_id, np.int32))
+            mask.append(np.zeros(n, batch.loss_mask.dtype))
+            pos.append(np.arange(n, dtype=np.int32))
+        out.append(Batch(np.concatenate(ids)[None], np.concatenate(mask)[None], np.array([row.used], np.int32),
+                         batch.indices[row.first:row.end] if len(batch.indices) else batch.indices,
+                         position_ids=np.concatenate(pos)[None]))
     return out
 
 

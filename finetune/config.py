@@ -189,6 +189,11 @@ class TrainConfig:
     # or split (into pieces of tokens_per_micro, each the next one's context-free start; every
     # target kept once)
     pack_overflow: str = "truncate"
+    # pad each step's last packed micro-batch to tokens_per_micro too, each sample's segment up
+    # to the data's longest sample (pads out of the loss; no sample's token sees one), so every
+    # step has the same shape, attention and memory; the loss and gradients are unchanged, the
+    # pads cost compute (backends/base.py pack_layout)
+    pack_fill: bool = False
 
 
 @dataclass

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from finetune import tokcache
-from finetune.backends.base import Batch, padded_length
+from finetune.backends.base import Batch, pack_layout, padded_length
 from finetune.errors import UserError
 from finetune.tokcache import Damaged, Ragged, TokenWriter
 from finetune import synthetic
@@ -695,6 +695,8 @@ class DataSource:
                 "(train.batch_size * train.grad_accum); add data or lower the batch")
         self.tok, self.pad_id, self.E, self.seed = tok, pad_id, effective_batch, seed
         self.lengths = tok.lengths  # tokens per sample, read once (the samples may be memory-mapped)
+        # the longest sample: the segment train.pack_fill pads each sample's up to (base.pack_layout)
+        self.longest = int(self.lengths.max())
         self.pad: dict[str, Any] = {"pad_multiple": pad_multiple, "max_len": max_len}  # collate's keywords
         self.steps_per_epoch = len(self.train_idx) // effective_batch
         self._epoch_cache: dict[int, list[np.ndarray]] = {}
@@ -715,9 +717,13 @@ class DataSource:
             self._epoch_cache = {epoch: batches}  # keep one epoch: memory stays flat
         return self._epoch_cache[epoch]
 
+    def step_indices(self, step_index: int) -> np.ndarray:
+        """The samples of 0-based optimizer step ``step_index``, in the step's order."""
+        return self._epoch(step_index // self.steps_per_epoch)[step_index % self.steps_per_epoch]
+
     def step_lengths(self, step_index: int) -> np.ndarray:
         """Tokens of each sample of 0-based optimizer step ``step_index``, in the step's order."""
-        return self.lengths[self._epoch(step_index // self.steps_per_epoch)[step_index % self.steps_per_epoch]]
+        return self.lengths[self.step_indices(step_index)]
 
     def train_batch(self, step_index: int) -> Batch:
         """Effective batch for 0-based optimizer step ``step_index`` (the same for any micro-batch)."""
@@ -802,14 +808,16 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
              # the widest micro-batch the run can see (train.pad_multiple): what plans price
              "pad_multiple": multiple,
              "max_padded_tokens": padded_length(int(lens.max()), multiple, t.seq_len)}
+    targets = tok.targets()
     if cap:
-        # the widest packed micro-batch of the run's steps: what the plan prices (a run that
-        # survives it survives every step)
-        steps = [src.step_lengths(i) for i in range(t.steps)]
-        widest = max(packed_widths(lengths, cap).max() for lengths in steps)
-        span = max(packed_pair_span(lengths, cap) for lengths in steps)
-        stats.update(tokens_per_micro=cap, pack_overflow=t.pack_overflow, pack_cut=cut,
-                     max_micro_tokens=int(widest), pair_span=round(span, 4))
+        # every packed micro-batch of the run's steps, as each rank packs its share of a step
+        # (rank_slice: rows rank, rank + W, ...): the widest, the most targets one holds and
+        # the most attention pairs per position are what the plan prices (a run that survives
+        # them survives every step)
+        rows = packed_steps(src, targets, cap, t.steps, spec.world.world_size, t.pack_fill)
+        stats.update(tokens_per_micro=cap, pack_overflow=t.pack_overflow, pack_cut=cut, pack_fill=t.pack_fill,
+                     max_micro_tokens=rows.widest, max_micro_targets=rows.targets, pair_span=round(rows.pair_span, 4),
+                     pad_tokens_per_step=round(rows.pad_tokens / max(1, t.steps), 1))
     # what share of a micro-batch's positions the output head runs on (it runs on targets only):
     # at most the largest target share of any sample's tokens (packed), or the most targets a
     # sample has over the planned width (unpacked: a row holds one sample). Every sample has a
@@ -820,34 +828,56 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     return src, stats
 
 
-def packed_widths(lengths: np.ndarray, tokens_per_micro: int) -> np.ndarray:
+def packed_widths(lengths: np.ndarray, tokens_per_micro: int, fill: bool = False,
+                  segment: int | None = None) -> np.ndarray:
     """Columns of each micro-batch ``backends.base.pack`` makes of samples of ``lengths``: every
-    one but the last filled to ``tokens_per_micro`` (wider only for a sample longer than that)."""
-    out, used = [], 0
-    for n in (int(x) for x in lengths):
-        if used and used + n > tokens_per_micro:
-            out.append(max(used, tokens_per_micro))
-            used = 0
-        used += n
-    out.append(used)
-    return np.array(out, np.int64)
+    one but the last filled to ``tokens_per_micro`` (wider only for a sample longer than that),
+    the last too with ``fill`` (``train.pack_fill``)."""
+    return np.array([row.width for row in pack_layout(lengths, tokens_per_micro, fill, segment)], np.int64)
 
 
-def packed_pair_span(lengths: np.ndarray, tokens_per_micro: int) -> float:
+def packed_pair_span(lengths: np.ndarray, tokens_per_micro: int, fill: bool = False,
+                     segment: int | None = None) -> float:
     """The most (query, key) pairs per position of the micro-batches ``pack`` makes of samples
-    of ``lengths``: each one's samples' squares summed over its columns (filled to
-    ``tokens_per_micro`` but the last, whose pads attend among themselves), what attention run one
+    of ``lengths``: each one's segments' squares (its samples, with the pads that follow them
+    under ``fill``, and its pad segments) summed over its columns, what attention run one
     sample at a time computes."""
-    best, used, squares = 0.0, 0, 0
-    for n in [int(x) for x in lengths] + [0]:
-        if n == 0 or (used and used + n > tokens_per_micro):
-            if used:
-                pad = max(0, tokens_per_micro - used) if n else 0  # pads: a segment of their own
-                best = max(best, (squares + pad * pad) / (used + pad))
-            used = squares = 0
-        used += n
-        squares += n * n
-    return best
+    lens = [int(x) for x in lengths]
+    return max(r.pair_span(lens) for r in pack_layout(lens, tokens_per_micro, fill, segment))
+
+
+@dataclass(frozen=True)
+class PackedSteps:
+    """What the packed micro-batches of a run's steps hold at most (``packed_steps``)."""
+
+    widest: int  # columns of the widest micro-batch
+    targets: int  # target positions of the micro-batch that holds the most (the output head's rows)
+    pair_span: float  # (query, key) pairs per position of the micro-batch with the most (packed_pair_span)
+    pad_tokens: int  # pad columns over all the steps and ranks (what pack computes and no loss counts)
+
+
+def packed_steps(src: DataSource, targets: np.ndarray, tokens_per_micro: int, steps: int, world_size: int = 1,
+                 fill: bool = False) -> PackedSteps:
+    """The micro-batches ``pack`` makes of the first ``steps`` optimizer steps of ``src``, each
+    rank packing its own share of a step (``rank_slice``: rows rank, rank + W, ...), read
+    from the samples' lengths and target counts (``targets``: ``Tokenized.targets``, which
+    ``pack`` keeps: it masks each sample's first token). Under ``fill`` each sample's segment
+    is padded up to the data's longest sample (``DataSource.longest``), as the loop packs it."""
+    segment = src.longest
+    widest = most = pads = 0
+    span = 0.0
+    for i in range(steps):
+        idx = src.step_indices(i)
+        for rank in range(world_size):
+            mine = idx[rank::world_size]
+            lens = [int(n) for n in src.lengths[mine]]
+            tgt = targets[mine]
+            for r in pack_layout(lens, tokens_per_micro, fill, segment):
+                widest = max(widest, r.width)
+                most = max(most, int(tgt[r.first:r.end].sum()))
+                span = max(span, r.pair_span(lens))
+                pads += r.width - r.used
+    return PackedSteps(widest, most, span, pads)
 
 
 def fit_to_micro(tok: Tokenized, cap: int, overflow: str) -> tuple[Tokenized, int]:

@@ -62,6 +62,8 @@ class Governor:
         # (finetune.data.build head_fraction): the plans price the head on those only
         self.head_fraction: float | None = None
         self.pair_span: float | None = None  # packed: the data's attention pairs per position (data.build)
+        self.row_targets: int | None = None  # packed: the most targets of a packed micro-batch (data.build)
+        self.longest: int | None = None  # packed: the data's longest sample, tokens (data.build max_tokens)
 
         total = device_memory(backend_name, run_device(backend_name, spec.backend.device)).total_bytes
         if spec.memory.budget is not None:
@@ -146,7 +148,8 @@ class Governor:
 
     # -- before any weight is loaded ---------------------------------------------------------
     def before_load(self, seq_len: int | None = None, only_check: bool = False,
-                    head_fraction: float | None = None, pair_span: float | None = None) -> None:
+                    head_fraction: float | None = None, pair_span: float | None = None,
+                    row_targets: int | None = None, longest: int | None = None) -> None:
         """Fit the plan to the budget: the loss in chunks, a smaller micro-batch, then
         checkpointing; else stop (``planner.fit_to_budget``). A chunked loss decided here is
         handed to the backend by ``apply_loss_chunk`` once the model is loaded.
@@ -158,18 +161,25 @@ class Governor:
                 big stops there).
             head_fraction: the data's share of target positions at most (kept for later plans).
             pair_span: packed, the data's most attention pairs per position (kept likewise).
+            row_targets: packed, the most targets of one packed micro-batch (kept likewise).
+            longest: packed, the data's longest sample in tokens (kept likewise).
         """
         if head_fraction is not None:
             self.head_fraction = head_fraction
         if pair_span is not None:
             self.pair_span = pair_span
+        if row_targets is not None:
+            self.row_targets = row_targets
+        if longest is not None:
+            self.longest = longest
         if not self.budget_bytes:
             return
         import sys
 
         try:
             res = planner.fit_to_budget(self.spec, self.budget_bytes, seq_len=seq_len, state=self.state,
-                                        head_fraction=self.head_fraction, pair_span=self.pair_span)
+                                        head_fraction=self.head_fraction, pair_span=self.pair_span,
+                                        row_targets=self.row_targets, longest=self.longest)
         except UserError:
             raise
         except Exception as e:  # a model the planner cannot read: adapt while training only

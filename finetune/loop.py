@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from finetune import checkpoints
 from finetune.backends import OutOfMemory, resolve_backend_name
-from finetune.backends.base import Batch, Comm, pack
+from finetune.backends.base import Batch, Comm, pack, pack_layout
 from finetune.backends.runtimes import get_backend
 from finetune.checkpointing import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
 from finetune.data import rank_slice
@@ -147,9 +147,12 @@ class Trainer:
         self.data, self.data_stats = data_mod.build(self.spec, self.tokenizer)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:
         # the widest packed micro-batch of the run's steps)
+        packed = self.spec.train.packing
         self.governor.before_load(seq_len=self.data_stats.get("max_micro_tokens") or self.data_stats["max_padded_tokens"],
                                   head_fraction=self.data_stats.get("head_fraction"),
-                                  pair_span=self.data_stats.get("pair_span"))
+                                  pair_span=self.data_stats.get("pair_span"),
+                                  row_targets=self.data_stats.get("max_micro_targets"),
+                                  longest=self.data_stats["max_tokens"] if packed else None)
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak. Objects an earlier
         # run left in reference cycles are collected now, not in the middle of this one.
@@ -265,6 +268,7 @@ class Trainer:
         batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
         mine = rank_slice(batch, self.comm.rank, self.comm.world_size)
         self._step_max_len = int(mine.input_ids.shape[1])  # the widest micro-batch, padded
+        self._step_rows: dict[str, Any] | None = None  # packed: the step's own rows (_micro_batches)
         self.governor.step_longest = int(batch.lengths.max())  # the floor of tokens per packed micro-batch
         scale = 1.0 / batch.label_tokens  # of the whole step: the sum over ranks is one process's
         def hook(phase: str) -> None:
@@ -305,8 +309,16 @@ class Trainer:
         tokens = self.governor.state.tokens_per_micro
         if not tokens:
             return mine.split(self.governor.micro)
-        parts = pack(mine, tokens, self.data.pad_id)
+        fill, segment = self.spec.train.pack_fill, self.data.longest
+        parts = pack(mine, tokens, self.data.pad_id, fill=fill, segment=segment)
         self._step_max_len = max(int(p.input_ids.shape[1]) for p in parts)  # the widest row: what calibration plans
+        # the step's own rows, what the calibration plan prices with them: the most targets of a
+        # row, the most attention pairs per position, the longest segment (a sample or pads)
+        lens = [int(n) for n in mine.lengths]
+        rows = pack_layout(lens, tokens, fill, segment)
+        self._step_rows = {"row_targets": max(int(p.loss_mask[0, 1:].sum()) for p in parts),
+                           "pair_span": max(r.pair_span(lens) for r in rows),
+                           "longest": max(max(r.segments(lens)) for r in rows)}
         return parts
 
     def _agreed_sample(self, step: int, sample: Sample | None) -> Mapping[str, Any] | None:
@@ -327,7 +339,7 @@ class Trainer:
             # the gap between train.seq_len and the data
             self.plan: Plan | None = planner.plan(self.spec, seq_len=self._step_max_len, state=self.governor.state,
                                                   head_fraction=self.governor.head_fraction,
-                                                  pair_span=self.governor.pair_span)
+                                                  **(self._step_rows or {"pair_span": self.governor.pair_span}))
             self.plan_error: dict[str, Any] | None = planner.plan_error(self.plan, sample.get("census"), sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
             log.warning("plan calibration skipped: %s", e)

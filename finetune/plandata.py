@@ -47,10 +47,13 @@ class DataLengths:
     pair_span: float | None = None
     # the padded widths of the first optimizer steps (unpacked; the allocator replay's shapes)
     step_widths: tuple[int, ...] = ()
+    # packed: the most target positions one packed micro-batch of the run's steps holds (the
+    # output head's rows); None unpacked
+    row_targets: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if k == "step_widths" else v) for k, v in asdict(self).items()
-                if k != "pair_span" or v is not None}
+                if k not in ("pair_span", "row_targets") or v is not None}
 
 
 def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
@@ -84,4 +87,5 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
                        p90=int(pct[1]), p99=int(pct[2]), max=int(lens.max()), mean=round(float(lens.mean()), 1),
                        planned_tokens=planned, head_fraction=round(float(stats["head_fraction"]), 4),
                        packed=bool(spec.train.packing),
-                       pair_span=stats.get("pair_span") if spec.train.packing else None, step_widths=widths), ""
+                       pair_span=stats.get("pair_span") if spec.train.packing else None, step_widths=widths,
+                       row_targets=stats.get("max_micro_targets") if spec.train.packing else None), ""

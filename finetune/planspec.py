@@ -70,6 +70,9 @@ class Setup:
     # runs it one sample at a time: its [T, T] terms are ``seq_len x pair_span`` (the samples'
     # squares summed), at most the longest sample (cut at ``train.seq_len``). 0: the row's T.
     pair_span: int = 0
+    # train.packing: the longest sample (or pad segment) of a packed row, in tokens: one
+    # sample's attention is the widest a per-sample backward works on at once. 0: the row's T.
+    longest_sample: int = 0
     # the share of positions that are targets (label tokens / tokens, from the data where
     # known; 1.0: every position, the bound without data). The head and its logits run on
     # target rows only (backends' target_head) unless ``target_head`` is False.

@@ -137,6 +137,7 @@ class TrainSpec:
     packing: bool
     tokens_per_micro: int | None
     pack_overflow: str
+    pack_fill: bool
 
     @property
     def effective_batch(self) -> int:

@@ -62,6 +62,20 @@ MLX_FUSED_QKV_NH = 3.0
 MLX_PLAIN_MLP_NF = 1.0  # a two-matrix MLP (StarCoder2): the gelu keeps its input
 MLX_PLAIN_TRANSIENT_NF = 3.0  # ... and its backward workspace has one input matrix, not two
 MLX_TARGET_HEAD_SAVING_NV = 1
+# A packed row whose attention runs one sample at a time (backends/mlx/loss.py _per_sample):
+# its step peaks at the larger of two moments, not at their sum: the loss's backward (the
+# logits' cotangents with the n*h and n*f workspace above), or the attention's backward,
+# whose workspace is the samples' [H, L, L] terms, more for the longest sample, beside part of
+# the n*h and n*f workspace. Fitted on mlx 0.32 CPU fp32 (the tiny Qwen2, hidden 64, 2
+# layers, 4 heads; rows of 1-32 samples of 64-2048 tokens, 64-4096 wide, equal and GSM8K-like
+# mixed lengths, 9-90% targets; mx.get_peak_memory of forward, backward and the optimizer
+# step) in the units of MLX_TRANSIENT_*: B*H*pairs of the row, B*H*L^2 of its longest sample,
+# and the n*h + n*f workspace. Plan/measured 0.90-1.10 over that grid (the sum it replaced:
+# 0.84-1.33), 0.95-1.07 on a tiny of hidden 128, 4 layers, 8 heads, 1.00-1.05 on GSM8K's steps.
+# Not refitted with gradient checkpointing (the summed form is kept there).
+MLX_PACKED_TT_ROW = 1.1
+MLX_PACKED_TT_LONGEST = 1.7
+MLX_PACKED_N = 0.8
 MLX_LOGITS_PER_NV = 16  # fp32 logits kept + logsumexp/softmax/scatter cotangents (measured slope: 4 x 4 B)
 MLX_LOGITS_PER_NV_HALF = 4  # extra with bf16 weights: the bf16 logits and their cotangent
 
@@ -237,9 +251,9 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
     if backward_layers == 1 and s.method != "full" and not s.ckpt:
         tt -= MLX_LOWEST_ONLY_TT_SAVING
     pairs = _pairs(arch, s, T)
-    transient = int((MLX_TRANSIENT_NH * n * h + nf * n * f
-                     + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0)
-                     + tt * s.batch * arch.heads * pairs) * a)
+    n_work = (MLX_TRANSIENT_NH * n * h + nf * n * f
+              + (MLX_TRANSIENT_NF_QUANT * n * f if s.method == "qlora" or s.pre_quant else 0))
+    transient = int((n_work + tt * s.batch * arch.heads * pairs) * a)
     # the head runs on target rows only (backends/mlx/loss.py target_head): their logits
     nt = s.head_rows(n)
     per_nv = MLX_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0)
@@ -263,6 +277,15 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         # Gemma-2's final soft-capping (models/gemma2.py: tanh(out / cap) * cap), on the rows
         # the head runs on (backends/mlx/loss.py applies it to the head's rows and chunks too)
         logits += MLX_SOFTCAP_LOGITS_NV * (s.loss_chunk if s.loss_chunk and s.loss_chunk < nt else nt) * V
+    if _per_sample(arch, s) and not s.ckpt:
+        # the larger of the loss's backward and the attention's (see MLX_PACKED_*): the
+        # planner adds the logits to this workspace, so the attention's moment counts here
+        # beyond them
+        longest = min(T, s.longest_sample or T)
+        attention = int((MLX_PACKED_TT_ROW * s.batch * arch.heads * pairs
+                         + MLX_PACKED_TT_LONGEST * s.batch * arch.heads * longest * longest
+                         + MLX_PACKED_N * n_work) * a)
+        transient = max(int(n_work * a), attention - logits)
     # the part of one recomputed block live at the peak (see MLX_CKPT_RECOMPUTE_*)
     ckpt_recompute = int((MLX_CKPT_RECOMPUTE_NH * n * h + MLX_CKPT_RECOMPUTE_NF * n * f
                           + MLX_CKPT_RECOMPUTE_TT * s.batch * arch.heads * pairs) * a)
@@ -393,11 +416,17 @@ def device_report(plan: Any) -> tuple[str, list[str]]:
 ATTENTION_LABEL = "mx.fast.scaled_dot_product_attention"
 
 
+def _per_sample(arch: ModelDesc, s: Setup) -> bool:
+    """A packed row whose attention runs one sample at a time (backends/mlx/loss.py
+    ``_per_sample``); soft-capped attention (models/gemma2.py) computes its own scores over the
+    row's block mask."""
+    return bool(s.packed and s.pair_span and not arch.attn_softcap)
+
+
 def _pairs(arch: ModelDesc, s: Setup, T: int) -> int:
-    """(query, key) pairs of one row's attention scores: T x T, or packed (one sample at a time,
-    backends/mlx/loss.py ``_per_sample``) its samples' squares summed, at most T x the longest.
-    Soft-capped attention (models/gemma2.py) computes its own scores over the row's block mask."""
-    return T * min(T, s.pair_span) if s.packed and s.pair_span and not arch.attn_softcap else T * T
+    """(query, key) pairs of one row's attention scores: T x T, or packed per sample its
+    samples' squares summed, at most T x the longest."""
+    return T * min(T, s.pair_span) if _per_sample(arch, s) else T * T
 
 
 def layer_bytes(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = None) -> tuple[int, dict[str, int]]:

@@ -186,7 +186,8 @@ class FitResult:
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
-                  head_fraction: float | None = None, pair_span: float | None = None) -> FitResult:
+                  head_fraction: float | None = None, pair_span: float | None = None,
+                  row_targets: int | None = None, longest: int | None = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
     First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
@@ -200,14 +201,15 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
     "train.seq_len=512".
     """
-    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span)
+    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
+    data: dict[str, Any] = {"head_fraction": head_fraction, "pair_span": pair_span, "row_targets": row_targets,
+                            "longest": longest}
     budget = int(budget_bytes)
     eff = s.effective_batch
     base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
 
     def full_plan(batch: int, ckpt: bool) -> Plan:
-        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, head_fraction=head_fraction,
-                    pair_span=pair_span,
+        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
 
@@ -230,7 +232,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                              loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
         before = {**before, "peak_bytes": pc["fits_bytes"]}
     if s.packed:
-        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, head_fraction, pair_span)
+        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, data)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -254,15 +256,15 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
 
 
 def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
-                events: list[dict[str, Any]], seq_len: int | None, head_fraction: float | None = None,
-                pair_span: float | None = None) -> FitResult:
+                events: list[dict[str, Any]], seq_len: int | None, data: dict[str, Any]) -> FitResult:
     """train.packing: the micro-batch lever is tokens per micro-batch. Halve it (then with
     gradient checkpointing) until the plan fits; each step's samples stay the same, packed
     into more micro-batches. A micro-batch holds at least one whole sample, so the row priced
     for ``c`` tokens is ``min(the width planned, max(c, the longest sample))`` (the longest:
-    train.seq_len, the data's cap)."""
+    train.seq_len, the data's cap). The data's figures measured at the configured tokens per
+    micro-batch (its targets and pairs per row) give way to their bounds below it."""
     tokens = base.tokens_per_micro
-    longest = min(spec.train.seq_len, s.seq_len)
+    longest = s.longest_sample or min(spec.train.seq_len, s.seq_len)
     candidates = [tokens]
     while candidates[-1] > longest:
         candidates.append(max(candidates[-1] // 2, longest))
@@ -270,8 +272,14 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
     def width(c: int) -> int:
         return min(s.seq_len, max(c, longest))
 
+    def at(c: int, ckpt: bool) -> Setup:
+        if c == tokens:
+            return _setup_with(s, seq_len=width(c), ckpt=ckpt)
+        return resolve(spec, width(c), base.with_(tokens_per_micro=c, grad_checkpointing=ckpt,
+                                                   loss_chunk=s.loss_chunk), **data)[1]
+
     def priced(c: int, ckpt: bool) -> PlanCore:
-        return _core(arch, _setup_with(s, seq_len=width(c), ckpt=ckpt))
+        return _core(arch, at(c, ckpt))
 
     before = {**before, "tokens_per_micro": tokens}
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
@@ -292,16 +300,15 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
                                "before": {**prev, "grad_checkpointing": False},
                                "after": {**prev, "grad_checkpointing": True, "peak_bytes": p["fits_bytes"]}})
             state = base.with_(tokens_per_micro=c, grad_checkpointing=ckpt, loss_chunk=s.loss_chunk)
-            full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state,
-                        head_fraction=head_fraction, pair_span=pair_span)
+            full = plan(spec, seq_len=width(c), budget_bytes=budget, recommend=False, state=state, **data)
             return FitResult(True, full, base.micro_batch, base.grad_accum, ckpt, events, loss_chunk=s.loss_chunk,
                              tokens_per_micro=c)
     last = candidates[-1]
-    smallest = _setup_with(s, seq_len=width(last), ckpt=True)
+    smallest = at(last, True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
     state = base.with_(tokens_per_micro=last, grad_checkpointing=True, loss_chunk=s.loss_chunk)
     return FitResult(False, plan(spec, seq_len=width(last), budget_bytes=budget, recommend=False, state=state,
-                                 head_fraction=head_fraction, pair_span=pair_span),
+                                 **data),
                      base.micro_batch, base.grad_accum, True, [], suggestions, loss_chunk=s.loss_chunk,
                      tokens_per_micro=last)
 
@@ -355,7 +362,8 @@ def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, 
 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None, head_fraction: float | None = None,
-         pair_span: float | None = None, step_widths: tuple[int, ...] = ()) -> Plan:
+         pair_span: float | None = None, row_targets: int | None = None, longest: int | None = None,
+         step_widths: tuple[int, ...] = ()) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -370,13 +378,16 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         pair_span: packed, the most (query, key) pairs per position of a packed micro-batch,
             from the data (its samples' squares summed over its width); None: the bound, the
             longest sample ``train.seq_len`` allows.
+        row_targets: packed, the most target positions of a packed micro-batch, from the data
+            (``max_micro_targets``); None: ``head_fraction`` of its positions.
+        longest: packed, the data's longest sample (tokens); None: ``train.seq_len``.
         step_widths: the padded widths of the run's first steps, from the data: the caching
             allocator's replay runs them at their own shapes (step 2's leap over step 1).
 
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
-    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span)
+    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
     s.step_widths = tuple(int(w) for w in step_widths)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)

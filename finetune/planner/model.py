@@ -65,12 +65,15 @@ def attention(desc: ModelDesc, wanted: str) -> str:
     return wanted
 
 
-def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None, pair_span: float | None = None) -> None:
+def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None, pair_span: float | None = None,
+                  row_targets: int | None = None, longest: int | None = None) -> None:
     """train.packing: price one row per micro-batch, as wide as ``seq_len`` when given (the
     longest packed micro-batch the data gives, ``finetune.data`` ``max_micro_tokens``), else
     ``tokens_per_micro``; the row's block mask is a [1, 1, T, T] bool on cuda (transformers
     builds it from position_ids for sdpa and eager). The head runs on target rows unless the
-    cuda loss is compiled or sharded (backends/cuda/runtime.py _loss_sum)."""
+    cuda loss is compiled or sharded (backends/cuda/runtime.py _loss_sum): at most
+    ``row_targets`` of them where the data says so (``max_micro_targets``: the most targets a
+    packed micro-batch of the run's steps holds), else the share ``head_fraction`` bounds."""
     t = spec.train
     caps = capabilities(setup.backend)
     if not caps.chunked_loss_with_compile and (t.compile or (setup.strategy == "fsdp" and setup.world_size > 1)):
@@ -81,11 +84,17 @@ def _packed_setup(setup: Setup, spec: RunSpec, state: Any, seq_len: int | None, 
     effective = setup.effective_batch
     width = int(seq_len) if seq_len else tokens
     setup.packed, setup.batch, setup.seq_len = True, 1, width
-    # a packed row's longest sample is cut at train.seq_len; the data's own span where it was
-    # measured at these tokens per micro-batch (the governor may have lowered them since)
-    setup.pair_span = min(width, t.seq_len)
+    # a packed row's longest sample is cut at train.seq_len (and a pad segment is no longer
+    # than its step's longest sample, backends/base.py pack_layout); the data's own longest
+    # where it was read
+    setup.longest_sample = min(width, t.seq_len, int(longest) if longest else t.seq_len)
+    # the data's own span and targets where they were measured at these tokens per micro-batch
+    # (the governor may have lowered them since: a smaller row may hold a larger share)
+    setup.pair_span = setup.longest_sample
     if pair_span and tokens == t.packed_tokens:
         setup.pair_span = min(setup.pair_span, math.ceil(pair_span))
+    if row_targets and tokens == t.packed_tokens:
+        setup.target_fraction = min(setup.target_fraction, int(row_targets) / max(1, width - 1))
     # micro-batches per step: the step's samples at the widest over the packed width (at
     # least 2 wherever they do not fit one: gradients then accumulate)
     setup.grad_accum = max(1, -(-effective * t.seq_len // tokens))
@@ -128,12 +137,15 @@ def _pre_quantized_base(setup: Setup) -> None:
 
 
 def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
-            head_fraction: float | None = None, pair_span: float | None = None) -> tuple[ModelDesc, Setup]:
+            head_fraction: float | None = None, pair_span: float | None = None,
+            row_targets: int | None = None, longest: int | None = None) -> tuple[ModelDesc, Setup]:
     """Resolve the spec (and the machine, for the GPU count) into an architecture and a setup.
     ``state`` (a finetune.state.RunState) overrides the backend, micro-batch, accumulation,
     checkpointing and loss chunk with the run's live values. ``head_fraction``: the share of a
     micro-batch's positions that are targets at most, from the data (``finetune.data.build``
-    ``head_fraction``); None: every position, the bound without data. Raises UserError for a
+    ``head_fraction``); None: every position, the bound without data. Packed, from the data
+    too: ``pair_span``, ``row_targets`` (the most targets of a packed micro-batch) and
+    ``longest`` (the longest sample), see ``_packed_setup``. Raises UserError for a
     combination the backend would refuse (finetune.resolver runs this once as a check)."""
     arch, hf = _describe(spec.model)
     backend = state.backend if state is not None else spec.backend.resolved
@@ -178,9 +190,9 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         padding_mask=spec.model.trust_remote_code,
         alloc_conf=mm.alloc_conf(spec), empty_cache_every=spec.memory.empty_cache_every, fused=o.fused,
     )
-    _packed_setup(setup, spec, state, seq_len, pair_span)
     if head_fraction is not None:
         setup.target_fraction = max(0.0, min(1.0, float(head_fraction)))
+    _packed_setup(setup, spec, state, seq_len, pair_span, row_targets, longest)
     _pre_quantized_base(setup)
     return arch, setup
 

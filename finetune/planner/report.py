@@ -216,8 +216,11 @@ def _data_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
             f"median {data['median']}, p90 {data['p90']}, p99 {data['p99']}, max {data['max']}",
             f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
             f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB",
-            f"  the output head runs on target positions only: at most {data['head_fraction']:.0%} of a micro-batch's "
-            "positions in this data (prompts and pads carry no loss)"]
+            (f"  the output head runs on target positions only: at most {data['row_targets']:,} of a packed "
+             f"micro-batch's {plan['seq_len']:,} positions in this data (prompts and pads carry no loss)"
+             if data.get("row_targets") else
+             f"  the output head runs on target positions only: at most {data['head_fraction']:.0%} of a micro-batch's "
+             "positions in this data (prompts and pads carry no loss)")]
 
 _RANK_COLS = (("weights", "weights"), ("grads", "grads"), ("optimizer_state", "optim"), ("activations", "activ"),
               ("logits", "logits"))
@@ -268,7 +271,8 @@ def run_plan(spec: RunSpec) -> Plan:
         bound = plan(spec, recommend=False)
         # unpacked, the run pads to at most train.seq_len already (data.padded_length)
         p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction,
-                 pair_span=lengths.pair_span, step_widths=lengths.step_widths)
+                 pair_span=lengths.pair_span, row_targets=lengths.row_targets,
+                 longest=lengths.max if lengths.packed else None, step_widths=lengths.step_widths)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],
