@@ -625,8 +625,8 @@ def notes(s: Setup) -> list[str]:
     out = []
     if s.device == "cuda":
         out.append("overhead: CUDA context ~500 MiB is an estimate (varies by GPU, driver and "
-                   "libraries); allocator rounding counts 512 B blocks of persistent tensors; "
-                   "reserved-but-unallocated cache (2 MiB / 20 MiB segments) is not included")
+                   "libraries); allocator rounding counts 512 B blocks of persistent tensors; the allocator's cache is "
+                   "in the phases' reserved, not in peak")
     if s.optim.startswith("paged") and s.device == "cuda":
         out.append("optimizer_state_paged lives in CUDA unified memory (pages to host under "
                    "pressure): not in peak_bytes")
@@ -643,7 +643,16 @@ def notes(s: Setup) -> list[str]:
                    "parameters gathered in the autocast dtype, else their own; the all-gather and reduce-scatter "
                    "buffers peak mid-backward and are added to the forward/backward peak whole (an upper bound)")
     if s.world_size > 1 and s.device == "cuda":
-        out.append("several ranks: NCCL's own communication buffers sit outside torch's allocator and are not counted")
+        out.append("several ranks: NCCL's buffers are an estimate on the device level (2 peers x 16 channels x its "
+                   "three protocols' buffers), not measured")
+    if s.world_size > 1 and s.strategy == "fsdp":
+        out.append("fsdp: every rank loads the whole model before fully_shard keeps its rows, so the load phase "
+                   "holds the whole model on each device (meta-device initialization is not done)")
+    if s.device == "cuda":
+        out.append("phases: allocated and reserved from a replay of the run's allocations through a model of torch's "
+                   "caching allocator (backends/cuda/allocator.py); the device level adds the CUDA context and the "
+                   "kernels loaded on first use as measured on an H200 (524 + 229 MiB); the host is the process's "
+                   "libraries (measured) and, at the load, the checkpoint's pages")
     return out
 
 

@@ -184,7 +184,19 @@ def _load(tr: Trace, s: Setup, mine: list[Tensor], mm: Any) -> list[int | None]:
     # tensor of the bytes the model's parameters will take on the device (4-bit ones at half a
     # byte an element), so the load carves every weight out of that one cached segment
     warm = sum(mm.weight_bytes(t, s)[0] for t in base)
-    tr.free(tr.alloc(warm))
+    sharded = s.strategy == "fsdp" and s.world_size > 1
+    if sharded:
+        # the runtime loads the whole model on every rank (from_pretrained), then FSDP2's
+        # fully_shard keeps each rank's rows and frees the rest (backends/cuda/runtime.py
+        # _distribute): the load peaks at the whole model, not the shard
+        whole = [tr.alloc(t.numel * t.dtype_bytes) for t in base]
+        tr.free(tr.alloc(warm))
+        shards = [tr.alloc(mm.weight_bytes(t, s)[0]) for t in base]
+        tr.free(*whole)
+        keys += shards
+        base = []
+    else:
+        tr.free(tr.alloc(warm))
     for t in base + adapters:
         w, q = mm.weight_bytes(t, s)
         if t.quant == "bnb4":

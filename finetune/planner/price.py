@@ -223,8 +223,12 @@ def _per_rank(s: Setup, dev: PlanDevice) -> dict[str, Any]:
     n = s.world_size
     overall = {k: v * n for k, v in row.items() if k != "buffers"}
     overall["buffers"] = {k: v * n for k, v in row["buffers"].items()}
+    # the load, step 1 and the steady state in the four metrics, each rank's and their sums
+    phases = {ph: dict(m) for ph, m in dev["phases"].items()}
+    overall["phases"] = {ph: {k: v * n for k, v in m.items()} for ph, m in phases.items()}
     return {"strategy": s.strategy, "world_size": n, "ranks_identical": True,
-            "ranks": [{"rank": r, **row, "buffers": dict(row["buffers"])} for r in range(n)],
+            "ranks": [{"rank": r, **row, "buffers": dict(row["buffers"]),
+                       "phases": {ph: dict(m) for ph, m in phases.items()}} for r in range(n)],
             "overall": overall}
 
 

@@ -232,26 +232,31 @@ _MAX_RANK_ROWS = 16  # beyond this many ranks, rank 0's row stands for the ident
 def _rank_table(pr: dict[str, Any], budget: int | None) -> list[str]:
     """A row per rank, then Overall (sums over ranks), GiB = 2^30 bytes."""
     names = list(pr["ranks"][0]["buffers"])
-    heads = [h for _, h in _RANK_COLS] + [_BUFFER_LABELS.get(n, n[:9]) for n in names] + ["peak"]
+    heads = [h for _, h in _RANK_COLS] + [_BUFFER_LABELS.get(n, n[:9]) for n in names] + ["peak", "reserved",
+                                                                                          "device"]
     out = [f"  per rank (GiB), {pr['strategy']} over {pr['world_size']} ranks"
            + "".join(f"{h:>10s}" for h in heads) + "  fits"]
 
     def row(label: str, r: dict[str, Any], fits: str) -> str:
-        vals = [r[k] for k, _ in _RANK_COLS] + [r["buffers"][n] for n in names] + [r["peak_bytes"]]
+        st = (r.get("phases") or {}).get("steady") or {}
+        vals = [r[k] for k, _ in _RANK_COLS] + [r["buffers"][n] for n in names] + [
+            r["peak_bytes"], st.get("reserved_bytes", 0), st.get("device_bytes", 0)]
         width = len(f"  per rank (GiB), {pr['strategy']} over {pr['world_size']} ranks")
         return f"{'    ' + label:{width}s}" + "".join(f"{v / GIB:10.2f}" for v in vals) + f"  {fits}"
 
     ranks = pr["ranks"]
     shown = ranks if len(ranks) <= _MAX_RANK_ROWS else ranks[:1]
     for r in shown:
-        ok = "?" if budget is None else ("yes" if r["peak_bytes"] <= budget else "NO")
+        judged = max((ph["device_bytes"] for ph in (r.get("phases") or {}).values()), default=r["peak_bytes"])
+        ok = "?" if budget is None else ("yes" if judged <= budget else "NO")
         out.append(row(f"rank {r['rank']}", r, ok))
     if len(shown) < len(ranks):
         out.append(f"    ranks 1..{len(ranks) - 1}: the same as rank 0")
     out.append(row("Overall", pr["overall"], ""))
     if pr.get("ranks_identical"):
         out.append(f"  ranks are identical under {pr['strategy']}: each holds the same share of the model and runs the "
-                   "same micro-batch size (planned figures, not measured differences); Overall sums the ranks")
+                   "same micro-batch size (planned figures, not measured differences); Overall sums the ranks; "
+                   "reserved and device are the steady state's, fits the device level's highest phase")
     return out
 
 
