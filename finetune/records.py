@@ -181,6 +181,7 @@ class PlanDevice(PlanTotals):
     step2_reserved_leap_bytes: int  # reserved at step 2 over step 1 at the same phase's end
     alloc_conf: str | None
     device_level_planned: bool  # whether the device level is planned above the allocator (a GPU)
+    evictable_bytes: int  # of the device level, what pages out under pressure (paged optimizer state)
 
 
 class PlanCore(PlanTotals):
@@ -200,7 +201,7 @@ class PlanCore(PlanTotals):
     phases: dict[str, dict[str, int]]
     max_device_level_bytes: int  # the highest device level (NVML's view) of any phase and device
     max_host_bytes: int  # the process's RSS at its highest
-    fits_bytes: int  # what ``fits`` compares with the budget: the device level where planned, else the peak
+    fits_bytes: int  # what ``fits`` compares with the budget: the device level (less paged state) where planned, else the peak
     step2_reserved_leap_bytes: int
     alloc_conf: str | None  # PYTORCH_CUDA_ALLOC_CONF the replay used (null: torch's default)
 

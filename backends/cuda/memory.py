@@ -584,14 +584,17 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": resv, "device_bytes": level,
                                 "host_bytes": host}
             out.append({"phases": phases, "non_allocator": extra, "step2_reserved_leap_bytes": leap,
-                        "alloc_conf": s.alloc_conf, "device_level_planned": True})
+                        "alloc_conf": s.alloc_conf, "device_level_planned": True,
+                        # paged state NVML counts while it fits, and pages out to the host when
+                        # the device runs short: not what makes a run fail
+                        "evictable_bytes": extra.get("paged_optimizer_state", 0)})
         else:
             for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
                 host = host_base + alloc + (file_bytes if name == "load" else 0)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
                                 "host_bytes": host}
             out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
-                        "device_level_planned": False})
+                        "device_level_planned": False, "evictable_bytes": 0})
     return out
 
 

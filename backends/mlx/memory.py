@@ -363,7 +363,7 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
         phases = {k: {"allocated_bytes": v, "reserved_bytes": v, "device_bytes": v, "host_bytes": v + HOST_BASE_MLX_BYTES}
                   for k, v in rows.items()}
         out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
-                    "device_level_planned": False})
+                    "device_level_planned": False, "evictable_bytes": 0})
     return out
 
 

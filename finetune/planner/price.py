@@ -206,7 +206,9 @@ def _core(arch: ModelDesc, s: Setup) -> PlanCore:
         "max_device_level_bytes": level,
         # what ``fits`` is judged on: the device level where the backend plans one above its
         # allocator (a GPU: reserved, context, kernels, paged state), else the peak with overhead
-        "fits_bytes": level if worst["device_level_planned"] else max(dv["peak_bytes"] for dv in devices),
+        # (less what the device gives back under pressure: paged optimizer state)
+        "fits_bytes": (level - worst["evictable_bytes"]) if worst["device_level_planned"]
+        else max(dv["peak_bytes"] for dv in devices),
         "max_host_bytes": max(p["host_bytes"] for p in worst["phases"].values()),
         "step2_reserved_leap_bytes": worst["step2_reserved_leap_bytes"],
         "alloc_conf": s.alloc_conf,
@@ -279,5 +281,5 @@ def _price(s: Setup, agg: dict[str, int], act: int, logits: int, opt_tr: int, in
         "peak_phase": phase,
         # the memory model's device_phases fills these (_core)
         "phases": {}, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
-        "device_level_planned": False,
+        "device_level_planned": False, "evictable_bytes": 0,
     }

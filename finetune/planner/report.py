@@ -109,7 +109,9 @@ def format_table(plan: Plan) -> str:
     head = (f"plan: {plan['model'].get('name') or 'model'} {plan['method']} {plan['optim']} {plan['precision']} "
             f"on {plan['backend']} ({where}): "
             f"peak {plan['fits_bytes'] / GIB:.2f} GiB per {'rank' if pr else 'device'}"
-            + (" (NVML used)" if plan.get("phases") and plan["fits_bytes"] != plan["max_device_peak_bytes"] else "")
+            + (" (NVML used" + (", paged state left out" if any(dv.get("evictable_bytes") for dv in plan["per_device"])
+                                else "") + ")" if plan.get("phases") and plan["fits_bytes"] != plan["max_device_peak_bytes"]
+               else "")
             + " vs budget "
             + (f"{budget / GIB:.2f} GiB" if (budget := plan.get("budget_bytes")) else "unknown")
             + f", fits: {verdict}")
