@@ -239,5 +239,6 @@ class Plan(PlanCore, PlanData):
     budget_bytes: int | None
     budget_source: str
     fits: bool | None
+    host: dict[str, Any] | None  # a GPU plan: {ram_bytes, peak_anonymous_bytes, fits}; None where the device is the host
     recommendation: dict[str, Any] | None
     notes: list[str]

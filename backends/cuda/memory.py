@@ -582,7 +582,10 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                 level = resv + (extra["cuda_context"] if name == "load" else sum(extra.values()))
                 host = host_base + (file_bytes if name == "load" else 0)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": resv, "device_bytes": level,
-                                "host_bytes": host}
+                                "host_bytes": host,
+                                # of the host, the checkpoint's pages (file-backed: the kernel drops
+                                # them under pressure rather than running out)
+                                "host_file_bytes": file_bytes if name == "load" else 0}
             out.append({"phases": phases, "non_allocator": extra, "step2_reserved_leap_bytes": leap,
                         "alloc_conf": s.alloc_conf, "device_level_planned": True,
                         # paged state NVML counts while it fits, and pages out to the host when

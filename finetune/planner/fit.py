@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.backends import capabilities, device_memory, memory_model
+from finetune import budget as budget_mod
 from finetune.budget import parse_budget
 from finetune.errors import UserError
 from finetune.modeldesc import ModelDesc
@@ -326,6 +327,19 @@ def _budget(s: Setup, override: int | None) -> tuple[int | None, str, int | None
     return dm.total_bytes, f"device: {label}", dm.total_bytes
 
 
+def _host_check(core: PlanCore) -> dict[str, Any] | None:
+    """The host's RAM against the plan's host peak on a device of its own (a GPU): the process's
+    anonymous memory, what cannot be given back (the checkpoint's mapped pages are left out).
+    None where the device is the host (its figures are the device's) or RAM is unknown."""
+    if not core["per_device"][0].get("device_level_planned"):
+        return None
+    ram = budget_mod.system_ram()
+    if not ram:
+        return None
+    anon = max(p["host_bytes"] - p.get("host_file_bytes", 0) for p in core["phases"].values())
+    return {"ram_bytes": ram, "peak_anonymous_bytes": anon, "fits": anon <= ram}
+
+
 def _model_name(model: ModelSpec) -> str:
     """What the plan calls the model: the preset's name, or the path when the default preset
     only carries a user's ``model.path`` (``model.path=Qwen/Qwen3-8B`` is not "tiny")."""
@@ -392,6 +406,9 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)
+    host = _host_check(core)
+    if fits and host is not None and not host["fits"]:
+        fits = False  # the device has room, the host's RAM does not
     # what the device limits beyond the budget (mlx: Metal's working set), with the levers
     # that bring the peak under it; past what the machine has, the run does not fit
     device, runs_out = memory_model(s.backend).device_checks(
@@ -430,6 +447,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "budget_bytes": budget,
         "budget_source": budget_source,
         "fits": fits,
+        "host": host,
         **device,
         "recommendation": _recommend(arch, s, budget) if recommend else None,
         "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),

@@ -201,6 +201,11 @@ def _phase_lines(plan: Plan) -> list[str]:
                  "paged_optimizer_state": "paged optimizer state (resident)", "nccl_buffers": "NCCL buffers (estimate)"}
         out.append("  NVML used = reserved + " + " + ".join(f"{names.get(k, k)} {v / 2**20:,.0f} MiB"
                                                           for k, v in extra.items() if v))
+    host = plan.get("host")
+    if host:
+        out.append(f"  host: {host['peak_anonymous_bytes'] / GIB:.2f} GiB the process cannot give back (the checkpoint's "
+                   f"mapped pages left out) against {host['ram_bytes'] / GIB:.2f} GiB of RAM here: "
+                   + ("fits" if host["fits"] else "does NOT fit"))
     leap = plan.get("step2_reserved_leap_bytes") or 0
     if gpu and plan["backend"] == "cuda":
         conf = plan.get("alloc_conf") or "torch's default"
