@@ -210,8 +210,8 @@ def _phase_lines(plan: Plan) -> list[str]:
     if gpu and plan["backend"] == "cuda":
         conf = plan.get("alloc_conf") or "torch's default"
         out.append(f"  reserved: torch's caching allocator replayed ({conf}); step 2 reserves "
-                   f"{leap / 2**20:+,.0f} MiB over step 1 at the same phase (blocks step 1 cached and its optimizer "
-                   "state took)")
+                   f"{leap / 2**20:+,.0f} MiB over step 1 at the same phase (what step 1 left cached: gradients and temporaries, "
+                   "and the blocks its new optimizer state took)")
     return out
 
 
