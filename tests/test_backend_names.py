@@ -43,6 +43,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("budget.py", "cuda_devices"): "the NVML device count the memory models ask for (a device probe)",
     ("accounting/probes.py", "cuda_index"): "NVML's handle for a device as CUDA numbers it (a device probe)",
     ("report.py", "cuda"): "the sweep chart's title wording ('cuda backend on GPU'), a label, not behaviour",
+    ("records.py", "metal"): "plan.json's key for the peak against Metal's working set, a field of the Plan record "
+                             "that the mlx memory model fills (its device_checks)",
 }
 
 

@@ -43,7 +43,8 @@ def test_gpu_bench_smoke(tmp_path: Path, gsm8k: Path) -> None:
                   "ratio chunked/unchunked peak reserved", "ratio chunked/unchunked peak allocated",
                   "ratio chunked/unchunked real tokens/s"):
         assert re.search(rf"^{re.escape(ratio)}.*= {num}x?", text, re.MULTILINE), ratio
-    for ratio in ("ratio planner peak_allocated_bytes", "ratio planner peak_bytes"):
+    for ratio in ("ratio planner peak_allocated_bytes", "ratio planned steady reserved", "ratio planned step-1 reserved",
+                  "ratio planned NVML used", "ratio planned host RSS"):
         assert re.search(rf"^{re.escape(ratio)}.*worst \|error\| \S+, median \|error\| \S+", text, re.MULTILINE), ratio
     assert "the logits' share: " in text
     for part in ("time: the grid took", "time: ours vs peer and chunked loss took", "time: total"):

@@ -331,4 +331,5 @@ def test_plan_cli_prints_a_row_per_rank_then_overall(tmp_path: Path) -> None:
     assert pr["world_size"] == 8 and pr["strategy"] == "fsdp" and len(pr["ranks"]) == 8
     assert plan["peak_bytes"] == pr["ranks"][0]["peak_bytes"] and plan["budget_bytes"] == 80 * GiB
     assert plan["fits"] is True and pr["overall"]["peak_bytes"] == 8 * plan["peak_bytes"]
-    assert all(isinstance(v, int) for row in pr["ranks"] for k, v in row.items() if k != "buffers")
+    assert all(isinstance(v, int) for row in pr["ranks"] for k, v in row.items() if k not in ("buffers", "phases"))
+    assert all(row["phases"] == plan["phases"] for row in pr["ranks"])

@@ -85,7 +85,8 @@ def _check_plan_error(r: dict[str, Any]) -> None:
     step 1 really had) with the census and the sample of step 1, category by category."""
     cfg, summary, first = r["cfg"], r["summary"], r["metrics"][0]
     err = summary["plan_error"]
-    assert err is not None and set(err) == {*BYTE_CATEGORIES, "steady_state_allocated", "peak_allocated"}
+    assert err is not None and set(err) == {*BYTE_CATEGORIES, "steady_state_allocated", "peak_allocated",
+                                            "step1_reserved", "step1_device_level", "step1_host"}
     length = int(r["src"].train_batch(0).lengths.max())
     as_run = OmegaConf.merge(cfg, {"train": {"batch_size": summary["micro_batch"]},
                                    "backend": {"name": summary["backend"]}})
@@ -102,10 +103,16 @@ def _check_plan_error(r: dict[str, Any]) -> None:
         "optimizer_state_paged": census["optimizer_state_paged"],
         "steady_state_allocated": first["allocated_bytes"],
         "peak_allocated": first["step_peak_allocated_bytes"],
+        # step 1 in the metrics that run out (None where this device has no allocator or NVML)
+        "step1_reserved": first["step_peak_reserved_bytes"],
+        "step1_device_level": first["device_used_bytes"],
+        "step1_host": first["peak_rss_bytes"],
     }
     expected_predicted = {**{k: p["bytes"][k] for k in BYTE_CATEGORIES},
                           "steady_state_allocated": p["steady_state_allocated_bytes"],
-                          "peak_allocated": p["peak_allocated_bytes"]}
+                          "peak_allocated": p["peak_allocated_bytes"],
+                          **{f"step1_{k}": p["phases"]["step1"][f"{m}_bytes"]
+                             for k, m in (("reserved", "reserved"), ("device_level", "device"), ("host", "host"))}}
     for k, e in err.items():
         assert (e["predicted"], e["measured"]) == (expected_predicted[k], expected_measured[k]), k
         if e["measured"] is None:

@@ -187,8 +187,9 @@ def _phase_lines(plan: Plan) -> list[str]:
         return []
     pr = plan.get("per_rank")
     who = "per rank" if pr else ("on the fullest GPU" if plan["devices"] > 1 else "per device")
-    gpu = plan["device"] == capabilities(plan["backend"]).gpu_device
-    dev_label = "NVML used" if plan["backend"] == "cuda" and gpu else "device"
+    # a device level planned above the allocator (a GPU's NVML view), with its allocator replayed
+    replayed = any(dv.get("device_level_planned") for dv in plan["per_device"])
+    dev_label = "NVML used" if replayed else "device"
     out = [f"  by phase ({who}, GiB)        {'allocated':>10s}{'reserved':>10s}{dev_label:>11s}{'host RSS':>10s}"]
     for k, label in _PHASE_LABELS.items():
         ph = phases[k]
@@ -207,7 +208,7 @@ def _phase_lines(plan: Plan) -> list[str]:
                    f"mapped pages left out) against {host['ram_bytes'] / GIB:.2f} GiB of RAM here: "
                    + ("fits" if host["fits"] else "does NOT fit"))
     leap = plan.get("step2_reserved_leap_bytes") or 0
-    if gpu and plan["backend"] == "cuda":
+    if replayed:
         conf = plan.get("alloc_conf") or "torch's default"
         out.append(f"  reserved: torch's caching allocator replayed ({conf}); step 2 reserves "
                    f"{leap / 2**20:+,.0f} MiB over step 1 at the same phase (what step 1 left cached: gradients and temporaries, "
