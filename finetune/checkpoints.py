@@ -177,18 +177,56 @@ def make_run_dir(run_dir: Path) -> bool:
     return created
 
 
-def check_claim(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """UserError unless a resume finds a checkpoint in ``run_dir`` and a new run lands on no
-    other run's checkpoints or result (``overwrite``: the run replaces them once it begins)."""
+def check_claim(run_dir: Path, resume: bool, overwrite: bool, steps: int) -> None:
+    """UserError unless a resume finds a checkpoint in ``run_dir`` with steps left to train
+    (``steps``: train.steps) and a new run lands on no other run's checkpoints or result
+    (``overwrite``: the run replaces them once it begins)."""
     d = run_dir
     if resume and not list_checkpoints(d):
         raise UserError(f"train.resume=true but {d}/checkpoints holds no checkpoint; point hydra.run.dir "
                         "at the run to continue, or set train.save_every")
+    if resume:
+        check_steps_left(d, steps)
     held = [] if resume or overwrite else results_in(d)
     if held:
         again = "continue it with train.resume=true, " if list_checkpoints(d) else ""
         raise UserError(f"run dir {d} holds another run ({', '.join(held)}); {again}choose a new "
                         "hydra.run.dir, or replace it with train.overwrite=true")
+
+
+def finished_at(run_dir: Path) -> int | None:
+    """The step the run in ``run_dir`` finished at: its summary.json's ``steps`` when its newest
+    checkpoint is of that step (a run that ended wrote both); None for a run that has not
+    finished (stopped, killed, or its adapter not written: a resume then writes it)."""
+    ckpt = latest_checkpoint(run_dir)
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        done = int(summary["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if ckpt is None or _step_of(ckpt) != done:
+        return None
+    return done
+
+
+def _step_of(ckpt: Path) -> int:
+    m = _NAME.fullmatch(ckpt.name)
+    return int(m.group(1)) if m else -1
+
+
+def check_steps_left(run_dir: Path, steps: int) -> None:
+    """UserError, before anything loads or is written, when a resume would train no step: the
+    run finished at ``train.steps`` (a resume would only write its adapter, checkpoint and
+    summary again, over the ones it has), or its newest checkpoint is past ``train.steps``."""
+    ckpt = latest_checkpoint(run_dir)
+    at = _step_of(ckpt) if ckpt is not None else -1
+    done = finished_at(run_dir)
+    if done is not None and done >= steps:
+        raise UserError(f"run finished at step {done} (run dir {run_dir}); raise train.steps above {done} to "
+                        f"continue it (train.resume=true train.steps={2 * done}), or choose a new hydra.run.dir")
+    if at > steps:
+        raise UserError(f"train.steps={steps} but the newest checkpoint of run dir {run_dir} is at step {at}; "
+                        f"raise train.steps to {at} or more to continue it, or choose a new hydra.run.dir")
 
 
 def remove_if_no_result(run_dir: Path, created: bool) -> None:

@@ -59,7 +59,8 @@ from finetune.errors import UserError
 from finetune.io import atomic_dir, disk_errors
 from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
 from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_model_config
-from finetune.model_source import PICKLE_SUFFIXES, TEXT_KEY_MAPPING, TOKENIZER_FILES, is_multimodal, load_causal_lm
+from finetune.model_source import (PICKLE_SUFFIXES, TEXT_KEY_MAPPING, TOKENIZER_FILES, hf_download, is_multimodal,
+                                   load_causal_lm)
 from finetune.planner.describe import FAMILIES, describe
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
@@ -407,7 +408,8 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool, allow_pickle: b
         raise UserError(f"{adapter.path} names no base model; pass --base /path/to/base")
     local = Path(str(name)).expanduser()
     where = "--base" if flag else f"the adapter's config ({adapter.path / MLX_CONFIG})"
-    if not local.is_dir():
+    hub = not local.is_dir()
+    if hub:
         try:
             from huggingface_hub import snapshot_download
 
@@ -415,12 +417,16 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool, allow_pickle: b
                                            local_files_only=True))
         except Exception:  # noqa: BLE001  (offline, unknown id, gated: the same answer for the user)
             raise UserError(f"base model {name} (from {where}) is neither a local directory nor in the Hugging Face "
-                            "cache; download it (huggingface-cli download) or pass --base /path/to/base") from None
+                            f"cache; download it ({hf_download(str(name))}) or pass --base /path/to/base") from None
     if not (local / "config.json").is_file():
         raise UserError(f"base model {local} (from {where}) has no config.json; "
                         "pass --base with an HF-format model directory")
     safetensors, pickles = _weight_files(local)
     if not safetensors and not pickles:
+        if hub:  # a config.json fetched alone (a plan's) is not the model
+            raise UserError(f"base model {name} (from {where}): the Hugging Face cache holds only part of its snapshot "
+                            f"({local}: no weights); download the whole snapshot ({hf_download(str(name))}) "
+                            "or pass --base /path/to/base")
         raise UserError(f"base model {local} (from {where}) holds no weights (*.safetensors); "
                         "pass --base with a complete model directory")
     if not safetensors and not allow_pickle:

@@ -1,11 +1,14 @@
-"""Atomic writes: nothing a reader can see is ever half-written. And the run directory's lock:
-one run per directory."""
+"""Atomic writes: nothing a reader can see is ever half-written, and each file and directory
+comes out with the mode a plain ``open``/``mkdir`` would have given it under the process's
+umask (``mkstemp``/``mkdtemp`` make 0600/0700, and safetensors writes 0600 whatever the umask).
+And the run directory's lock: one run per directory."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,12 +17,51 @@ from typing import Any, Iterator
 LOCK_FILE = ".lock"  # in the run dir; its content is never read, only its fcntl lock
 
 
+def process_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc, kernel 4.7+);
+    elsewhere set and put back at once (``os.umask`` has no read-only form)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(is_dir: bool = False, executable: bool = False, umask: int | None = None) -> int:
+    """The mode ``open`` (0o666) or ``mkdir`` (0o777) gives a new file or directory under the
+    process's umask (or ``umask``): 0644/0755 under umask 022, 0600/0700 under 077.
+    ``executable``: a file that has an execute bit keeps them (0o777 & ~umask, a linker's)."""
+    return (0o777 if is_dir or executable else 0o666) & ~(process_umask() if umask is None else umask)
+
+
+def as_umask(root: str | Path) -> None:
+    """Give ``root`` and everything under it (symlinks left alone) the mode the umask gives a
+    new file or directory (``umask_mode``): what a temporary name made 0600/0700 is then as
+    readable as any file the process writes in place."""
+    mask = process_umask()
+    root = Path(root)
+    for p in (root, *root.rglob("*")):
+        st = p.lstat()
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            continue  # a symlink (its own mode means nothing), a fifo
+        mode = umask_mode(stat.S_ISDIR(st.st_mode), bool(st.st_mode & 0o111), umask=mask)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(p, mode)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, fsync it, rename it into place."""
+    """Write ``text`` to a temporary file beside ``path``, fsync it, rename it into place
+    (with the mode the umask gives a new file, not mkstemp's 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, umask_mode())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -75,7 +117,8 @@ def _fsync_dir(d: Path) -> None:
 
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary directory; on success it is fsynced and replaces ``path`` whole.
+    """Yield an empty temporary directory; on success it is fsynced and replaces ``path`` whole,
+    itself and everything in it with the modes the umask gives (``finalize_dir``).
 
     A crash inside the block leaves ``path`` as it was (the old version, or absent).
     """
@@ -93,8 +136,11 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 def finalize_dir(tmp: str | Path, path: str | Path) -> None:
     """Put the complete directory ``tmp`` in place of ``path`` (the end of ``atomic_dir``; also
-    used where several processes filled one ``tmp``, as sharded checkpoints do)."""
+    used where several processes filled one ``tmp``, as sharded checkpoints do), its modes
+    first set as the umask says (``as_umask``: mkdtemp made ``tmp`` 0700, writers such as
+    safetensors made their files 0600)."""
     tmp, path = Path(tmp), Path(path)
+    as_umask(tmp)
     old = None
     if path.exists():
         old = path.with_name(f".{path.name}.old")
@@ -174,7 +220,7 @@ def lock_dir(directory: str | Path) -> DirLock:
         return _HELD[d]
     path = d / LOCK_FILE
     created = not path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)  # as the umask says
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -119,7 +119,8 @@ class Trainer:
         try:
             if self.comm.rank == 0:
                 self.lock = checkpoints.lock_run_dir(self.run_dir)
-            checkpoints.check_claim(self.run_dir, resume=bool(t.resume), overwrite=t.overwrite)
+            checkpoints.check_claim(self.run_dir, resume=bool(t.resume), overwrite=t.overwrite,
+                                    steps=t.steps)
         except UserError as e:
             refused = e
         if self.comm.agree(refused is not None).raised[0] and refused is None:

@@ -31,17 +31,45 @@ def resolve_model_dir(model: ModelSpec, seed: int = 0) -> Path:
         return found
     if model.path is None:
         raise UserError(f"{found}; set model.path=<hub id or local dir>")
+    repo = str(model.path)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(model.path), allow_patterns=HUB_PATTERNS,
-                                      revision=model.revision, token=_hf_token()))
+        snap = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, revision=model.revision, token=_hf_token()))
     except Exception as e:  # offline, gated, misspelt: all end the same way for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"could not get model {model.path} from the hub ({first[:160]}); "
-            "download it (huggingface-cli download, with a token for gated models) or pass model.path=/local/dir"
+            f"could not get model {repo} from the hub ({first[:160]}); download it "
+            f"({hf_download(repo, model.revision)}, with HF_TOKEN set for a gated model) or pass model.path=/local/dir"
         ) from None
+    missing = snapshot_missing(snap)
+    why = _hub_unreachable() if missing else None
+    if why is not None:
+        # snapshot_download answers from the cache when the hub is out of reach, however little of
+        # the snapshot is there: a config.json fetched for a plan (model_config) is not a model
+        raise UserError(f"model.path={repo}: the hub cache holds only part of its snapshot ({snap}: no "
+                        f"{' and no '.join(missing)}) and {why}; a run needs the whole snapshot: download it "
+                        f"({hf_download(repo, model.revision)})")
+    return snap
+
+
+def hf_download(repo: str, revision: str | None = None, *args: str) -> str:
+    """The ``hf download`` command line (huggingface_hub's CLI; ``huggingface-cli`` is gone
+    from huggingface_hub 1.x) that puts ``repo`` (``args``: only those files, or options) in
+    the hub cache."""
+    return " ".join(["hf download", repo, *args, *(["--revision", revision] if revision else [])])
+
+
+def snapshot_missing(d: Path) -> list[str]:
+    """What a run needs that the model directory ``d`` lacks: its weights (safetensors or
+    pickles, as ``check_weights`` takes them), its tokenizer (any of TOKENIZER_FILES)."""
+    names = {p.name for p in d.iterdir()} if d.is_dir() else set()
+    missing = []
+    if not any(n.endswith((".safetensors", *PICKLE_SUFFIXES)) for n in names):
+        missing.append("weights (*.safetensors)")
+    if not names & set(TOKENIZER_FILES):
+        missing.append("tokenizer files")
+    return missing
 
 
 def local_model_dir(model: ModelSpec, *, seed: int, hub_cache: bool = True) -> Path | str:
@@ -317,10 +345,9 @@ def model_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple
         return facts, f"model.config of preset {name} (released config.json facts; {repo}: {why})"
     match = [n for n, doc in sorted(_presets().items()) if doc.get("path") == repo and doc.get("config")]
     preset = f"use its preset (model={match[0]})" if match else "use a preset (model=<name>, see conf/model/)"
-    rev = f" --revision {revision}" if revision else ""
     raise UserError(f"model.path={repo}: no config.json in the hub cache ({constants.HF_HUB_CACHE}) and {why}; "
-                    f"download it (huggingface-cli download {repo} config.json{rev}), "
-                    f"point model.path at a local directory, or {preset}")
+                    f"download it ({hf_download(repo, revision)}; a plan needs only "
+                    f"{hf_download(repo, revision, 'config.json')}), point model.path at a local directory, or {preset}")
 
 
 # config.json dtype names -> ours (transformers 5 writes "dtype", 4.x "torch_dtype")
@@ -538,8 +565,8 @@ def _download_again(f: Path, model: ModelSpec) -> str:
     if path is None:  # tiny: built here, so building it again is the download
         return f"delete {f.parent} and run again to rebuild it"
     if _is_hub_id(path):
-        return f"download it again (huggingface-cli download {path} --force-download)"
-    return f"download it again (huggingface-cli download <repo> --local-dir {f.parent}) or copy it whole"
+        return f"download it again ({hf_download(str(path), model.revision, '--force-download')})"
+    return f"download it again ({hf_download('<repo>', None, '--local-dir', str(f.parent))}) or copy it whole"
 
 
 def _check_shards(d: Path, model: ModelSpec) -> None:

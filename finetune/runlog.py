@@ -144,7 +144,7 @@ class RunLog:
                         os.truncate(self.path, len(text))
                 else:  # an event of the supervisor's after lines that go: rewrite whole
                     atomic_write_text(self.path, text.decode())
-            self._fd = os.open(self.path, flags, 0o644)
+            self._fd = os.open(self.path, flags, 0o666)  # as the umask says
             self._size = os.fstat(self._fd).st_size
         except OSError as e:
             raise RunLogWriteError(e, self.path, start_step) from None

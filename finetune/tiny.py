@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from finetune.io import as_umask
 from finetune.synthetic import generate
 from finetune.spec import ModelSpec
 
@@ -140,6 +141,7 @@ def build_tiny(model: ModelSpec, seed: int = 0) -> Path:
         _write_tokenizer(tmp, arch["vocab_size"])
         save_file(_weights(arch, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(arch), indent=2))
+        as_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600: the model is as readable as the umask says
         try:
             os.rename(tmp, final)
         except OSError:  # another process won the race; theirs is identical

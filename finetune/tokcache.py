@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
-from finetune.io import _fsync_dir, fsync_tree
+from finetune.io import _fsync_dir, as_umask, fsync_tree
 from finetune.model_source import TOKENIZER_FILES
 from finetune.tiny import cache_root
 
@@ -227,6 +227,7 @@ class TokenWriter:
         manifest = {"format": CACHE_FORMAT, "key": key, "samples": self.offsets.count - 1, "tokens": self.tokens,
                     "stats": stats, "files": files}
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        as_umask(self.tmp)  # mkdtemp made it 0700: a shared cache is as readable as the umask says
         fsync_tree(self.tmp)
         try:
             os.rename(self.tmp, self.final)  # a directory onto a non-empty one fails: the first wins

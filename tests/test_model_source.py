@@ -93,8 +93,8 @@ def test_a_hub_id_is_read_from_the_hub_cache(tmp_path: Path, offline_hub: Path) 
 def test_offline_with_an_empty_cache_is_one_line_naming_the_fixes(tmp_path: Path, offline_hub: Path) -> None:
     cfg = make_cfg(tmp_path / "r", "model.path=Qwen/Qwen3-8B").model
     want = (f"model.path=Qwen/Qwen3-8B: no config.json in the hub cache ({offline_hub}) and the hub is unreachable "
-            "(offline: HF_HUB_OFFLINE=1); download it (huggingface-cli download Qwen/Qwen3-8B config.json), "
-            "point model.path at a local directory, or use its preset (model=qwen3-8b)")
+            "(offline: HF_HUB_OFFLINE=1); download it (hf download Qwen/Qwen3-8B; a plan needs only hf download "
+            "Qwen/Qwen3-8B config.json), point model.path at a local directory, or use its preset (model=qwen3-8b)")
     with pytest.raises(UserError) as e:
         model_config(cfg)
     assert str(e.value) == want
@@ -118,8 +118,8 @@ def test_cli_plan_of_an_uncached_hub_id_offline_exits_2_in_one_line(tmp_path: Pa
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     want = (f"error: model.path=Qwen/Qwen3-8B: no config.json in the hub cache ({cache}) and the hub is "
-            "unreachable (offline: HF_HUB_OFFLINE=1); download it (huggingface-cli download Qwen/Qwen3-8B "
-            "config.json), point model.path at a local directory, or use its preset (model=qwen3-8b)")
+            "unreachable (offline: HF_HUB_OFFLINE=1); download it (hf download Qwen/Qwen3-8B; a plan needs only hf "
+            "download Qwen/Qwen3-8B config.json), point model.path at a local directory, or use its preset (model=qwen3-8b)")
     assert lines == [want], r.stderr
     assert "Traceback" not in r.stderr and "tiny" not in r.stdout + r.stderr
 
@@ -137,6 +137,24 @@ def test_cli_plan_of_a_cached_hub_id_plans_that_model(tmp_path: Path) -> None:
     assert abs(plan["params_total"] - META_PARAMS["Qwen3-8B"]) <= 0.005 * META_PARAMS["Qwen3-8B"], plan["params_total"]
     assert plan["model"]["name"] == "Qwen/Qwen3-8B" and plan["model"]["model_type"] == "qwen3"
     assert (r.stdout + r.stderr).lstrip().startswith("plan: Qwen/Qwen3-8B "), (r.stdout + r.stderr)[:200]
+
+
+def test_cli_run_of_a_hub_id_with_only_its_config_cached_asks_for_the_whole_snapshot(tmp_path: Path) -> None:
+    """A plan reads a hub id's config.json alone from the cache; a run needs the weights and the
+    tokenizer too: offline, one line naming `hf download <id> --revision REV`, exit 2, no
+    traceback, and no run dir left behind."""
+    cache = tmp_path / "hub"
+    snap = lay_out_hub_cache(cache, "Qwen/Qwen3-8B", (RELEASED / "Qwen3-8B" / "config.json").read_text())
+    r = subprocess.run([*finetune_cmd(), "backend=cuda", "model.path=Qwen/Qwen3-8B", f"model.revision={SHA}",
+                        "train.steps=1", f"hydra.run.dir={tmp_path}/r"],
+                       check=False, capture_output=True, text=True, timeout=120, env=_env(cache))
+    assert r.returncode == 2, r.stderr
+    want = (f"error: model.path=Qwen/Qwen3-8B: the hub cache holds only part of its snapshot ({snap.parent}: no "
+            "weights (*.safetensors) and no tokenizer files) and the hub is unreachable (offline: HF_HUB_OFFLINE=1); "
+            f"a run needs the whole snapshot: download it (hf download Qwen/Qwen3-8B --revision {SHA})")
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [want], r.stderr
+    assert r.stderr.rstrip().endswith(want) and "Traceback" not in r.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("preset, slug", sorted(PRESET_RELEASED.items()))

@@ -27,7 +27,7 @@ def test_missing_shards_named_first_with_the_count(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         check_weights(d, cfg)
     assert str(e.value) == (f"{d / shards[1]} is missing (2 of 3 shards that model.safetensors.index.json names); "
-                            f"download it again (huggingface-cli download <repo> --local-dir {d}) or copy it whole")
+                            f"download it again (hf download <repo> --local-dir {d}) or copy it whole")
 
 
 def _st(path: Path, header: dict, data: bytes) -> Path:

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from finetune.io import umask_mode
 from finetune.records import SampleCensusKey
 from finetune.units import fmt_bytes as fb
 from finetune.units import fmt_delta as fd
@@ -411,9 +412,7 @@ def save_png(fig: Any, path: str | Path, dpi: float | None = None) -> None:
     os.close(fd_)
     try:
         fig.savefig(tmp, format="png", dpi=dpi or fig.dpi)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600: a chart is as readable as any file the run writes
+        os.chmod(tmp, umask_mode())  # mkstemp made it 0600: a chart is as readable as any file the run writes
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
