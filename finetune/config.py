@@ -389,6 +389,40 @@ def nearest_keys(key: str, valid: list[str]) -> str:
     return f"{'did you mean' if near else 'valid keys'}: {', '.join(shown)}"
 
 
+def schema_paths(node_type: Any = None, prefix: str = "") -> list[str]:
+    """Every key of the schema as its full dotted path (``optim.lr``, ``method.lora.rank``),
+    the nodes that hold others included."""
+    import dataclasses
+
+    out = []
+    for name, t in schema_keys(node_type or Config).items():
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(t):
+            out += schema_paths(t, f"{prefix}{name}.")
+    return out
+
+
+def nearest_config_keys(full: str) -> str:
+    """The schema's keys nearest an unknown ``full`` key, as full paths a user can type: the
+    last part of the key against the last part of every path in the schema, so ``lr`` finds
+    ``optim.lr`` and ``train.stepz`` finds ``train.steps`` (a path under the same parent ranks
+    first among equals); else the keys of the nearest node that exists."""
+    import difflib
+
+    parent, _, last = full.rpartition(".")
+    paths = schema_paths()
+    near = [p for p in paths if p.rpartition(".")[2] == last]  # the right name under another parent
+    if not near:
+        scored = sorted(((difflib.SequenceMatcher(None, last, p.rpartition(".")[2]).ratio()
+                          + (0.1 if p.rpartition(".")[0] == parent else 0.0), p) for p in paths), key=lambda x: -x[0])
+        best = scored[0][0] if scored else 0.0
+        near = [p for score, p in scored if score >= 0.65 and score >= best - 0.08][:3]
+    if near:
+        return f"did you mean: {', '.join(near)}"
+    siblings = [p for p in paths if p.rpartition(".")[0] == parent] or [p for p in paths if "." not in p]
+    return f"valid keys: {', '.join(siblings[:8])}"
+
+
 def logger_keys(name: str) -> set[str] | None:
     from importlib import resources
 
@@ -419,15 +453,10 @@ def config_error_line(exc: BaseException) -> str | None:
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         full = str(getattr(cause, "full_key", "") or getattr(cause, "key", "") or "")
         parent, _, key = full.rpartition(".")
-        try:
-            node_type: Any = Config
-            for part in parent.split(".") if parent else []:
-                node_type = schema_keys(node_type)[part]
-            valid = sorted(schema_keys(node_type))
-        except (KeyError, TypeError):
-            valid = sorted(logger_keys(parent.split(".")[-1]) or []) if parent.startswith("logger.") else []
-        near = f"; {nearest_keys(key, valid)}" if valid else ""
-        return f"{full} is not a config key{near}"
+        if parent.startswith("logger."):  # a logger's keys are its option's YAML
+            valid = sorted(logger_keys(parent.split(".")[-1]) or [])
+            return f"{full} is not a config key" + (f"; {nearest_keys(key, valid)}" if valid else "")
+        return f"{full} is not a config key; {nearest_config_keys(full)}"
     if isinstance(cause, ValidationError):
         full = str(getattr(cause, "full_key", "") or "")
         msg = str(cause).splitlines()[0] if str(cause) else type(cause).__name__

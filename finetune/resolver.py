@@ -30,6 +30,7 @@ from finetune.config import (
     VALID,
     Config,
     logger_keys,
+    nearest_config_keys,
     nearest_keys,
     schema_keys,
 )
@@ -141,7 +142,7 @@ def check_known_keys(cfg: DictConfig) -> None:
         valid = schema_keys(node_type)
         for key in list(node.keys()):
             if key not in valid:
-                raise UserError(f"{prefix}{key} is not a config key; {nearest_keys(str(key), sorted(valid))}")
+                raise UserError(f"{prefix}{key} is not a config key; {nearest_config_keys(f'{prefix}{key}')}")
             t = valid[key]
             if dataclasses.is_dataclass(t) and node.get(key) is not None:
                 walk(node[key], t, f"{prefix}{key}.")

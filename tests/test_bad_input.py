@@ -72,10 +72,10 @@ def ckpt_run(tmp_path_factory):
 
 
 CASES = [  # id, overrides ({i}: the inputs dir, {c}: the checkpointed run), text the error must hold
-    ("unknown-key", ["+train.stepz=3"], "train.stepz is not a config key; did you mean: steps"),
-    ("unknown-nested-key", ["+method.lora.rnk=4"], "method.lora.rnk is not a config key; did you mean: rank"),
+    ("unknown-key", ["+train.stepz=3"], "train.stepz is not a config key; did you mean: train.steps"),
+    ("unknown-nested-key", ["+method.lora.rnk=4"], "method.lora.rnk is not a config key; did you mean: method.lora.rank"),
     ("unknown-logger-key", ["logger=csv", "+logger.csv.pth=x"], "logger.csv.pth is not a config key"),
-    ("unknown-override", ["train.stepz=3"], "train.stepz is not a config key; did you mean: steps"),
+    ("unknown-override", ["train.stepz=3"], "train.stepz is not a config key; did you mean: train.steps"),
     ("string-for-int", ["train.steps=abc"], "give train.steps a whole number"),
     ("string-for-float", ["optim.lr=fast"], "give optim.lr a number"),
     ("float-for-int", ["train.batch_size=1.5"], "give train.batch_size a whole number"),
@@ -206,7 +206,7 @@ def _get(cfg, dotted):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["+train.stepz=3"], "error: train.stepz is not a config key; did you mean: steps"),
+    (["+train.stepz=3"], "error: train.stepz is not a config key; did you mean: train.steps"),
     (["train.steps=abc"], "error: train.steps: Value 'abc'"),
     (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
 ])

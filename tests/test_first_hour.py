@@ -1,0 +1,95 @@
+"""A newcomer's first hour (issue 31), through the console script as a user types it: a
+suggestion for a short key given by its full path, a fractional budget refused with the
+percentage to type, no governor line for a change that changes nothing, and no cli.log.
+
+Every child runs this checkout's code (PYTHONPATH names it first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO, finetune_cmd, needs_mlx
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+       "HF_HUB_OFFLINE": "1"}
+QUIET = ("train.progress=false", "train.eval_every=0", "train.warmup_steps=0", "memory.sample_every=1")
+
+
+def _finetune(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*finetune_cmd(), *args], capture_output=True, text=True, timeout=timeout, env=ENV,
+                          cwd=cwd)
+
+
+def _refused(r: subprocess.CompletedProcess, line: str, run_dir: Path) -> None:
+    """Exit 2, the one line on stderr, no traceback, nothing written."""
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and r.stderr.strip().splitlines() == [line], r.stderr
+    assert not run_dir.exists()
+
+
+def _jsonl(path: Path, n: int, long_text: str | None = None) -> Path:
+    rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(n)]
+    if long_text:
+        rows.append({"text": long_text})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---- the smaller things --------------------------------------------------------------------
+
+def test_a_short_key_is_suggested_by_its_full_path(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _refused(_finetune("lr=1e-4", f"hydra.run.dir={run}"), "error: lr is not a config key; did you mean: optim.lr", run)
+    _refused(_finetune("+lr=1e-4", f"hydra.run.dir={run}"), "error: lr is not a config key; did you mean: optim.lr",
+             run)
+
+
+def test_a_fractional_budget_is_refused_naming_the_percentage(tmp_path: Path) -> None:
+    """memory.budget=0.9: refused (a bare number counts bytes; 0.99 read as 99% beside 1 as a byte
+    would put a cliff at 1), naming memory.budget=90%, which plans."""
+    run = tmp_path / "run"
+    _refused(_finetune("mode=plan", "memory.budget=0.9", f"hydra.run.dir={run}"),
+             "error: memory.budget=0.9 is a fraction, not a size; for 90% of the device write memory.budget=90%", run)
+    r = _finetune("mode=plan", "memory.budget=90%", f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "plan.json").read_text())["budget_source"] == "memory.budget=90%"
+
+
+@pytest.fixture(scope="module")
+def mlx_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """An mlx run with no budget, on data with one record longer than train.seq_len (a warning)."""
+    tmp = tmp_path_factory.mktemp("mlx")
+    data = _jsonl(tmp / "train.jsonl", 40, long_text="one two three " * 40)
+    run = tmp / "run"
+    r = _finetune("backend=mlx", "data=jsonl", f"data.path={data}", "train.steps=3", "train.seq_len=32", *QUIET,
+                  f"data.cache_dir={tmp / 'cache'}", f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, run
+
+
+@needs_mlx
+def test_no_governor_line_for_a_change_that_changes_nothing(mlx_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    """memory.cache_limit=auto derives MLX's own default (32 MiB) for a tiny step: no event, no
+    [governor] line; every event left changes something."""
+    r, run = mlx_run
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["memory"]["last"]["mlx_cache_limit_bytes"] == 32 << 20  # the limit stayed MLX's default
+    events = [json.loads(ln)["event"] for ln in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in ln]
+    assert not [e for e in events if e["action"] == "set_mlx_cache_limit"]
+    for ev in events:
+        assert any(ev["before"].get(k) != v for k, v in ev["after"].items()), ev
+    shown = [ln for ln in r.stderr.splitlines() if "[governor]" in ln]
+    assert len(shown) == len(events) and not any("set_mlx_cache_limit" in ln for ln in shown)
+
+
+@needs_mlx
+def test_no_cli_log_is_written_and_warnings_reach_the_console(mlx_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    """The run dir holds no cli.log (it only ever held the logging records, not what the console
+    showed); a warning still reaches the console."""
+    r, run = mlx_run
+    assert not list(run.glob("*.log"))
+    assert "1 of 41 samples were longer than train.seq_len=32 and were truncated" in r.stdout + r.stderr
