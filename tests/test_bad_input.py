@@ -118,8 +118,10 @@ def test_every_bad_input_is_one_line_naming_the_fix(tmp_path, inputs, ckpt_run):
         run_dir = next((Path(a.split("=", 1)[1]) for a in args if a.startswith("RUN_DIR=")), tmp_path / case_id)
         args = [a for a in args if not a.startswith("RUN_DIR=")]
         before = sorted(p.name for p in (run_dir / "checkpoints").glob("*")) if run_dir.exists() else None
+        # data=jsonl reads no data.num_samples (a key the chosen data group ignores is refused)
+        fast = [f for f in FAST if not (f.startswith("data.num_samples=") and "data=jsonl" in args)]
         try:
-            run(compose(run_dir, *FAST, *args))
+            run(compose(run_dir, *fast, *args))
             failures.append(f"{case_id}: no error")
             continue
         except UserError as e:

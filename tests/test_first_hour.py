@@ -1,6 +1,7 @@
-"""A newcomer's first hour (issue 31), through the console script as a user types it: a
-suggestion for a short key given by its full path, a fractional budget refused with the
-percentage to type, no governor line for a change that changes nothing, and no cli.log.
+"""A newcomer's first hour (issue 31), through the console script as a user types it: the data a
+run really trains on, a suggestion for a short key given by its full path, a fractional budget
+refused with the percentage to type, no governor line for a change that changes nothing, and no
+cli.log.
 
 Every child runs this checkout's code (PYTHONPATH names it first)."""
 
@@ -12,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, finetune_cmd, needs_mlx
+from conftest import HAS_MLX, HAS_TORCH, REPO, finetune_cmd, needs_mlx
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
        "HF_HUB_OFFLINE": "1"}
@@ -37,6 +38,53 @@ def _jsonl(path: Path, n: int, long_text: str | None = None) -> Path:
         rows.append({"text": long_text})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# ---- the data really used ------------------------------------------------------------------
+
+@pytest.mark.skipif(not (HAS_TORCH or HAS_MLX), reason="needs torch or mlx to train")
+def test_data_path_alone_trains_on_that_file_and_says_so(tmp_path: Path) -> None:
+    """`finetune data.path=train.jsonl` (no data=jsonl): one line says the file chose data=jsonl,
+    the run's first lines name the file, its samples and the format read, and the run trains on
+    its 40 records, not the 2,000 built-in ones."""
+    data = _jsonl(tmp_path / "train.jsonl", 40)
+    run = tmp_path / "run"
+    backend = "cuda" if HAS_TORCH else "mlx"
+    r = _finetune(f"data.path={data}", f"backend={backend}", "train.steps=2", *QUIET,
+                  f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"data.path={data}: training on that file's records, data=jsonl (type data=jsonl to say so)"
+    said = next(i for i, ln in enumerate(lines) if ln.startswith("data: "))
+    assert said <= 4, lines[:6]  # among the run's first lines, before any step
+    assert lines[said] == (f"data: data=jsonl {data}: 40 samples (38 train, 2 validation) from 40 records; format "
+                           "prompt/completion; prompts carry no loss (data.mask_prompt=true)")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data"]["records"] == 40 and summary["data"]["formats"] == {"prompt/completion": 40}
+    assert "data=jsonl" in (run / ".hydra" / "overrides.yaml").read_text()  # the choice, as typed for the user
+    assert "synthetic" not in r.stderr
+
+
+def test_a_hub_dataset_id_in_data_path_chooses_hf(tmp_path: Path) -> None:
+    r = _finetune("data.path=openai/gsm8k", "--cfg", "job")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.splitlines()[0] == ("data.path=openai/gsm8k is a hub data set id, not a local file: training on "
+                                        "data=hf data.hf_name=openai/gsm8k (type those to say so)")
+    data = r.stdout[r.stdout.index("\ndata:\n"):]
+    assert "  name: hf\n" in data and "  hf_name: openai/gsm8k\n" in data and "  path: null\n" in data
+
+
+def test_a_data_key_the_chosen_group_ignores_is_refused(tmp_path: Path) -> None:
+    """An explicit data group that would ignore a data.* key: one line naming the group that
+    reads it, exit 2, no run dir."""
+    data = _jsonl(tmp_path / "train.jsonl", 8)
+    run = tmp_path / "run"
+    _refused(_finetune("data=synthetic", f"data.path={data}", f"hydra.run.dir={run}"),
+             f"error: data.path={data} is not read by data=synthetic, which would ignore it; choose data=jsonl, "
+             "or drop data.path", run)
+    _refused(_finetune("data=jsonl", f"data.path={data}", "data.num_samples=50", f"hydra.run.dir={run}"),
+             "error: data.num_samples=50 is not read by data=jsonl, which would ignore it; choose data=synthetic, "
+             "or drop data.num_samples (data.max_samples caps the records of a file or a hub data set)", run)
 
 
 # ---- the smaller things --------------------------------------------------------------------
