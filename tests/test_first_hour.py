@@ -1,7 +1,7 @@
 """A newcomer's first hour (issue 31), through the console script as a user types it: the data a
-run really trains on, a suggestion for a short key given by its full path, a fractional budget
-refused with the percentage to type, no governor line for a change that changes nothing, and no
-cli.log.
+run really trains on, advice in a plan that does not fit typed as overrides and ordered by what
+it costs, a suggestion for a short key given by its full path, a fractional budget refused with
+the percentage to type, no governor line for a change that changes nothing, and no cli.log.
 
 Every child runs this checkout's code (PYTHONPATH names it first)."""
 
@@ -14,6 +14,12 @@ from pathlib import Path
 
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, REPO, finetune_cmd, needs_mlx
+
+from finetune import planner
+from finetune.config import compose
+from finetune.planner.fit import LEVER_COSTS
+from finetune.planspec import GIB
+from finetune.resolver import resolve
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
        "HF_HUB_OFFLINE": "1"}
@@ -85,6 +91,79 @@ def test_a_data_key_the_chosen_group_ignores_is_refused(tmp_path: Path) -> None:
     _refused(_finetune("data=jsonl", f"data.path={data}", "data.num_samples=50", f"hydra.run.dir={run}"),
              "error: data.num_samples=50 is not read by data=jsonl, which would ignore it; choose data=synthetic, "
              "or drop data.num_samples (data.max_samples caps the records of a file or a hub data set)", run)
+
+
+# ---- advice you can type -------------------------------------------------------------------
+
+def _rank(change: str) -> int:
+    first = change.split()[0]
+    return next(i for i, (name, _) in enumerate(LEVER_COSTS) if first == name or first.split("=")[0] == name)
+
+
+def _replanned(tmp_path: Path, over: tuple[str, ...], change: str) -> dict:
+    return planner.plan(resolve(compose(tmp_path / "again", "mode=plan", *over, *change.split())), recommend=False)
+
+
+def test_a_plan_that_does_not_fit_prints_each_lever_as_overrides_cheapest_first(tmp_path: Path) -> None:
+    """Full fine-tuning of an 8B model in 48 GiB: method=lora fits (and is offered, before
+    qlora), more GPUs come last; each lever, typed as printed, plans under the budget at the
+    peak it names, and what it saves is the configured peak less that."""
+    over = ("backend=cuda", "model=llama3-8b", "method=full", "memory.budget=48GiB")
+    r = _finetune("mode=plan", *over, f"hydra.run.dir={tmp_path / 'plan'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert p["fits"] is False
+    levers = p["recommendation"]["levers"]
+    changes = [lv["change"] for lv in levers]
+    assert "method=lora" in changes and changes.index("method=lora") < changes.index("method=qlora")
+    assert changes[-1].startswith("backend.device_map=auto backend.num_devices=")
+    assert [_rank(c) for c in changes] == sorted(_rank(c) for c in changes)  # cheapest first
+    out = r.stdout.splitlines()
+    head = out.index("  to fit the budget, type any one of these (cheapest first):")
+    for lv, line in zip(levers, out[head + 1:]):
+        assert line.startswith(f"    {lv['change']} ") and f"saves {lv['saves_bytes'] / GIB:6.2f} GiB" in line, line
+        assert lv["saves_bytes"] == p["fits_bytes"] - lv["peak_bytes"] > 0
+        again = _replanned(tmp_path, over, lv["change"])
+        assert again["fits"] is True and again["fits_bytes"] == lv["peak_bytes"], lv["change"]
+    assert "  with memory.adapt=true (the default) the governor cannot fit it" in r.stdout
+
+
+def test_the_largest_micro_batch_is_typed_and_the_governor_applies_it(tmp_path: Path) -> None:
+    """DoRA on an 8B model in 20 GiB: micro-batch 2 fits, printed as the overrides that keep the
+    effective batch, which the governor applies itself; the micro-batch lever comes first, then
+    checkpointing. Without memory.adapt the line says the run changes nothing."""
+    over = ("backend=cuda", "model=llama3-8b", "method=dora", "memory.budget=20GiB")
+    r = _finetune("mode=plan", *over, f"hydra.run.dir={tmp_path / 'plan'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "plan" / "plan.json").read_text())["recommendation"]
+    assert rec["largest_micro_batch"]["change"] == "train.batch_size=2 train.grad_accum=2"
+    assert rec["governor"] == {"adapt": True, "fits": True, "change": "train.batch_size=2 train.grad_accum=2",
+                               "peak_bytes": rec["largest_micro_batch"]["peak_bytes"]}
+    assert [lv["change"] for lv in rec["levers"]][:2] == ["train.batch_size=2 train.grad_accum=2",
+                                                          "train.grad_checkpointing=true"]
+    assert ("  largest micro-batch that fits: 2: train.batch_size=2 train.grad_accum=2 (the same effective batch 4)"
+            in r.stdout.splitlines())
+    assert ("  with memory.adapt=true (the default) the governor applies train.batch_size=2 train.grad_accum=2 "
+            f"itself before loading (peak {rec['governor']['peak_bytes'] / GIB:.2f} GiB)") in r.stdout.splitlines()
+    off = _finetune("mode=plan", *over, "memory.adapt=false", f"hydra.run.dir={tmp_path / 'off'}")
+    assert "  memory.adapt=false: the run changes nothing itself (with memory.adapt=true the governor applies " \
+           "train.batch_size=2 train.grad_accum=2" in off.stdout
+
+
+def test_the_largest_micro_batch_that_fits_may_exceed_the_configured_one(tmp_path: Path) -> None:
+    """A plan that fits searches above the configured micro-batch: the largest that fits,
+    typed, and one more does not fit."""
+    over = ("backend=cuda", "model=qwen2-7b", "memory.budget=40GiB", "train.batch_size=2", "train.grad_accum=4")
+    r = _finetune("mode=plan", *over, f"hydra.run.dir={tmp_path / 'plan'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    big = json.loads((tmp_path / "plan" / "plan.json").read_text())["recommendation"]["largest_micro_batch"]
+    b = big["batch_size"]
+    assert b > 8 and big["change"] == f"train.batch_size={b} train.grad_accum=1"
+    assert _replanned(tmp_path, over, big["change"])["fits"] is True
+    assert _replanned(tmp_path, over, f"train.batch_size={b + 1} train.grad_accum=1")["fits"] is False
+    assert (f"  largest micro-batch that fits: {b}: train.batch_size={b} train.grad_accum=1 (an effective batch of "
+            f"{b}, not 8: other math; train.batch_size=8 train.grad_accum=1 keeps it; the governor lowers a "
+            "micro-batch that does not fit, never raises one: type it to use it)") in r.stdout.splitlines()
 
 
 # ---- the smaller things --------------------------------------------------------------------
