@@ -39,14 +39,16 @@ def parse_budget(text: str | int | None, device_total: int | None, key: str = "m
         The budget in bytes (rounded down), or ``device_total`` (possibly None) when ``text`` is None.
 
     Raises:
-        UserError: for text in none of the valid forms, a budget that is not positive, or a
-            percentage when the device size is unknown; the message names the valid forms.
+        UserError: for text in none of the valid forms, a budget that is not positive, a bare
+            fraction ("0.9": the message names "90%"), or a percentage when the device size is
+            unknown; the message names the valid forms.
     """
     if text is None:
         return device_total
     if isinstance(text, bool):  # bool is an int: true/false is not a size
         raise UserError(f"{key}={text} is not a size; use {VALID_FORMS}")
     if isinstance(text, (int, float)):
+        _check_fraction(text, float(text), key)
         value = int(text)
         if value <= 0:
             raise UserError(f"{key}={text} must be positive; use {VALID_FORMS}")
@@ -65,6 +67,8 @@ def parse_budget(text: str | int | None, device_total: int | None, key: str = "m
     m = _NUMBER_UNIT.match(s)
     if not m or m.group(2).lower() not in UNITS:
         raise UserError(f"{key}={s} is not a size; use {VALID_FORMS}")
+    if not m.group(2):
+        _check_fraction(m.group(1), float(m.group(1)), key)
     value = int(float(m.group(1)) * UNITS[m.group(2).lower()])
     if value <= 0:
         raise UserError(f"{key}={s} must be positive; use {VALID_FORMS}")
@@ -76,6 +80,17 @@ def parse_budget(text: str | int | None, device_total: int | None, key: str = "m
 # No model trains in less than 1 MiB (the tiny test model's weights alone are ~0.4 MiB), so a
 # bare number below it is a unit left out ("40" meant as 40 GB), not a budget.
 MIN_UNITLESS_BYTES = 2**20
+
+
+def _check_fraction(shown: object, number: float, key: str) -> None:
+    """UserError for a bare number between 0 and 1 (``memory.budget=0.9``): a share meant as a
+    fraction, which a size never is; the fix names the percentage form. Refused rather than read
+    as a share: a bare number counts bytes everywhere else in these keys, and reading 0.99 as
+    99% beside 1 as one byte would put a cliff at 1."""
+    if 0 < number < 1:
+        of = " of the device" if key == "memory.budget" else ""
+        raise UserError(f"{key}={shown} is a fraction, not a size; for {number * 100:g}%{of} write "
+                        f"{key}={number * 100:g}%")
 
 
 def _check_unitless(shown: object, value: int, key: str = "memory.budget") -> None:

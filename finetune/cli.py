@@ -20,7 +20,7 @@ from finetune.config import GROUPS, register_configs
 from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
 from finetune import checkpoints, quiet, sweep
-from finetune.config import config_error_line
+from finetune.config import choose_data_group, config_error_line
 from finetune.generate import generate
 from finetune.loop import train
 from finetune.planner import run_plan
@@ -261,6 +261,11 @@ def main() -> None:
         check_group_choices(sys.argv[1:])
     except UserError as e:
         _fail(e)
+    # data.path=train.jsonl alone trains on that file: the group that reads it, said in one line
+    chosen, note = choose_data_group(sys.argv[1:])
+    if note:
+        sys.argv[1:] = chosen
+        print(note, file=sys.stderr)
     if argv_value(sys.argv[1:], "memory.supervise") == "true" and not os.environ.get("FINETUNE_SUPERVISED"):
         sys.exit(supervise(sys.argv[1:]))
     import hydra

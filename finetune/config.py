@@ -8,7 +8,9 @@ time. Nothing here imports torch or mlx.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -289,9 +291,10 @@ def compose(run_dir: Any, *overrides: str) -> Any:
 
     register_configs()
     GlobalHydra.instance().clear()
+    chosen, _ = choose_data_group(list(overrides))  # as the CLI chooses it (finetune.cli.main)
     with initialize_config_module(config_module="finetune.conf", version_base="1.3"):
         try:
-            cfg = hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = hydra_compose(config_name="config", overrides=chosen)
         except Exception as e:  # the one line the CLI prints for the same overrides
             line = config_error_line(e)
             if line is None:
@@ -389,6 +392,111 @@ def nearest_keys(key: str, valid: list[str]) -> str:
     return f"{'did you mean' if near else 'valid keys'}: {', '.join(shown)}"
 
 
+def schema_paths(node_type: Any = None, prefix: str = "") -> list[str]:
+    """Every key of the schema as its full dotted path (``optim.lr``, ``method.lora.rank``),
+    the nodes that hold others included."""
+    import dataclasses
+
+    out = []
+    for name, t in schema_keys(node_type or Config).items():
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(t):
+            out += schema_paths(t, f"{prefix}{name}.")
+    return out
+
+
+def nearest_config_keys(full: str) -> str:
+    """The schema's keys nearest an unknown ``full`` key, as full paths a user can type: the
+    last part of the key against the last part of every path in the schema, so ``lr`` finds
+    ``optim.lr`` and ``train.stepz`` finds ``train.steps`` (a path under the same parent ranks
+    first among equals); else the keys of the nearest node that exists."""
+    import difflib
+
+    parent, _, last = full.rpartition(".")
+    paths = schema_paths()
+    near = [p for p in paths if p.rpartition(".")[2] == last]  # the right name under another parent
+    if not near:
+        scored = sorted(((difflib.SequenceMatcher(None, last, p.rpartition(".")[2]).ratio()
+                          + (0.1 if p.rpartition(".")[0] == parent else 0.0), p) for p in paths), key=lambda x: -x[0])
+        best = scored[0][0] if scored else 0.0
+        near = [p for score, p in scored if score >= 0.65 and score >= best - 0.08][:3]
+    if near:
+        return f"did you mean: {', '.join(near)}"
+    siblings = [p for p in paths if p.rpartition(".")[0] == parent] or [p for p in paths if "." not in p]
+    return f"valid keys: {', '.join(siblings[:8])}"
+
+
+def data_group_keys(name: str) -> set[str] | None:
+    """The ``data.*`` keys data group ``name`` reads: those its YAML under conf/data/ sets
+    (None: no such option)."""
+    from importlib import resources
+
+    import yaml
+
+    path = resources.files("finetune.conf") / "data" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    return set((yaml.safe_load(path.read_text()) or {}).keys())
+
+
+# A hub data set id: owner/name (hf.co/datasets/<owner>/<name>), as `datasets.load_dataset` takes it
+_HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def data_group_of_path(value: str) -> str:
+    """The data group a ``data.path`` value names: ``hf`` for what can only be a hub data set
+    id (owner/name, no such local file, no .json/.jsonl suffix) where the hf group exists, else
+    ``jsonl`` (a file, or a path whose absence data=jsonl reports)."""
+    path = Path(value).expanduser()
+    try:
+        exists = path.exists()
+    except OSError:  # a name too long for the file system: not a file here
+        exists = False
+    if exists or {".json", ".jsonl"} & set(path.suffixes) or not _HUB_DATASET_ID.match(value):
+        return "jsonl"
+    return "hf" if data_group_keys("hf") is not None else "jsonl"
+
+
+def choose_data_group(overrides: list[str]) -> tuple[list[str], str | None]:
+    """The overrides with the data group that reads ``data.path`` added where none was chosen,
+    and the line that says so (None: nothing added).
+
+    ``finetune data.path=train.jsonl`` trains on that file (``data=jsonl``); a hub data set id
+    (``data.path=openai/gsm8k``) becomes ``data=hf data.hf_name=openai/gsm8k``, and
+    ``data.hf_name=...`` alone ``data=hf``. An explicit ``data=`` is left as it is: a key it
+    does not read is refused by the resolver (``check_data_keys``), naming the group to
+    choose. A sweep of paths gets a group only where every value names the same one."""
+    given: dict[str, tuple[int, str]] = {}
+    for i, arg in enumerate(overrides):
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "data":
+            return overrides, None
+        given.setdefault(key, (i, value))
+    if "data.path" in given:
+        i, value = given["data.path"]
+        values = [v.strip().strip("'\"") for v in value.split(",")]
+        if "(" in value or any(v in ("", "null") for v in values):  # a sweep function, or no path
+            return overrides, None
+        groups = {data_group_of_path(v) for v in values}
+        if len(groups) != 1:
+            return overrides, None
+        # the group goes right after the key (Hydra's own options, --cfg job, may follow the overrides)
+        if groups == {"hf"}:
+            hub = overrides[i].replace("data.path=", "data.hf_name=", 1)
+            return [*overrides[:i], hub, "data=hf", *overrides[i + 1:]], (
+                f"data.path={value} is a hub data set id, not a local file: training on data=hf "
+                f"data.hf_name={value} (type those to say so)")
+        return [*overrides[:i + 1], "data=jsonl", *overrides[i + 1:]], (
+            f"data.path={value}: training on that file's records, data=jsonl (type data=jsonl to say so)")
+    if "data.hf_name" in given and given["data.hf_name"][1] not in ("", "null"):
+        i, value = given["data.hf_name"]
+        return [*overrides[:i + 1], "data=hf", *overrides[i + 1:]], (
+            f"data.hf_name={value}: training on that hub data set, data=hf (type data=hf to say so)")
+    return overrides, None
+
+
 def logger_keys(name: str) -> set[str] | None:
     from importlib import resources
 
@@ -419,15 +527,10 @@ def config_error_line(exc: BaseException) -> str | None:
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         full = str(getattr(cause, "full_key", "") or getattr(cause, "key", "") or "")
         parent, _, key = full.rpartition(".")
-        try:
-            node_type: Any = Config
-            for part in parent.split(".") if parent else []:
-                node_type = schema_keys(node_type)[part]
-            valid = sorted(schema_keys(node_type))
-        except (KeyError, TypeError):
-            valid = sorted(logger_keys(parent.split(".")[-1]) or []) if parent.startswith("logger.") else []
-        near = f"; {nearest_keys(key, valid)}" if valid else ""
-        return f"{full} is not a config key{near}"
+        if parent.startswith("logger."):  # a logger's keys are its option's YAML
+            valid = sorted(logger_keys(parent.split(".")[-1]) or [])
+            return f"{full} is not a config key" + (f"; {nearest_keys(key, valid)}" if valid else "")
+        return f"{full} is not a config key; {nearest_config_keys(full)}"
     if isinstance(cause, ValidationError):
         full = str(getattr(cause, "full_key", "") or "")
         msg = str(cause).splitlines()[0] if str(cause) else type(cause).__name__

@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ class Tokenized:
     dropped_no_target: int
     longest: int
     records: int = 0  # records read (kept, truncated and dropped ones alike)
+    formats: dict[str, int] = field(default_factory=dict)  # records read per format (record_format)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -366,6 +367,18 @@ def check_record(rec: Any, where: str) -> None:
                         "prompt+completion, question+answer or messages")
 
 
+def record_format(record: dict[str, Any]) -> str:
+    """The format a (checked) record is read as, in ``_render``'s order: "chat messages",
+    "prompt/completion", "question/answer" or "text"."""
+    if "messages" in record:
+        return "chat messages"
+    if "prompt" in record and "completion" in record:
+        return "prompt/completion"
+    if "question" in record and "answer" in record:
+        return "question/answer"
+    return "text"
+
+
 def _render(record: dict[str, Any], tokenizer: Any, mask_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
     """Return (text, character spans that count in the loss)."""
     if "messages" in record:
@@ -491,10 +504,14 @@ def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: i
     """Stream records through ``_chunk_samples`` ``TOKENIZE_CHUNK`` at a time into ``writer``:
     memory holds one chunk's Python objects (one call over every record would hold all their
     offset tuples, ~100 B a token, and the heap that leaves behind stays in the process's RSS).
-    Returns the counts: records, truncated, dropped_no_target, longest."""
-    stats = {"records": 0, "truncated": 0, "dropped_no_target": 0, "longest": 0}
+    Returns the counts: records, truncated, dropped_no_target, longest, and records per format."""
+    formats: dict[str, int] = {}
+    stats: dict[str, Any] = {"records": 0, "truncated": 0, "dropped_no_target": 0, "longest": 0, "formats": formats}
     it, cap = iter(records), record_char_cap(tokenizer, seq_len)
     while chunk := list(islice(it, TOKENIZE_CHUNK)):
+        for r in chunk:
+            f = record_format(r)
+            formats[f] = formats.get(f, 0) + 1
         c = _chunk_samples(chunk, tokenizer, seq_len, mask_prompt, cap)
         writer.add(c.ids, c.mask, c.lengths)
         stats["records"] += len(chunk)
@@ -508,7 +525,7 @@ def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: i
 
 def _tokenized(ids: Ragged, masks: Ragged, stats: dict[str, Any]) -> Tokenized:
     return Tokenized(ids, masks, int(stats["truncated"]), int(stats["dropped_no_target"]), int(stats["longest"]),
-                     int(stats["records"]))
+                     int(stats["records"]), {str(k): int(v) for k, v in (stats.get("formats") or {}).items()})
 
 
 def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool,
@@ -802,7 +819,8 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     src = DataSource(tok, int(pad), t.effective_batch * spec.world.world_size, t.seed, spec.data.val_fraction,
                      spec.data.max_val_samples, multiple, t.seq_len)
     lens = src.lengths
-    stats: dict[str, Any] = {"records": tok.records, "samples": len(tok.ids), "train_samples": len(src.train_idx),
+    stats: dict[str, Any] = {"records": tok.records, "formats": dict(tok.formats), "samples": len(tok.ids),
+             "train_samples": len(src.train_idx),
              "val_samples": len(src.val_idx), "truncated": tok.truncated, "dropped_no_target": tok.dropped_no_target,
              "mean_tokens": float(lens.mean()), "max_tokens": int(lens.max()),
              # the widest micro-batch the run can see (train.pad_multiple): what plans price
@@ -826,6 +844,27 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     head = float((targets / np.maximum(lens, 1)).max()) if cap else int(targets.max()) / stats["max_padded_tokens"]
     stats["head_fraction"] = min(1.0, head)
     return src, stats
+
+
+def describe(spec: RunSpec, stats: dict[str, Any]) -> str:
+    """One line naming the data a run trains on: the source, its samples (train and
+    validation) and the formats its records were read as (``build``'s stats)."""
+    d = spec.data
+    if d.name == "jsonl":
+        source = f"data=jsonl {Path(str(d.path)).expanduser()}"
+    elif d.name == "hf":
+        source = f"data=hf {d.hf_name}" + (f" ({d.hf_config})" if d.hf_config else "") + f" split {d.hf_split}"
+    else:
+        source = (f"data=synthetic, the built-in arithmetic samples (data.num_samples={d.num_samples}; "
+                  "your own: data.path=FILE.jsonl)")
+    formats = stats.get("formats") or {}
+    shown = ", ".join(f"{name} ({n:,})" if len(formats) > 1 else name for name, n in formats.items()) or "unknown"
+    unscored = [words for f, words in (("prompt/completion", "prompts"), ("question/answer", "questions"),
+                                       ("chat messages", "non-assistant turns")) if f in formats]
+    return (f"data: {source}: {stats['samples']:,} samples ({stats['train_samples']:,} train, "
+            f"{stats['val_samples']:,} validation) from {stats['records']:,} records; format {shown}"
+            + (f"; {' and '.join(unscored)} carry no loss (data.mask_prompt=true)" if d.mask_prompt and unscored
+               else ""))
 
 
 def packed_widths(lengths: np.ndarray, tokens_per_micro: int, fill: bool = False,
@@ -904,4 +943,4 @@ def fit_to_micro(tok: Tokenized, cap: int, overflow: str) -> tuple[Tokenized, in
             if m[s + 1 : s + cap].any():
                 ids.append(x[s : s + cap])
                 masks.append(m[s : s + cap])
-    return Tokenized(ids, masks, tok.truncated, tok.dropped_no_target, tok.longest, tok.records), cut
+    return Tokenized(ids, masks, tok.truncated, tok.dropped_no_target, tok.longest, tok.records, tok.formats), cut

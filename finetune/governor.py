@@ -120,6 +120,10 @@ class Governor:
 
     def _act(self, step: int, trigger: str, action: str, before: dict[str, Any], after: dict[str, Any],
              **detail: Any) -> None:
+        """Record an action as an event; one that changed nothing (every value of ``after`` as
+        it was ``before``: MLX's cache limit set to the size it had) is no event at all."""
+        if all(k in before and before[k] == v for k, v in after.items()):
+            return
         self.emit({"step": step, "trigger": trigger, "action": action, "before": before, "after": after, **detail})
 
     def _lower_micro(self, step: int, trigger: str, **detail: Any) -> bool:

@@ -146,6 +146,8 @@ class Trainer:
             log.warning("plan: %s", note)
         self.tokenizer = self._load_tokenizer()
         self.data, self.data_stats = data_mod.build(self.spec, self.tokenizer)
+        if self.comm.rank == 0:  # the data really used, before anything trains on it
+            print(data_mod.describe(self.spec, self.data_stats), file=sys.stderr)
         # may lower the micro-batch / turn on checkpointing; plans for the longest sample (packed:
         # the widest packed micro-batch of the run's steps)
         packed = self.spec.train.packing

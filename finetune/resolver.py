@@ -29,7 +29,10 @@ from finetune.config import (
     RANGES,
     VALID,
     Config,
+    DataConfig,
+    data_group_keys,
     logger_keys,
+    nearest_config_keys,
     nearest_keys,
     schema_keys,
 )
@@ -92,10 +95,37 @@ def validate(cfg: DictConfig) -> None:
     check_backend_support(backend, cfg)
     check_known_keys(cfg)
     check_ranges(cfg)
+    check_data_keys(cfg)
     if cfg.data.name == "jsonl" and not cfg.data.path:
         raise UserError("data=jsonl needs a file: add data.path=/path/to/train.jsonl")
     if cfg.data.name == "hf" and not cfg.data.hf_name:
         raise UserError("data=hf needs a data set: add data.hf_name=<hub id>")
+
+
+# what to say beside the group to choose, for a key another data group reads
+_DATA_KEY_HINTS = {"num_samples": "data.max_samples caps the records of a file or a hub data set",
+                   "max_samples": "data.num_samples sets how many samples data=synthetic makes"}
+
+
+def check_data_keys(cfg: DictConfig) -> None:
+    """Raise UserError for a ``data.*`` key set (away from its default) that the chosen data
+    group does not read, naming the group that does: ``data=synthetic data.path=x`` would
+    otherwise train on the built-in samples and say nothing. What each group reads is its YAML
+    under conf/data/."""
+    name = str(cfg.data.name)
+    reads = {g: data_group_keys(g) for g in VALID["data.name"]}
+    mine = reads.get(name)
+    if mine is None:
+        return
+    defaults = DataConfig()
+    for key in schema_keys(DataConfig):
+        value = cfg.data[key]
+        if key in mine or value == getattr(defaults, key):
+            continue
+        readers = [f"data={g}" for g, keys in reads.items() if keys and key in keys]
+        hint = f" ({_DATA_KEY_HINTS[key]})" if key in _DATA_KEY_HINTS else ""
+        raise UserError(f"data.{key}={value} is not read by data={name}, which would ignore it; choose "
+                        f"{' or '.join(readers)}, or drop data.{key}{hint}")
 
 
 def _range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
@@ -141,7 +171,7 @@ def check_known_keys(cfg: DictConfig) -> None:
         valid = schema_keys(node_type)
         for key in list(node.keys()):
             if key not in valid:
-                raise UserError(f"{prefix}{key} is not a config key; {nearest_keys(str(key), sorted(valid))}")
+                raise UserError(f"{prefix}{key} is not a config key; {nearest_config_keys(f'{prefix}{key}')}")
             t = valid[key]
             if dataclasses.is_dataclass(t) and node.get(key) is not None:
                 walk(node[key], t, f"{prefix}{key}.")

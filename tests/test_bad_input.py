@@ -72,10 +72,10 @@ def ckpt_run(tmp_path_factory):
 
 
 CASES = [  # id, overrides ({i}: the inputs dir, {c}: the checkpointed run), text the error must hold
-    ("unknown-key", ["+train.stepz=3"], "train.stepz is not a config key; did you mean: steps"),
-    ("unknown-nested-key", ["+method.lora.rnk=4"], "method.lora.rnk is not a config key; did you mean: rank"),
+    ("unknown-key", ["+train.stepz=3"], "train.stepz is not a config key; did you mean: train.steps"),
+    ("unknown-nested-key", ["+method.lora.rnk=4"], "method.lora.rnk is not a config key; did you mean: method.lora.rank"),
     ("unknown-logger-key", ["logger=csv", "+logger.csv.pth=x"], "logger.csv.pth is not a config key"),
-    ("unknown-override", ["train.stepz=3"], "train.stepz is not a config key; did you mean: steps"),
+    ("unknown-override", ["train.stepz=3"], "train.stepz is not a config key; did you mean: train.steps"),
     ("string-for-int", ["train.steps=abc"], "give train.steps a whole number"),
     ("string-for-float", ["optim.lr=fast"], "give optim.lr a number"),
     ("float-for-int", ["train.batch_size=1.5"], "give train.batch_size a whole number"),
@@ -118,8 +118,10 @@ def test_every_bad_input_is_one_line_naming_the_fix(tmp_path, inputs, ckpt_run):
         run_dir = next((Path(a.split("=", 1)[1]) for a in args if a.startswith("RUN_DIR=")), tmp_path / case_id)
         args = [a for a in args if not a.startswith("RUN_DIR=")]
         before = sorted(p.name for p in (run_dir / "checkpoints").glob("*")) if run_dir.exists() else None
+        # data=jsonl reads no data.num_samples (a key the chosen data group ignores is refused)
+        fast = [f for f in FAST if not (f.startswith("data.num_samples=") and "data=jsonl" in args)]
         try:
-            run(compose(run_dir, *FAST, *args))
+            run(compose(run_dir, *fast, *args))
             failures.append(f"{case_id}: no error")
             continue
         except UserError as e:
@@ -206,7 +208,7 @@ def _get(cfg, dotted):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["+train.stepz=3"], "error: train.stepz is not a config key; did you mean: steps"),
+    (["+train.stepz=3"], "error: train.stepz is not a config key; did you mean: train.steps"),
     (["train.steps=abc"], "error: train.steps: Value 'abc'"),
     (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
 ])

@@ -142,8 +142,13 @@ def test_prequantized_checkpoint_is_refused_by_cuda_in_one_line(quantized_tiny: 
 
 @needs_mlx
 def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
+    import mlx.core as mx
+
     from finetune.loop import train
 
+    # a cache limit other than the one the step asks for, so that setting it is a change (a
+    # limit set to the size it already has is no event: tests/test_first_hour.py)
+    mx.set_cache_limit(1 << 30)
     s = train(resolve(make_cfg(tmp_path / "run", "backend=mlx", "train.steps=3", "train.eval_every=0", "train.progress=false",
                        "train.batch_size=8", "train.seq_len=128")))
     assert s["precision"] == "auto" and s["dtype"] == "float32"  # tiny is stored in fp32
@@ -163,8 +168,6 @@ def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
     ev2 = [e for e in fixed["adaptations"] if e["action"] == "set_mlx_cache_limit"]
     assert [(e["step"], e["after"]["cache_limit"]) for e in ev2] == [(0, 64 << 20)]
     assert fixed["memory"]["last"]["mlx_cache_limit_bytes"] == 64 << 20
-    import mlx.core as mx
-
     mx.set_cache_limit(32 << 20)  # leave MLX's default for the tests after this one
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 # every line a default run prints, by its start: the backend choice, the data, the progress bar,
 # the end table and its explanations, where the run went
-OURS = ("backend=auto chose", "reused the token cache", "tokenized", "built the tiny model", "train:",
+OURS = ("backend=auto chose", "reused the token cache", "tokenized", "data: ", "built the tiny model", "train:",
         "Memory at the end", "census:", "process:", "OS:", "no allocator figures", "not measurable here",
-        "accounting:", "[memory]", "[governor]", "run dir:", "          allocated", "Device ", "Overall ")
+        "accounting:", "[memory]", "[governor]", "[plan]", "run dir:", "          allocated", "Device ", "Overall ")
 
 
 def test_filters_are_specific():

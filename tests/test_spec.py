@@ -83,7 +83,7 @@ def test_composed_values_reach_the_spec(tmp_path: Path) -> None:
     (["backend=mlx", "optim=adamw_8bit"],
      "optim=adamw_8bit needs backend=cuda (bitsandbytes); mlx supports: "),
     # unknown keys
-    (["+train.batch=2"], "train.batch is not a config key; did you mean: batch_size"),
+    (["+train.batch=2"], "train.batch is not a config key; did you mean: train.batch_size"),
     # ranges
     (["train.batch_size=0"], "train.batch_size=0 must be >= 1; set train.batch_size to a value >= 1"),
     (["method.lora.num_layers=0"], "method.lora.num_layers=0 must be >= 1 or -1 (-1 adapts every layer); "

@@ -56,39 +56,41 @@ def _largest_fitting_micro(arch: ModelDesc, s: Setup, budget: int, ckpt: bool) -
             return d
     return None
 
-def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
-    """Single changes that make the run fit at its current micro-batch (or at micro-batch 1
-    with checkpointing when nothing else is left), each with its predicted peak."""
-    out: list[dict[str, Any]] = []
-
-    def trial(change: str, **kw: Any) -> None:
-        try:
-            p = _core(arch, _setup_with(s, **kw))
-        except UserError:
-            return
-        if _fits(p, budget):
-            out.append({"change": change, "peak_bytes": p["fits_bytes"]})
-
+def _single_changes(arch: ModelDesc, s: Setup) -> list[tuple[str, dict[str, Any]]]:
+    """The one-override changes the levers try on ``s``: (the override, its Setup changes)."""
+    out: list[tuple[str, dict[str, Any]]] = []
     if not s.ckpt:
-        trial("train.grad_checkpointing=true", ckpt=True)
+        out.append(("train.grad_checkpointing=true", {"ckpt": True}))
     if not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1):
-        trial(f"train.loss_chunk={LOSS_CHUNK_LEVER}", loss_chunk=LOSS_CHUNK_LEVER)  # the logits never whole
+        out.append((f"train.loss_chunk={LOSS_CHUNK_LEVER}", {"loss_chunk": LOSS_CHUNK_LEVER}))  # the logits never whole
     caps = capabilities(s.backend)
     if s.optim in ("adamw", "adam") and "adamw_8bit" in caps.optimizers:
-        trial("optim=adamw_8bit", optim="adamw_8bit")
+        out.append(("optim=adamw_8bit", {"optim": "adamw_8bit"}))
         if s.device == caps.gpu_device and "paged_adamw_8bit" in caps.optimizers:
-            trial("optim=paged_adamw_8bit", optim="paged_adamw_8bit")
+            out.append(("optim=paged_adamw_8bit", {"optim": "paged_adamw_8bit"}))
+    if s.method in ("full", "dora") and "lora" in caps.methods:
+        # plain LoRA: no DoRA magnitudes (or, from full, adapters instead of every weight); a
+        # full run's setup already holds every layer and the default keys, as method=lora's
+        out.append(("method=lora", {"method": "lora"}))
     qlora = memory_model(s.backend).qlora_lever(arch, s) if "qlora" in caps.methods else None
     if qlora is not None:
-        trial("method=qlora", method="qlora", **qlora)
+        out.append(("method=qlora", {"method": "qlora", **qlora}))
     if s.device == caps.gpu_device and "expandable_segments:true" not in (s.alloc_conf or "").lower().replace(" ", ""):
         # reserved without the fragmentation between steps' shapes (the allocator replayed with it)
-        trial("backend.alloc_conf=expandable_segments:True", alloc_conf="expandable_segments:True")
+        out.append(("backend.alloc_conf=expandable_segments:True", {"alloc_conf": "expandable_segments:True"}))
     if s.precision != "bf16-true":
-        bf = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "autocast": False,
-              "adapter_dtype": "bfloat16", "precision": "bf16-true"}
-        trial("precision=bf16-true", **bf)
-    if s.adapters and len(s.lora_layers) > 1:
+        out.append(("precision=bf16-true", {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "autocast": False,
+                                             "adapter_dtype": "bfloat16", "precision": "bf16-true"}))
+    return out
+
+def _searched_levers(arch: ModelDesc, s: Setup, budget: int, skip: set[str] | frozenset[str] = frozenset()
+                     ) -> list[dict[str, Any]]:
+    """The levers whose value is searched: the most adapted layers, GPUs and seq_len that fit
+    (``skip``: those not to search, by their key: method.lora.num_layers, backend.device_map,
+    train.seq_len)."""
+    out: list[dict[str, Any]] = []
+    caps = capabilities(s.backend)
+    if s.adapters and len(s.lora_layers) > 1 and "method.lora.num_layers" not in skip:
         best = None
         lo, hi = 1, len(s.lora_layers) - 1
         while lo <= hi:  # more layers -> more memory: bisect the largest N that fits
@@ -100,7 +102,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
         if best:
             p = _core(arch, _setup_with(s, lora_layers=tuple(range(arch.layers - best, arch.layers))))
             out.append({"change": f"method.lora.num_layers={best}", "peak_bytes": p["fits_bytes"]})
-    if s.device == caps.gpu_device and s.world_size == 1:
+    if s.device == caps.gpu_device and s.world_size == 1 and "backend.device_map" not in skip:
         # more GPUs: device_map=auto splits the layers over them (a model whose weights alone
         # exceed one device, e.g. an MoE's experts, fits no other way)
         for n in (2, 3, 4, 5, 6, 8, 12, 16):
@@ -110,7 +112,7 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
                     out.append({"change": f"backend.device_map=auto backend.num_devices={n}",
                                 "peak_bytes": p["fits_bytes"]})
                     break
-    best, lo, hi = None, 8, s.seq_len - 1
+    best, lo, hi = None, 8, s.seq_len - 1 if "train.seq_len" not in skip else 0
     while lo <= hi:
         mid = (lo + hi) // 2
         if _fits(_core(arch, _setup_with(s, seq_len=mid)), budget):
@@ -121,6 +123,19 @@ def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
         p = _core(arch, _setup_with(s, seq_len=best))
         out.append({"change": f"train.seq_len={best}", "peak_bytes": p["fits_bytes"]})
     return out
+
+def _levers(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
+    """Single changes that make the run fit at its current micro-batch (or at micro-batch 1
+    with checkpointing when nothing else is left), each with its predicted peak."""
+    out: list[dict[str, Any]] = []
+    for change, kw in _single_changes(arch, s):
+        try:
+            p = _core(arch, _setup_with(s, **kw))
+        except UserError:
+            continue
+        if _fits(p, budget):
+            out.append({"change": change, "peak_bytes": p["fits_bytes"]})
+    return out + _searched_levers(arch, s, budget)
 
 def _levers_under(arch: ModelDesc, s: Setup, limit: int) -> list[dict[str, Any]]:
     """Changes, each typed as overrides, that bring the peak under ``limit`` bytes: the largest
@@ -153,9 +168,178 @@ def _levers_under(arch: ModelDesc, s: Setup, limit: int) -> list[dict[str, Any]]
     return out + [{**lv, "change": prefix + lv["change"]} for lv in _levers(arch, smallest, limit)
                   if prefix + lv["change"] not in seen]
 
+# What each lever costs the user, cheapest first: the order a plan that does not fit lists them
+# in, each lever named by its own (first) override. A smaller micro-batch costs speed only (the
+# effective batch and the math stay); checkpointing costs compute; the chunked loss a little
+# compute; the rest change what is trained or how (optimizer state, precision, the method,
+# fewer adapted layers, shorter samples), and more GPUs cost hardware.
+LEVER_COSTS: tuple[tuple[str, str], ...] = (
+    ("train.batch_size", "the same effective batch in smaller micro-batches: the same math, slower steps"),
+    ("train.grad_checkpointing", "each layer's forward recomputed in backward: about a third more compute"),
+    ("train.loss_chunk", "the output head and loss a chunk of tokens at a time: the same loss"),
+    ("backend.alloc_conf", "torch's expandable segments: less reserved between steps' shapes"),
+    ("optim=adamw_8bit", "8-bit optimizer state"),
+    ("optim=paged_adamw_8bit", "8-bit optimizer state, paged to host memory under pressure"),
+    ("precision=bf16-true", "weights, adapters and their updates in bf16"),
+    ("method=lora", "LoRA adapters"),
+    ("method=qlora", "LoRA on a 4-bit base: the frozen weights quantized"),
+    ("method.lora.num_layers", "adapters on the top layers only"),
+    ("train.seq_len", "samples cut shorter: their tails not trained"),
+    ("backend.device_map", "more GPUs, the layers split over them"),
+)
+# the largest micro-batch a plan looks for above the effective batch (a bound on the search)
+MICRO_BATCH_SEARCH_MAX = 4096
+
+
+def _lever_cost(change: str, s: Setup) -> tuple[int, str]:
+    """(rank in ``LEVER_COSTS``, what it costs) of a lever, by its first override."""
+    first = change.split()[0]
+    for i, (name, cost) in enumerate(LEVER_COSTS):
+        if first == name or first.split("=")[0] == name:
+            if name == "method=lora":
+                cost = "LoRA adapters instead of every weight" if s.method == "full" else "LoRA without DoRA's magnitudes"
+            return i, cost
+    return len(LEVER_COSTS), ""
+
+
+def _micro_change(d: int, eff: int) -> str:
+    return f"train.batch_size={d} train.grad_accum={eff // d}"
+
+
+def _largest_true(candidates: list[int], ok: Any) -> int | None:
+    """The first of ``candidates`` (largest first) where ``ok`` holds, for an ``ok`` that holds
+    from some point on (memory falls with the micro-batch): bisected."""
+    lo, hi = 0, len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return candidates[lo] if lo < len(candidates) else None
+
+
+def _advice(arch: ModelDesc, s: Setup, budget: int) -> list[dict[str, Any]]:
+    """The levers of a run that does not fit ``budget``, each typed as every override it needs
+    on top of the configured run and ordered by what it costs the user (``LEVER_COSTS``).
+
+    A lever is tried alone; where it fits only with a smaller micro-batch or checkpointing too,
+    the fewest of those are added (a smaller micro-batch first, then checkpointing, then both).
+    A lever whose extra overrides fit without it is left out: the extras alone are cheaper.
+    Each is ``{change, peak_bytes, saves_bytes, cost}``: the plan's peak with it (in the metric
+    that runs out first) and what it saves against the configured run's."""
+    here = _core(arch, s)["fits_bytes"]
+    if here <= budget:
+        return []
+    eff = s.effective_batch
+
+    seen: dict[tuple[tuple[str, Any], ...], PlanCore | None] = {}
+
+    def ok(**kw: Any) -> PlanCore | None:
+        """The plan with ``kw`` changed where it fits, else None (each priced once)."""
+        key = tuple(sorted(kw.items()))
+        if key not in seen:
+            try:
+                p: PlanCore | None = _core(arch, _setup_with(s, **kw))
+            except UserError:  # a combination the backend refuses (8-bit state under FSDP, ...)
+                p = None
+            seen[key] = p if p is not None and _fits(p, budget) else None
+        return seen[key]
+
+    below = [] if s.packed else [d for d in _divisors_desc(eff) if d < s.batch]  # smaller micro-batches
+    micro = _largest_true(below, lambda d: ok(batch=d, grad_accum=eff // d) is not None)
+    ckpt_here = not s.ckpt and ok(ckpt=True) is not None
+    micro_ckpt = None if s.ckpt or ckpt_here else _largest_true(
+        below, lambda d: ok(batch=d, grad_accum=eff // d, ckpt=True) is not None)
+    out: list[dict[str, Any]] = []
+
+    def add(change: str, p: PlanCore) -> None:
+        rank, cost = _lever_cost(change, s)
+        out.append({"change": change, "peak_bytes": p["fits_bytes"], "saves_bytes": here - p["fits_bytes"],
+                    "cost": cost, "_rank": rank})
+
+    if micro is not None and (p := ok(batch=micro, grad_accum=eff // micro)) is not None:
+        add(_micro_change(micro, eff), p)
+    if ckpt_here and (p := ok(ckpt=True)) is not None:
+        add("train.grad_checkpointing=true", p)
+    elif micro_ckpt is not None and micro is None and (p := ok(batch=micro_ckpt, grad_accum=eff // micro_ckpt,
+                                                                  ckpt=True)) is not None:
+        add(f"train.grad_checkpointing=true {_micro_change(micro_ckpt, eff)}", p)
+    # the extras a lever may need, cheapest first, each only where it alone does not fit
+    floor = max(micro or 0, micro_ckpt or 0)
+    smallest_kw: dict[str, Any] = {"ckpt": True} if s.packed else {"batch": 1, "grad_accum": eff, "ckpt": True}
+    for change, kw in _single_changes(arch, s):
+        if "ckpt" in kw:
+            continue
+        p = ok(**kw)
+        if p is not None:
+            add(change, p)
+            continue
+        if ok(**kw, **smallest_kw) is None:  # not even with micro-batch 1 and checkpointing: no extras help
+            continue
+        d = _largest_true([d for d in below if d > (micro or 0)],
+                          lambda d: ok(**kw, batch=d, grad_accum=eff // d) is not None)
+        if d is not None and (p := ok(**kw, batch=d, grad_accum=eff // d)) is not None:
+            add(f"{change} {_micro_change(d, eff)}", p)
+            continue
+        if s.ckpt or ckpt_here:
+            continue
+        if (p := ok(**kw, ckpt=True)) is not None:
+            add(f"{change} train.grad_checkpointing=true", p)
+            continue
+        d = _largest_true([d for d in below if d > floor],
+                          lambda d: ok(**kw, batch=d, grad_accum=eff // d, ckpt=True) is not None)
+        if d is not None and (p := ok(**kw, batch=d, grad_accum=eff // d, ckpt=True)) is not None:
+            add(f"{change} train.grad_checkpointing=true {_micro_change(d, eff)}", p)
+    # the searched levers (layers, GPUs, seq_len): at the configured micro-batch, else at the
+    # smallest configuration (micro-batch 1 with checkpointing) where that alone does not fit
+    found = _searched_levers(arch, s, budget)
+    if ok(**smallest_kw) is None:
+        have = {lv["change"].split("=")[0] for lv in found}
+        extra = ("" if s.packed or s.batch == 1 else f" {_micro_change(1, eff)}") + \
+            ("" if s.ckpt else " train.grad_checkpointing=true")
+        found += [{**lv, "change": lv["change"] + extra}
+                  for lv in _searched_levers(arch, _setup_with(s, **smallest_kw), budget, have)]
+    for lv in found:
+        rank, cost = _lever_cost(lv["change"], s)
+        out.append({**lv, "saves_bytes": here - lv["peak_bytes"], "cost": cost, "_rank": rank})
+    out.sort(key=lambda lv: lv["_rank"])  # stable: a lever's own order within its kind
+    return [{k: v for k, v in lv.items() if k != "_rank"} for lv in out]
+
+
+def _largest_micro(arch: ModelDesc, s: Setup, budget: int, divisor: int | None) -> dict[str, Any] | None:
+    """The largest micro-batch that fits, with the overrides that set it: below the effective
+    batch the largest divisor of it (``divisor``; accumulation rises to match, the math
+    unchanged), and where the whole effective batch fits in one micro-batch, the largest size
+    above it (one micro-batch a step: a larger effective batch), searched up to
+    ``MICRO_BATCH_SEARCH_MAX``. None where not even micro-batch 1 fits, or packed (the
+    micro-batch is train.tokens_per_micro there)."""
+    if s.packed or divisor is None:
+        return None
+    eff, d = s.effective_batch, divisor
+    if d == eff:
+        def fits_at(b: int) -> bool:
+            return bool(_fits(_core(arch, _setup_with(s, batch=b, grad_accum=1)), budget))
+
+        lo, hi = eff, 2 * eff  # lo fits; double until hi does not, then bisect between them
+        while hi <= MICRO_BATCH_SEARCH_MAX and fits_at(hi):
+            lo, hi = hi, 2 * hi
+        hi = min(hi, MICRO_BATCH_SEARCH_MAX + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+        d = lo
+    accum = eff // d if d <= eff else 1
+    return {"batch_size": d, "grad_accum": accum, "effective_batch": d * accum,
+            "change": f"train.batch_size={d} train.grad_accum={accum}",
+            "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=accum))["fits_bytes"],
+            "search_max": MICRO_BATCH_SEARCH_MAX if d >= MICRO_BATCH_SEARCH_MAX else None}
+
+
 def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] | None:
     """Largest micro-batch that fits (a divisor of the effective batch, so the math stays the
-    same), with and without checkpointing, and single levers that make the run fit."""
+    same; and where the whole effective batch fits, the largest above it), with and without
+    checkpointing, and the levers of a run that does not fit, typed and cheapest first."""
     if budget is None:
         return None
     eff = s.effective_batch
@@ -166,11 +350,33 @@ def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] 
         rec["max_micro_batch_with_grad_checkpointing"] = _largest_fitting_micro(arch, s, budget, True)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     rec["smallest_peak_bytes"] = _core(arch, smallest)["fits_bytes"]  # micro-batch 1 + checkpointing
-    base = s if micro is not None else smallest  # levers on top of the smallest configuration
-    rec["levers"] = _levers(arch, base, budget) if not _fits(_core(arch, base), budget) else []
+    rec["largest_micro_batch"] = _largest_micro(arch, s, budget, micro)
+    rec["levers"] = _advice(arch, s, budget)
     if micro is None:
-        rec["levers_apply_to"] = "micro-batch 1 with gradient checkpointing"
+        rec["levers_apply_to"] = "the configured run: each change holds every override it needs"
     return rec
+
+
+def _governor_advice(spec: RunSpec, budget: int, s: Setup, **fit: Any) -> dict[str, Any] | None:
+    """What the governor does before loading with this plan's budget (``fit_to_budget``, the
+    function it calls): the overrides it applies itself where ``memory.adapt=true`` (the
+    loss in chunks, a smaller micro-batch, then checkpointing), or None where it cannot fit."""
+    try:
+        res = fit_to_budget(spec, budget, suggest=False, **fit)
+    except UserError:
+        return None
+    change: list[str] = []
+    if res.loss_chunk != s.loss_chunk:
+        change.append(f"train.loss_chunk={res.loss_chunk}")
+    if not s.packed and res.batch_size != s.batch:
+        change.append(_micro_change(res.batch_size, res.batch_size * res.grad_accum))
+    state = fit.get("state")
+    if s.packed and res.tokens_per_micro != (state.tokens_per_micro if state is not None else spec.train.packed_tokens):
+        change.append(f"train.tokens_per_micro={res.tokens_per_micro}")
+    if res.grad_checkpointing and not s.ckpt:
+        change.append("train.grad_checkpointing=true")
+    return {"adapt": bool(spec.memory.adapt), "fits": res.fits, "change": " ".join(change) if res.fits else None,
+            "peak_bytes": res.plan["fits_bytes"] if res.fits else None}
 
 @dataclass
 class FitResult:
@@ -188,7 +394,7 @@ class FitResult:
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
                   head_fraction: float | None = None, pair_span: float | None = None,
-                  row_targets: int | None = None, longest: int | None = None) -> FitResult:
+                  row_targets: int | None = None, longest: int | None = None, suggest: bool = True) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
     First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
@@ -200,7 +406,8 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     does not fit, turn on gradient checkpointing and take the largest micro-batch that fits with
     it. If nothing fits, return fits=False with the plan at micro-batch 1 with checkpointing and
     suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
-    "train.seq_len=512".
+    "train.seq_len=512" (``suggest=False``: none searched, for a caller that only needs the
+    decision).
     """
     arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
     data: dict[str, Any] = {"head_fraction": head_fraction, "pair_span": pair_span, "row_targets": row_targets,
@@ -233,7 +440,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                              loss_chunk=s.loss_chunk, tokens_per_micro=base.tokens_per_micro)
         before = {**before, "peak_bytes": pc["fits_bytes"]}
     if s.packed:
-        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, data)
+        return _fit_packed(spec, arch, s, base, budget, before, events, seq_len, data, suggest)
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
         for d in _divisors_desc(eff):
             if d > s.batch:
@@ -252,12 +459,13 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                                                              "peak_bytes": p["fits_bytes"]}})
             return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events, loss_chunk=s.loss_chunk)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
-    suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
+    suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)] if suggest else []
     return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)
 
 
 def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
-                events: list[dict[str, Any]], seq_len: int | None, data: dict[str, Any]) -> FitResult:
+                events: list[dict[str, Any]], seq_len: int | None, data: dict[str, Any], suggest: bool = True
+                ) -> FitResult:
     """train.packing: the micro-batch lever is tokens per micro-batch. Halve it (then with
     gradient checkpointing) until the plan fits; each step's samples stay the same, packed
     into more micro-batches. A micro-batch holds at least one whole sample, so the row priced
@@ -306,7 +514,7 @@ def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int
                              tokens_per_micro=c)
     last = candidates[-1]
     smallest = at(last, True)
-    suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)]
+    suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)] if suggest else []
     state = base.with_(tokens_per_micro=last, grad_checkpointing=True, loss_chunk=s.loss_chunk)
     return FitResult(False, plan(spec, seq_len=width(last), budget_bytes=budget, recommend=False, state=state,
                                  **data),
@@ -452,4 +660,10 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "recommendation": _recommend(arch, s, budget) if recommend else None,
         "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),
     }
+    rec = out["recommendation"]
+    if rec is not None and budget is not None:
+        # what the run does about a plan over its budget by itself (memory.adapt), as the governor decides it
+        rec["governor"] = None if _fits(core, budget) else _governor_advice(
+            spec, budget, s, seq_len=seq_len, state=state, head_fraction=head_fraction, pair_span=pair_span,
+            row_targets=row_targets, longest=longest)
     return out

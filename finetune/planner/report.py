@@ -157,23 +157,70 @@ def format_table(plan: Plan) -> str:
                      f"set memory.budget (bytes {where}), e.g. memory.budget=48GiB")
     rec = plan.get("recommendation")
     if rec:
-        lines.append(f"  largest micro-batch that fits: {rec.get('max_micro_batch')}"
-                     + (f" (with grad checkpointing: {rec['max_micro_batch_with_grad_checkpointing']})"
-                        if "max_micro_batch_with_grad_checkpointing" in rec else ""))
-        if rec.get("levers"):
-            where = f" at {rec['levers_apply_to']}" if rec.get("levers_apply_to") else ""
-            lines.append(f"  each of these alone fits{where}: "
-                         + ", ".join(f"{lv['change']} ({lv['peak_bytes'] / GIB:.2f} GiB)" for lv in rec["levers"]))
-        elif rec.get("max_micro_batch") is None and rec.get("max_micro_batch_with_grad_checkpointing") is None:
-            lines.append(f"  nothing fits: micro-batch 1 with gradient checkpointing peaks at "
-                         f"{rec['smallest_peak_bytes'] / GIB:.2f} GiB, and no single lever (8-bit optimizer, qlora, "
-                         "bf16-true, fewer adapted layers, shorter seq_len) brings it under the budget")
+        lines += _advice_lines(plan, rec)
     data = plan.get("data")
     if data:
         lines += _data_lines(plan, data)
     for n in plan.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _advice_lines(plan: Plan, rec: dict[str, Any]) -> list[str]:
+    """What to type: the largest micro-batch that fits and its overrides, what the governor
+    does itself (memory.adapt), and each lever of a plan over its budget as the overrides that
+    make it fit, what it saves and what it costs, cheapest first (GiB = 2^30 bytes)."""
+    out = []
+    big, eff = rec.get("largest_micro_batch"), plan["effective_batch"]
+    with_ckpt = rec.get("max_micro_batch_with_grad_checkpointing")
+    if plan.get("packing") or "largest_micro_batch" not in rec:  # packed: train.tokens_per_micro is the lever
+        out.append(f"  largest micro-batch that fits: {rec.get('max_micro_batch')}"
+                   + (f" (with grad checkpointing: {with_ckpt})" if "max_micro_batch_with_grad_checkpointing" in rec
+                      else ""))
+    elif big is None:
+        out.append("  largest micro-batch that fits: none" + (
+            f"; with gradient checkpointing {with_ckpt} (train.grad_checkpointing=true"
+            + (f" train.batch_size={with_ckpt} train.grad_accum={eff // with_ckpt}" if with_ckpt != plan["batch_size"]
+               else "") + ")" if with_ckpt else
+            f", not even 1 with gradient checkpointing (peak {rec['smallest_peak_bytes'] / GIB:.2f} GiB)"))
+    else:
+        b, a = big["batch_size"], big["grad_accum"]
+        size = f"at least {b}" if big.get("search_max") else f"{b}"
+        if (b, a) == (plan["batch_size"], plan["grad_accum"]):
+            out.append(f"  largest micro-batch that fits: {size}, as configured")
+        elif b < plan["batch_size"]:
+            out.append(f"  largest micro-batch that fits: {size}: {big['change']} (the same effective batch {eff})")
+        else:
+            keep = f"train.batch_size={eff} train.grad_accum=1"
+            what = (f"the same effective batch {eff} in fewer micro-batches" if b * a == eff
+                    else f"an effective batch of {b * a}, not {eff}: other math"
+                    + (f"; {keep} keeps it" if plan["grad_accum"] > 1 else ""))
+            out.append(f"  largest micro-batch that fits: {size}: {big['change']} ({what}; the governor lowers a "
+                       "micro-batch that does not fit, never raises one: type it to use it)")
+    gov = rec.get("governor")
+    levers = rec.get("levers") or []
+    if gov is not None:
+        if gov["change"]:
+            does = f"applies {gov['change']} itself before loading (peak {gov['peak_bytes'] / GIB:.2f} GiB)"
+        elif gov["fits"]:
+            does = "finds the run fits as configured, at the data's widths, and changes nothing"
+        else:
+            does = (f"cannot fit it (micro-batch 1 with gradient checkpointing peaks at "
+                    f"{rec['smallest_peak_bytes'] / GIB:.2f} GiB): the run stops before loading")
+        out.append(f"  with memory.adapt=true (the default) the governor {does}" if gov["adapt"] else
+                   f"  memory.adapt=false: the run changes nothing itself (with memory.adapt=true the governor {does})")
+    if levers:
+        out.append("  to fit the budget, type any one of these (cheapest first):")
+        width = min(max(len(lv["change"]) for lv in levers), 72)
+        for lv in levers:
+            saves = lv.get("saves_bytes")
+            out.append(f"    {lv['change']:{width}s}  " + (f"saves {saves / GIB:6.2f} GiB, " if saves is not None else "")
+                       + f"peak {lv['peak_bytes'] / GIB:.2f} GiB" + (f": {lv['cost']}" if lv.get("cost") else ""))
+    elif rec.get("max_micro_batch") is None and with_ckpt is None:
+        out.append(f"  nothing fits: micro-batch 1 with gradient checkpointing peaks at "
+                   f"{rec['smallest_peak_bytes'] / GIB:.2f} GiB, and no single lever (8-bit optimizer, lora, qlora, "
+                   "bf16-true, fewer adapted layers, shorter seq_len, more GPUs) brings it under the budget")
+    return out
 
 
 _PHASE_LABELS = {"load": "load", "step1": "step 1", "steady": "steady state"}
