@@ -1,7 +1,7 @@
 """Files as the umask says: everything finetune writes (the atomic writers' temporary names and
 safetensors' own 0600 files included) comes out 0644/0755 under umask 022 and 0600/0700 under
 077, through the real console scripts: a tiny LoRA run on each backend (checkpoints, adapter,
-summary.json, metrics.jsonl, memory.png, cli.log), finetune-export (an adapter in the other
+summary.json, metrics.jsonl, memory.png), finetune-export (an adapter in the other
 format, a merged model), finetune-report (the sweep summaries and chart, the same writers a
 sweep's report uses) and mode=plan (plan.json)."""
 
@@ -66,7 +66,7 @@ def test_every_file_a_run_export_report_and_plan_write_has_the_umasks_mode(tmp_p
     # a file not written fails here rather than passing the mode check unseen
     weights = "adapter_model.safetensors" if backend == "cuda" else "adapters.safetensors"
     for name in ("summary.json", f"adapter/{weights}", "checkpoints/step_0000002/trainer_state.json",
-                 "metrics.jsonl", "memory.png", "cli.log", ".hydra/config.yaml"):
+                 "metrics.jsonl", "memory.png", ".hydra/config.yaml"):
         assert (run / name).is_file(), name
     if backend == "cuda":  # the merged model: safetensors writes model.safetensors 0600 itself
         out = tmp_path / "merged"
