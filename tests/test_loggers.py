@@ -1,8 +1,10 @@
 """Each logger's output, opened the way its user opens it: the CSV as a table, TensorBoard's
 event reader, MLflow's client on the local file store, W&B's offline run directory.
 
-One real CLI run (mlx on CPU: its governor sets MLX's limits before loading and the cache
-limit after step 1, so the run has events from before and during training) feeds the
+One real CLI run (mlx on CPU under memory.budget=24MiB: its governor sets MLX's memory limit to
+the budget before loading, and after step 1 caps the cache at the budget, below MLX's own 32 MiB,
+so the run has events from before and during training; without a budget the step-1 cache limit
+would equal the one MLX has and, being no change, is no event) feeds the
 assertions for all four loggers; metrics.jsonl is the reference each is compared with.
 """
 
@@ -22,7 +24,7 @@ from finetune.resolver import resolve
 
 STEPS = 3
 ARGS = ["backend=mlx", f"train.steps={STEPS}", "train.eval_every=2", "train.warmup_steps=1", "train.progress=false",
-        "data.num_samples=200"]
+        "data.num_samples=200", "memory.budget=24MiB"]
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 pytestmark = pytest.mark.skipif(not HAS_MLX, reason="mlx not installed (pip install '.[mlx]')")
 
