@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from finetune.config import GROUPS, register_configs
+from finetune.config import GROUPS, group_options, register_configs
 from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
 from finetune import checkpoints, quiet, sweep
@@ -29,12 +28,6 @@ from finetune.redact import redact_hydra_files
 from finetune.resolver import resolve
 
 CONFIG_MODULE = "finetune.conf"
-
-
-def group_options(group: str) -> list[str]:
-    """Options of a config group, from the YAML files installed with the package."""
-    root = resources.files(CONFIG_MODULE) / group
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
 def group_values(value: str) -> list[str]:

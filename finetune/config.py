@@ -20,246 +20,255 @@ from finetune.errors import UserError
 GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger", "search")
 
 
+def key(default: Any = None, meaning: str = "", *, factory: Any = None) -> Any:
+    """A schema field with its one-line meaning in ``metadata["help"]``: ``finetune --help``, the
+    shell completion and the README's key table read it from here (finetune.keyhelp)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": meaning})
+    return field(default=default, metadata={"help": meaning})
+
+
 @dataclass
 class BackendConfig:
-    name: str = field(default="auto", metadata={"help": "auto | cuda | mlx"})
-    # cuda backend: "auto" picks cuda:0 when CUDA is visible, else cpu.
-    device: str = "auto"
-    # cuda backend: "auto" splits the model over every visible GPU (as qlora.py does); null
-    # keeps it on one device.
-    device_map: str | None = None
-    # GPUs (or Macs) to plan for on a machine without them: with device_map=auto, one process's
-    # layer split over N GPUs; without, N data-parallel ranks of backend.strategy (set to the
-    # world size under torchrun / mlx.launch); null: the GPUs visible here, else 1.
-    num_devices: int | None = None
-    # cuda backend: "auto" (transformers' own choice for the model: sdpa, or eager where the
-    # model's code needs it), "sdpa" (fused; no [B, H, T, T] scores kept), "eager" (keeps them),
-    # or "flash_attention_2" (needs the flash-attn package and a CUDA GPU)
-    attn_implementation: str = "auto"
-    # several processes (torchrun / accelerate launch / SLURM on cuda, mlx.launch on mlx):
-    # "ddp" replicates the model and sums gradients over ranks; "fsdp" (cuda) shards weights,
-    # gradients and optimizer state over ranks (FSDP2 fully_shard). The planner plans per rank
-    # for it when backend.num_devices > 1 without device_map=auto.
-    strategy: str = "ddp"
-    # cuda backend: PYTORCH_CUDA_ALLOC_CONF for the run, set before CUDA starts and planned (the
-    # plan replays the step through a model of torch's caching allocator with it); null: the
-    # environment's PYTORCH_CUDA_ALLOC_CONF, else "expandable_segments:True"; "" torch's default
-    alloc_conf: str | None = None
+    """which framework runs the job, and on what device"""
+
+    name: str = key("auto", "the backend (backend=...): auto is mlx on Apple Silicon, cuda where a CUDA "
+                    "device is visible, else cuda on CPU")
+    device: str = key("auto", "cuda backend: the torch device; auto: cuda:0 where CUDA is visible, else cpu")
+    device_map: str | None = key(None, "cuda backend: auto splits the model over every visible GPU (as qlora.py "
+                                 "does); null keeps it on one device")
+    # set to the world size under torchrun / mlx.launch
+    num_devices: int | None = key(None, "GPUs (or Macs) to plan for: device_map=auto's layer split, else "
+                                  "backend.strategy's ranks; null: those visible here, else 1")
+    # auto: sdpa, or eager where the model's code needs it (Gemma-2, gpt-oss)
+    attn_implementation: str = key("auto", "cuda backend: attention kernel: auto (transformers' choice), sdpa "
+                                   "(fused), eager (keeps [B, H, T, T] scores), flash_attention_2")
+    # FSDP2 fully_shard; the planner plans per rank for it when backend.num_devices > 1 without device_map=auto
+    strategy: str = key("ddp", "several processes: ddp replicates the model and sums gradients; fsdp (cuda) "
+                        "shards weights, grads and optimizer state")
+    # set before CUDA starts; the plan replays the step through a model of torch's caching allocator with it
+    alloc_conf: str | None = key(None, "cuda backend: the run's PYTORCH_CUDA_ALLOC_CONF, planned; null: the "
+                                 'environment\'s, else expandable_segments:True; "": torch\'s default')
 
 
 @dataclass
 class ModelConfig:
-    """A model preset: where the weights are and the architecture numbers planning needs."""
+    """a model preset: where the weights are and the architecture numbers planning needs"""
 
-    name: str = "tiny"
-    # Hub id or local HF-format directory. null for `tiny`, which is built locally.
-    path: str | None = None
-    revision: str | None = None  # hub branch, tag or commit sha of model.path; null: main
-    # The released config.json facts of a preset (HF key names, verbatim): planned from when the
-    # hub's config.json is neither cached nor reachable. null for `tiny` (built from the fields below).
-    config: Any = None
-    model_type: str = "qwen2"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int | None = None  # null: hidden_size // num_heads
-    intermediate_size: int = 128
-    vocab_size: int = 512
-    tie_embeddings: bool = True
-    attn_bias: bool = True  # bias on q/k/v projections (Qwen2 has it, Llama does not)
-    mlp_bias: bool = False
-    max_position: int = 2048
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    # The dtype the checkpoint stores (bfloat16 for today's hub models): precision=auto loads
-    # it as stored. A local config.json's dtype/torch_dtype wins over this.
-    dtype: str | None = None
-    # run the model repository's own Python (its modeling/tokenizer code): off unless set;
+    name: str = key("tiny", "the preset (model=...)")
+    path: str | None = key(None, "hub id or local HF-format directory of the weights; null for tiny (built here)")
+    revision: str | None = key(None, "hub branch, tag or commit sha of model.path; null: main")
+    # HF key names, verbatim; null for tiny (built from the fields below)
+    config: Any = key(None, "a preset's released config.json facts, planned from when the hub's file is neither "
+                      "cached nor reachable")
+    model_type: str = key("qwen2", "architecture family (HF model_type) of a model described by these fields")
+    hidden_size: int = key(64, "hidden width")
+    num_layers: int = key(2, "decoder layers")
+    num_heads: int = key(4, "attention (query) heads")
+    num_kv_heads: int = key(2, "key/value heads (grouped-query attention)")
+    head_dim: int | None = key(None, "width of one head; null: hidden_size // num_heads")
+    intermediate_size: int = key(128, "MLP inner width")
+    vocab_size: int = key(512, "vocabulary size (embedding rows)")
+    tie_embeddings: bool = key(True, "the LM head shares the embedding's weights")
+    attn_bias: bool = key(True, "bias on the q/k/v projections (Qwen2 has it, Llama does not)")
+    mlp_bias: bool = key(False, "bias on the MLP projections")
+    max_position: int = key(2048, "longest position the model is built for")
+    rope_theta: float = key(10000.0, "RoPE base frequency")
+    rms_norm_eps: float = key(1e-6, "epsilon of the RMS norms")
+    # bfloat16 for today's hub models
+    dtype: str | None = key(None, "the dtype the checkpoint stores, which precision=auto loads; a local "
+                            "config.json's dtype/torch_dtype wins")
     # passed to every loader (tokenizer, config, weights)
-    trust_remote_code: bool = False
-    # weights from pickle files (pytorch_model.bin, *.pt) run code when loaded: refused unless
-    # set; safetensors only by default
-    allow_pickle: bool = False
+    trust_remote_code: bool = key(False, "run the model repository's own Python (modeling, tokenizer): only for "
+                                  "a source you trust")
+    allow_pickle: bool = key(False, "load pickle weights (*.bin, *.pt), which run code when loaded; false: "
+                             "safetensors only")
 
 
 @dataclass
 class LoraConfig:
-    rank: int = 8  # higher: more capacity, more trainable params and optimizer state
-    alpha: float = 16.0  # scale = alpha / rank (PEFT's convention; mlx-lm takes the scale)
-    dropout: float = 0.0
-    # null: the model's query and value projections (q_proj, v_proj; Phi-3's fused qkv_proj);
-    # a list of the model's own module names; or all-linear (every attention and MLP linear)
-    keys: Any = None
-    num_layers: int = -1  # adapters on the top N layers; -1 = all
+    """LoRA/DoRA adapters (method=lora, dora, qlora)"""
+
+    rank: int = key(8, "adapter rank: more capacity, more trainable parameters and optimizer state")
+    alpha: float = key(16.0, "scale = alpha / rank (PEFT's convention; mlx-lm takes the scale)")
+    dropout: float = key(0.0, "dropout on the adapter's input")
+    keys: Any = key(None, "modules to adapt: null (q_proj, v_proj; Phi-3's qkv_proj), a list of the model's own "
+                    "names, all-linear, experts (MoE)")
+    num_layers: int = key(-1, "adapt the top N layers; -1: all")
 
 
 @dataclass
 class MethodConfig:
-    name: str = "lora"  # lora | dora | qlora | full
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    # qlora: base weights quantized to `quant_bits`. cuda: bitsandbytes NF4 (block 64);
-    # mlx: affine quantization with `quant_group_size`.
-    quant_bits: int = 4
-    quant_type: str = "nf4"
-    quant_group_size: int = 64
-    double_quant: bool = True
+    """how the model is adapted: LoRA, DoRA, QLoRA, or all weights"""
+
+    name: str = key("lora", "the method (method=...)")
+    lora: LoraConfig = key(meaning="LoRA/DoRA adapters", factory=LoraConfig)
+    # cuda: bitsandbytes NF4 (block 64); mlx: affine quantization with quant_group_size
+    quant_bits: int = key(4, "qlora: bits of the quantized base weights")
+    quant_type: str = key("nf4", "qlora on cuda: bitsandbytes' 4-bit type (nf4 or fp4)")
+    quant_group_size: int = key(64, "qlora on mlx: weights per affine quantization group")
+    double_quant: bool = key(True, "qlora on cuda: quantize the quantization constants too")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | adamw_8bit | paged_adamw_8bit | paged_adamw | adafactor | sgd | adam
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    momentum: float = 0.0  # sgd only
-    max_grad_norm: float | None = 1.0  # null: no clipping
-    # adam/adamw on the cuda backend: torch's fused kernel (no workspace; HF Trainer's
-    # adamw_torch_fused); false: torch's default path (foreach on a GPU: one more copy of every
-    # trainable tensor during the step)
-    fused: bool = True
+    """the optimizer and its settings"""
+
+    name: str = key("adamw", "the optimizer (optim=...)")
+    lr: float = key(1e-3, "peak learning rate (after warmup)")
+    weight_decay: float = key(0.0, "weight decay")
+    betas: list[float] = key(meaning="Adam's moment decay rates [beta1, beta2]", factory=lambda: [0.9, 0.999])
+    eps: float = key(1e-8, "Adam's epsilon (added to the denominator)")
+    momentum: float = key(0.0, "sgd: momentum; 0: plain SGD")
+    max_grad_norm: float | None = key(1.0, "clip the gradients' global norm to this; null: no clipping")
+    # HF Trainer's adamw_torch_fused; foreach (torch's default on a GPU) holds one more copy of
+    # every trainable tensor during the step
+    fused: bool = key(True, "adam/adamw on cuda: torch's fused kernel (no step workspace); false: torch's default")
 
 
 @dataclass
 class PrecisionConfig:
-    # auto (the checkpoint's stored dtype; LoRA/DoRA matrices fp32) | 32-true | bf16-mixed
-    # (fp32 master weights, bf16 autocast) | bf16-true | 16-mixed
-    name: str = "auto"
+    """the dtypes weights and compute run in"""
+
+    name: str = key("auto", "precision=...: auto (the checkpoint's dtype; LoRA/DoRA fp32), 32-true, bf16-mixed "
+                    "(fp32 master, bf16 autocast), bf16-true, 16-mixed")
 
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | jsonl | hf
-    path: str | None = None  # jsonl: file path
-    hf_name: str | None = None  # hf: hub data set id
-    hf_config: str | None = None
-    hf_split: str = "train"
-    num_samples: int = 2000  # synthetic: how many samples to generate
-    max_samples: int | None = None  # cap on samples read from jsonl/hf
-    val_fraction: float = 0.05
-    max_val_samples: int = 64
-    mask_prompt: bool = True  # prompt tokens do not count in the loss
-    # tokenized data is cached on disk, keyed by the data file, the tokenizer and the settings
-    # that change tokens, and reused by the next run and every sweep job; false: tokenize anew
-    cache: bool = True
-    cache_dir: str | None = None  # null: $FINETUNE_CACHE/tokens, else ~/.cache/finetune/tokens
+    """where the samples come from and how they are read"""
+
+    name: str = key("synthetic", "the data source (data=...)")
+    path: str | None = key(None, "jsonl: the file of records")
+    hf_name: str | None = key(None, "hf: the hub data set id (owner/name)")
+    hf_config: str | None = key(None, "hf: the data set's configuration (subset)")
+    hf_split: str = key("train", "hf: the split to read")
+    num_samples: int = key(2000, "synthetic: how many samples to generate")
+    max_samples: int | None = key(None, "jsonl/hf: cap on the records read; null: all")
+    val_fraction: float = key(0.05, "share of the samples held out for validation")
+    max_val_samples: int = key(64, "cap on the validation samples")
+    mask_prompt: bool = key(True, "prompt tokens carry no loss (only the answer is learned)")
+    # keyed by the data file, the tokenizer and the settings that change tokens
+    cache: bool = key(True, "reuse tokenized data cached on disk by the last run or sweep job; false: tokenize anew")
+    cache_dir: str | None = key(None, "the token cache; null: $FINETUNE_CACHE/tokens, else ~/.cache/finetune/tokens")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100  # optimizer steps
-    batch_size: int = 4  # micro-batch (samples per forward/backward)
-    grad_accum: int = 1  # micro-batches per optimizer step; effective batch = product
-    seq_len: int = 256  # max tokens per sample; longer ones are truncated (counted, warned)
-    schedule: str = "cosine"  # constant | linear | cosine
-    warmup_steps: int = 5
-    eval_every: int = 25  # 0: no evaluation
-    eval_batches: int = 4
-    save_every: int = 0  # checkpoint cadence in steps; 0: only the final adapter
-    seed: int = 0
-    grad_checkpointing: bool = False
-    # Pad each micro-batch so its model input is a multiple of this many tokens (capped at
-    # seq_len): shapes repeat, so allocator caches reuse buffers instead of growing. 1: trim
-    # to the longest sample. 0 (auto): 32 on an Apple GPU (as mlx-lm pads), 1 elsewhere
-    # (benchmarks/mlx_footprint.py on CPU: padding cost 3-8% tokens/s and saved no memory
-    # once memory.cache_limit=auto bounds the cache).
-    pad_multiple: int = 0
-    resume: bool = False  # continue from the latest checkpoint in the run dir
-    # a new run into a directory holding another run's checkpoints or result: false refuses
-    # it (resume it, or choose a new hydra.run.dir); true deletes them when the run begins
-    overwrite: bool = False
-    # a checkpoint that cannot be written (disk full, permission): stop (exit 2, the previous
-    # checkpoint kept) or continue training without it
-    on_save_error: str = "stop"
-    keep_checkpoints: int = 2  # newest N kept; the oldest goes only once the new one is complete
-    progress: bool = True  # progress bar on stderr
-    # chunked loss: logits computed and reduced this many tokens at a time inside the loss and
-    # recomputed in backward, so the full [B, T, V] logits never exist; 0: off
-    loss_chunk: int = 0
-    # compile the step (mx.compile on mlx, torch.compile on cuda); off until it measures faster
-    compile: bool = False
-    # Pack samples end to end into micro-batches of train.tokens_per_micro tokens: no pad is
-    # computed, positions restart at each sample and no token attends across a boundary (cuda:
-    # transformers' position_ids path; mlx: a block-diagonal causal mask). The loss is the
-    # unpacked one's; memory per micro-batch is set by tokens, not by the longest sample.
-    packing: bool = False
-    # tokens per packed micro-batch; null: train.batch_size * train.seq_len (what the unpacked
-    # micro-batch holds at most). The governor lowers it under memory pressure.
-    tokens_per_micro: int | None = None
-    # a sample longer than tokens_per_micro (set below seq_len): truncate (its tail is dropped)
-    # or split (into pieces of tokens_per_micro, each the next one's context-free start; every
-    # target kept once)
-    pack_overflow: str = "truncate"
-    # pad each step's last packed micro-batch to tokens_per_micro too, each sample's segment up
-    # to the data's longest sample (pads out of the loss; no sample's token sees one), so every
-    # step has the same shape, attention and memory; the loss and gradients are unchanged, the
-    # pads cost compute (backends/base.py pack_layout)
-    pack_fill: bool = False
+    """steps, batches and the schedule"""
+
+    steps: int = key(100, "optimizer steps")
+    batch_size: int = key(4, "micro-batch: samples per forward/backward (memory scales with it)")
+    grad_accum: int = key(1, "micro-batches per optimizer step; effective batch = batch_size * grad_accum")
+    seq_len: int = key(256, "max tokens per sample; longer ones are truncated (counted, warned)")
+    schedule: str = key("cosine", "learning-rate schedule after warmup")
+    warmup_steps: int = key(5, "steps of linear warmup to optim.lr")
+    eval_every: int = key(25, "steps between validation passes; 0: none")
+    eval_batches: int = key(4, "validation micro-batches per pass")
+    save_every: int = key(0, "steps between checkpoints (for train.resume); 0: only the final adapter")
+    seed: int = key(0, "random seed (data order, initialization, dropout)")
+    grad_checkpointing: bool = key(False, "recompute activations in backward: less memory, more compute")
+    # shapes repeat, so allocator caches reuse buffers instead of growing (capped at seq_len).
+    # benchmarks/mlx_footprint.py on CPU: padding cost 3-8% tokens/s and saved no memory once
+    # memory.cache_limit=auto bounds the cache
+    pad_multiple: int = key(0, "pad micro-batches to a multiple of N tokens; 1: trim to the longest; 0: auto (32 "
+                            "on an Apple GPU, as mlx-lm, else 1)")
+    resume: bool = key(False, "continue from the latest checkpoint in the run dir")
+    overwrite: bool = key(False, "a new run into a dir holding another run's checkpoints or result: false refuses "
+                          "it; true deletes them")
+    on_save_error: str = key("stop", "a checkpoint that cannot be written (disk full): stop (exit 2, the previous "
+                             "kept) or continue without it")
+    keep_checkpoints: int = key(2, "newest N checkpoints kept; the oldest goes once the new one is complete")
+    progress: bool = key(True, "progress bar on stderr")
+    loss_chunk: int = key(0, "chunked loss: logits this many tokens at a time, recomputed in backward (never the "
+                          "full [B, T, V]); 0: off")
+    compile: bool = key(False, "compile the step (mx.compile on mlx, torch.compile on cuda); off until it measures "
+                        "faster")
+    # cuda: transformers' position_ids path; mlx: a block-diagonal causal mask. Memory per
+    # micro-batch is set by tokens, not by the longest sample
+    packing: bool = key(False, "pack samples end to end into micro-batches of tokens_per_micro tokens: no pads, no "
+                        "attention across samples, the same loss")
+    tokens_per_micro: int | None = key(None, "tokens per packed micro-batch (the governor lowers it under memory "
+                                       "pressure); null: batch_size * seq_len")
+    pack_overflow: str = key("truncate", "a sample longer than tokens_per_micro: truncate its tail, or split it "
+                             "into pieces (every target kept once)")
+    # pads out of the loss, no sample's token sees one (backends/base.py pack_layout); the cost
+    # is compute on the pads
+    pack_fill: bool = key(False, "pad each step's last packed micro-batch to tokens_per_micro too: every step has "
+                          "the same shape and memory")
 
 
 @dataclass
 class MemoryConfig:
-    sample_every: int = 1  # steps between memory samples
-    # after step 2, forward/backward phase samples on every N-th sampled step only (1: all);
+    """memory sampling, the budget, and what the governor may change"""
+
+    sample_every: int = key(1, "steps between memory samples; 0: off")
     # the optimizer-phase sample of every sampled step keeps the peaks exact
-    phase_every: int = 10
-    budget: str | None = None  # bytes, "40GiB", "90%" of the device; null: from the device
-    adapt: bool = True  # let the governor change micro-batch / checkpointing / limits
-    supervise: bool = False  # mlx: restart from the last checkpoint after an uncatchable OOM
-    # mlx: bytes of freed buffers MLX keeps for reuse. "auto": after step 1, what that step
-    # freed and will ask for again (its measured peak above the live bytes), so the footprint
-    # stays near the peak; a size ("512MiB") fixes it; null leaves MLX's default (32 MiB).
-    cache_limit: str | None = "auto"
-    # release the allocator's cache (torch.cuda.empty_cache / mx.clear_cache) after every N-th
-    # optimizer step (0: never): reserved falls back to what is live at each step's start, at
-    # the cost of new device allocations every step (HF Trainer's torch_empty_cache_steps)
-    empty_cache_every: int = 0
-    # mlx: the Mac a plan's peak is judged against Metal's working set on: a JSON file of its
-    # mx.device_info(), or FILE:NAME in a file of several (tests/data/mac_device_info.json);
-    # null: this Mac's own, else memory.budget taken as the Mac's RAM
-    device_info: str | None = None
+    phase_every: int = key(10, "after step 2, forward/backward samples on every N-th sampled step only; 1: all")
+    budget: str | None = key(None, "memory per device: bytes, a size (40GiB) or a share (90%); null: the device's "
+                             "own")
+    adapt: bool = key(True, "let the governor lower the micro-batch, checkpoint, chunk the loss or set limits")
+    supervise: bool = key(False, "mlx: restart from the last checkpoint after an uncatchable OOM")
+    # auto: after step 1, what that step freed and will ask for again (its measured peak above
+    # the live bytes), so the footprint stays near the peak
+    cache_limit: str | None = key("auto", "mlx: freed bytes kept for reuse: auto (what step 1 freed), a size "
+                                  "(512MiB), null (MLX's 32 MiB)")
+    # reserved falls back to what is live at each step's start, at the cost of new device
+    # allocations every step (HF Trainer's torch_empty_cache_steps)
+    empty_cache_every: int = key(0, "release the allocator's cache after every N-th optimizer step; 0: never")
+    # tests/data/mac_device_info.json holds several; null: memory.budget taken as the Mac's RAM off a Mac
+    device_info: str | None = key(None, "mlx plan: a Mac's mx.device_info() JSON (FILE or FILE:NAME) to judge the "
+                                  "peak against; null: this Mac's")
 
 
 @dataclass
 class GenerateConfig:
     """mode=generate: load the base and a run's adapter and print a completion."""
 
-    prompt: str | None = None  # the user's message (the chat template applies where the model has one)
-    adapter: str | None = None  # a run dir or adapter dir; null: the base alone
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
+    prompt: str | None = key(None, "the user's message (the chat template applies where the model has one)")
+    adapter: str | None = key(None, "a run dir or adapter dir; null: the base model alone")
+    max_new_tokens: int = key(64, "tokens to generate at most")
+    temperature: float = key(0.0, "sampling temperature; 0: greedy")
+
+
+# mode -> what a command with it does (finetune --help lists them; the resolver checks mode against them)
+MODES = {
+    "train": "train, writing the adapter (or weights), metrics.jsonl, summary.json and the memory account",
+    "plan": "predict memory per category for the load, step 1 and the steady state (plan.json); loads no weights",
+    "generate": 'print a completion of prompt="..." from the base and a run\'s adapter (generate.adapter=RUN_DIR)',
+}
 
 
 @dataclass
 class Config:
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    method: MethodConfig = field(default_factory=MethodConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    # Loggers beside metrics.jsonl (always written): each chosen option of the `logger` group
-    # (logger=[tensorboard,mlflow]) adds its settings under its name, e.g. logger.tensorboard.
-    logger: dict[str, Any] = field(default_factory=dict)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
-    # mode=generate prompt="...": the same as generate.prompt (the short form users type)
-    prompt: str | None = None
-    # Multirun: each job in a fresh process (its own memory baseline; see finetune/sweep.py).
-    isolate_jobs: bool = True
-    # Multirun: a failed job is recorded (failed.json) and the sweep goes on; true stops the
-    # sweep at the first failed job. Either way the sweep exits 1 naming the failed jobs.
-    fail_fast: bool = False
-    # Multirun with a sweeper that optimizes (Optuna): what a job returns: tokens_per_sec
-    # (maximize), val_loss or train_loss (minimize); a job whose plan exceeds memory.budget is
-    # pruned before loading anything. null: jobs return their summary.
-    objective: str | None = None
-    mode: str = "train"  # train | plan | generate
-    # Where the run writes; set from Hydra's run dir by the CLI, settable for tests.
-    run_dir: str = MISSING
-    extra: dict[str, Any] = field(default_factory=dict)
+    """the mode, the loggers, a sweep's settings and keys of your own"""
+
+    backend: BackendConfig = key(meaning="which framework runs the job", factory=BackendConfig)
+    model: ModelConfig = key(meaning="the model", factory=ModelConfig)
+    method: MethodConfig = key(meaning="how the model is adapted", factory=MethodConfig)
+    optim: OptimConfig = key(meaning="the optimizer", factory=OptimConfig)
+    precision: PrecisionConfig = key(meaning="dtypes", factory=PrecisionConfig)
+    data: DataConfig = key(meaning="the samples", factory=DataConfig)
+    train: TrainConfig = key(meaning="the training loop", factory=TrainConfig)
+    memory: MemoryConfig = key(meaning="memory accounting and the governor", factory=MemoryConfig)
+    # each chosen option of the `logger` group (logger=[tensorboard,mlflow]) adds its settings
+    # under its name, e.g. logger.tensorboard; its keys are its YAML's (conf/logger/)
+    logger: dict[str, Any] = key(meaning="loggers beside metrics.jsonl (always written), chosen with logger=[...]; "
+                                 "each one's keys sit under its name (logger.wandb.mode)", factory=dict)
+    generate: GenerateConfig = key(meaning="mode=generate", factory=GenerateConfig)
+    prompt: str | None = key(None, "mode=generate: the same as generate.prompt (the short form)")
+    # see finetune/sweep.py
+    isolate_jobs: bool = key(True, "multirun: each job in a fresh process (its own memory baseline)")
+    # either way the sweep exits 1 naming the failed jobs
+    fail_fast: bool = key(False, "multirun: stop the sweep at the first failed job; false: record it (failed.json) "
+                          "and go on")
+    # a job whose plan exceeds memory.budget is pruned before loading anything
+    objective: str | None = key(None, "multirun with Optuna: what a job returns (maximized or minimized); null: "
+                                "its summary")
+    mode: str = key("train", "what the command does (finetune --help lists the modes)")
+    # set from Hydra's run dir by the CLI, settable for tests
+    run_dir: str = key(MISSING, "where the run writes (hydra.run.dir sets it)")
+    extra: dict[str, Any] = key(meaning="keys of your own (+extra.NAME=VALUE), recorded with the run", factory=dict)
 
 
 # backend.name is checked against the registry (finetune.backends.BACKENDS), never restated here
@@ -268,7 +277,7 @@ VALID = {
     "train.schedule": ("constant", "linear", "cosine"),
     "train.on_save_error": ("stop", "continue"),
     "train.pack_overflow": ("truncate", "split"),
-    "mode": ("train", "plan", "generate"),
+    "mode": tuple(MODES),
 }
 # Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
 # never against a list restated here.
@@ -358,6 +367,8 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "generate.max_new_tokens": (1, INF, True, False, False),
     "generate.temperature": (0, INF, True, False, False),
 }
+# keys whose valid values are no one interval (checked by the resolver's check_ranges)
+RANGE_TEXT = {"method.lora.num_layers": ">= 1 or -1"}
 # why a bound is there, where it is not plain arithmetic
 RANGE_HINTS = {
     "train.seq_len": "shorter leaves no room for a prompt and its answer",
@@ -370,6 +381,22 @@ RANGE_HINTS = {
     "method.lora.dropout": "a probability",
     "data.val_fraction": "a fraction of the data",
 }
+
+
+def range_text(dotted: str) -> str | None:
+    """The valid values of numeric key ``dotted`` as a user reads them (">= 1", "in [0, 1)"),
+    from RANGES (or RANGE_TEXT); None for a key without a range."""
+    if dotted in RANGE_TEXT:
+        return RANGE_TEXT[dotted]
+    if dotted not in RANGES:
+        return None
+    lo, hi, lo_in, hi_in, _ = RANGES[dotted]
+    def num(x: float) -> str:  # 2**32 - 1 in full, not 4.29497e+09
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+    if hi == INF:
+        return f">= {num(lo)}" if lo_in else f"> {num(lo)}"
+    return f"in {'[' if lo_in else '('}{num(lo)}, {num(hi)}{']' if hi_in else ')'}"
 
 
 # Free-form nodes: their keys are the user's (extra) or each logger option's own YAML.
@@ -424,6 +451,14 @@ def nearest_config_keys(full: str) -> str:
         return f"did you mean: {', '.join(near)}"
     siblings = [p for p in paths if p.rpartition(".")[0] == parent] or [p for p in paths if "." not in p]
     return f"valid keys: {', '.join(siblings[:8])}"
+
+
+def group_options(group: str) -> list[str]:
+    """Options of a config group, from the YAML files installed with the package."""
+    from importlib import resources
+
+    root = resources.files("finetune.conf") / group
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
 def data_group_keys(name: str) -> set[str] | None:

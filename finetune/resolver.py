@@ -24,7 +24,6 @@ from finetune.backends import BACKENDS, capabilities, concrete_name
 from finetune.budget import parse_budget
 from finetune.config import (
     BACKEND_KEYS,
-    INF,
     RANGE_HINTS,
     RANGES,
     VALID,
@@ -34,6 +33,7 @@ from finetune.config import (
     logger_keys,
     nearest_config_keys,
     nearest_keys,
+    range_text,
     schema_keys,
 )
 from finetune.errors import UserError
@@ -128,12 +128,6 @@ def check_data_keys(cfg: DictConfig) -> None:
                         f"{' or '.join(readers)}, or drop data.{key}{hint}")
 
 
-def _range_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
-    if hi == INF:
-        return f">= {lo:g}" if lo_in else f"> {lo:g}"
-    return f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
-
-
 def check_ranges(cfg: DictConfig) -> None:
     """Raise UserError for the first numeric key outside its range (``RANGES``), or a string
     or bool where a number belongs, naming the range."""
@@ -149,14 +143,14 @@ def check_ranges(cfg: DictConfig) -> None:
         value = _value(cfg, dotted) if not dotted.startswith("optim.betas.") else betas[int(dotted[-1])]
         if value is None and nullable:
             continue
-        rng = _range_text(lo, hi, lo_in, hi_in)
+        rng = str(range_text(dotted))
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             fail(dotted, value, f"a number {rng}")
         if (value < lo if lo_in else value <= lo) or (value > hi if hi_in else value >= hi):
             fail(dotted, value, rng)
     n = cfg.method.lora.num_layers
     if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
-        fail("method.lora.num_layers", n, ">= 1 or -1")
+        fail("method.lora.num_layers", n, str(range_text("method.lora.num_layers")))
     budget = cfg.memory.budget
     if budget is not None:
         parse_budget(budget, 2**40)  # the size only checks a percentage's range here
