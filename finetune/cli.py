@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from finetune.config import GROUPS, group_options, register_configs
 from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
-from finetune import checkpoints, quiet, sweep
+from finetune import checkpoints, keyhelp, quiet, sweep
 from finetune.config import choose_data_group, config_error_line
 from finetune.generate import generate
 from finetune.loop import train
@@ -264,6 +264,7 @@ def main() -> None:
     import hydra
 
     register_configs()
+    keyhelp.register()  # ${finetune_keys:} in the --help template: every mode and key, with its meaning
     _one_line_config_errors()
     _guard_run_dir()
 

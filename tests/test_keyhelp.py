@@ -1,0 +1,92 @@
+"""Each key's meaning in one place (the schema's field metadata), shown by `finetune --help`, the
+README's key table and the shell completion; every mode listed and completed."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+from conftest import finetune_cmd
+
+from finetune import keyhelp
+from finetune.config import (
+    BACKEND_KEYS,
+    MODES,
+    RANGES,
+    VALID,
+    Config,
+    range_text,
+    schema_keys,
+    schema_paths,
+)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_every_leaf_key_has_a_one_line_help_string() -> None:
+    leaves = [p for p in schema_paths() if not any(q.startswith(p + ".") for q in schema_paths())]
+    assert [k.path for k in keyhelp.leaf_keys()] == leaves  # the listing is the schema's leaves, in order
+    for k in keyhelp.leaf_keys():
+        assert k.meaning and "\n" not in k.meaning, k.path
+    # every node holding keys has a title (its dataclass docstring) for the help's section line
+    assert all(title for _, title in keyhelp.sections())
+    # a dataclass field without metadata would have no help: none is left
+    def walk(node: type) -> None:
+        for f in dataclasses.fields(node):
+            assert f.metadata.get("help"), f"{node.__name__}.{f.name}"
+            t = schema_keys(node)[f.name]
+            if dataclasses.is_dataclass(t):
+                walk(t)
+    walk(Config)
+
+
+def test_readme_key_table_is_the_schemas() -> None:
+    """The README's table is generated (`python -m finetune.keyhelp README.md`); a key, a
+    meaning, a default or a range changed in finetune/config.py without it fails here."""
+    block = keyhelp.readme_block(README.read_text())
+    assert block is not None, "README.md lost its key table markers"
+    assert block == keyhelp.readme_table(keyhelp.default_tree()), \
+        "README.md's key table is stale: run python -m finetune.keyhelp README.md"
+    for k in keyhelp.leaf_keys():
+        assert f"| `{k.path}` |" in block
+
+
+def test_values_shown_are_the_resolvers_tables() -> None:
+    for path, choices in VALID.items():
+        assert keyhelp.options(path) == tuple(choices)
+    assert keyhelp.options("mode") == tuple(MODES) == ("train", "plan", "generate")
+    for path in RANGES:
+        if not path.startswith("optim.betas."):
+            assert str(range_text(path)) in keyhelp.values_text(path), path
+    assert "cuda: ddp, fsdp; mlx: ddp" == keyhelp.values_text("backend.strategy")
+    assert set(keyhelp.options("optim.name")) >= {"adamw", "adamw_8bit", "sgd"}
+    assert all(keyhelp.options(p) for p in BACKEND_KEYS)
+    assert keyhelp.options("train.packing") == ("true", "false")
+    assert keyhelp.options("objective")[-1] == "null" and keyhelp.options("model.path") == ()
+
+
+def _help(*overrides: str) -> str:
+    r = subprocess.run([*finetune_cmd(), *overrides, "--help"], check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_help_lists_every_mode_and_each_keys_meaning_default_and_values() -> None:
+    out = _help()
+    lines = out.splitlines()
+    for mode, what in MODES.items():  # the Modes section: each mode with the start of its meaning
+        assert any(ln.startswith(f"  mode={mode} ") and what[:40] in ln for ln in lines), mode
+    for k in keyhelp.leaf_keys():
+        assert any(ln.startswith(f"  {k.path}=") for ln in lines), k.path
+    flat = " ".join(out.split())  # the meanings wrap; read them unwrapped
+    assert "train.steps=100 optimizer steps [>= 1]" in flat
+    assert "train.schedule=cosine learning-rate schedule after warmup [constant, linear, cosine]" in flat
+    assert "mode=train what the command does (finetune --help lists the modes) [train, plan, generate]" in flat
+    assert "backend.strategy=ddp several processes:" in flat and "[cuda: ddp, fsdp; mlx: ddp]" in flat
+    assert "memory.budget=null memory per device: bytes, a size (40GiB) or a share (90%)" in flat
+    assert "null: $FINETUNE_CACHE/tokens" in flat  # a $ in a meaning survives Hydra's template
+    assert "finetune-export" in out and "finetune-report" in out
+    # the value shown is the one the command would use, after its group choices
+    sgd = " ".join(_help("optim=sgd", "model=llama2-7b").split())
+    assert "optim.lr=0.01 peak learning rate" in sgd and "model.hidden_size=4096 hidden width" in sgd
