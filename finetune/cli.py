@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from finetune.config import GROUPS, group_options, register_configs
 from finetune.errors import UserError
 from finetune.supervisor import argv_value, supervise
-from finetune import checkpoints, keyhelp, quiet, sweep
+from finetune import checkpoints, completion, keyhelp, quiet, sweep
 from finetune.config import choose_data_group, config_error_line
 from finetune.generate import generate
 from finetune.loop import train
@@ -248,6 +248,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
+    # a <TAB> on a key's value (mode=, train.schedule=co, optim=adamw,): every value it takes
+    if (completions := completion.answer(sys.argv[1:], os.environ)) is not None:
+        print(completions)
+        sys.exit(0)
     quiet.install(debug())  # the known third-party lines that tell a user nothing (--debug: all)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -4,12 +4,16 @@ README's key table and the shell completion; every mode listed and completed."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import finetune_cmd
 
 from finetune import keyhelp
+from finetune.completion import candidates
 from finetune.config import (
     BACKEND_KEYS,
     MODES,
@@ -90,3 +94,42 @@ def test_help_lists_every_mode_and_each_keys_meaning_default_and_values() -> Non
     # the value shown is the one the command would use, after its group choices
     sgd = " ".join(_help("optim=sgd", "model=llama2-7b").split())
     assert "optim.lr=0.01 peak learning rate" in sgd and "model.hidden_size=4096 hidden width" in sgd
+
+
+def _query(line: str, shell: str = "bash") -> str:
+    env = {**os.environ, "COMP_LINE": line, "COMP_POINT": str(len(line))}
+    r = subprocess.run([*finetune_cmd(), "-sc", f"query={shell}"], check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def test_completion_query_offers_every_mode_and_a_keys_choices() -> None:
+    """As Hydra's installed bash function asks: COMP_LINE set, `finetune -sc query=bash`."""
+    assert set(_query("finetune mode=").split()) == {f"mode={m}" for m in MODES}
+    assert _query("finetune mode=p").split() == ["mode=plan"]
+    assert set(_query("finetune -m train.schedule=co").split()) == {"train.schedule=constant", "train.schedule=cosine"}
+    assert "optim=adamw,sgd" in _query("finetune -m optim=adamw,").split()  # a sweep of a group
+    assert set(_query("finetune logger=").split()) >= {"logger=csv", "logger=wandb"}  # groups stay Hydra's
+    fish = _query("finetune mode=", "fish").splitlines()
+    assert f"mode=plan\t{MODES['plan']}" in fish  # fish shows each value with its meaning
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_bash_tab_on_mode_offers_every_mode() -> None:
+    """The function `finetune -sc install=bash` prints, run by bash on `finetune mode=<TAB>`."""
+    script = finetune_cmd()
+    if len(script) > 1:
+        pytest.skip("no finetune console script in this environment")
+    path = f"{Path(script[0]).parent}:{os.environ['PATH']}"
+    run = ('eval "$(finetune -sc install=bash)"; COMP_LINE="finetune mode="; COMP_POINT=${#COMP_LINE}; '
+           'COMP_CWORD=1; hydra_bash_completion; printf "%s\\n" "${COMPREPLY[@]}"')
+    r = subprocess.run(["bash", "-c", run], check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert set(r.stdout.split()) == {f"mode={m}" for m in MODES}, r.stdout
+
+
+def test_candidates_leave_hydras_words_to_hydra() -> None:
+    assert candidates("optim=") is None and candidates("train.ste") is None and candidates("model.path=") is None
+    assert candidates("optim.name=") is None  # chosen with its group
+    assert [c for c, _ in candidates("+logger=[csv,t") or []] == ["+logger=[csv,tensorboard"]
+    assert candidates("mode=x") == []
