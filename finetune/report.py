@@ -1,6 +1,8 @@
 """``finetune-report DIR``: one run or a whole sweep side by side.
 
-Prints a table and writes ``sweep_summary.csv``, ``sweep_summary.md`` (a Markdown table to paste)
+Prints a table (at most 120 columns wide: one unit per column, named in its header; what every
+job shares on a line below it; the step-1 plan check as its planned and measured peak and the error
+between those two) and writes ``sweep_summary.csv``, ``sweep_summary.md`` (a Markdown table to paste)
 and ``sweep_memory.png`` (a bar per job: the census at the first optimizer step stacked, the peak
 marked, the budget as a line) into DIR, then names the winner for what the sweep varied: the
 fastest job that fits the budget, and the one needing least memory among the jobs whose loss is
@@ -21,6 +23,8 @@ import json
 import math
 import statistics
 import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,7 @@ from finetune.redact import redact_overrides
 
 GIB = 1 << 30
 
-# (row key, summary.json path or None when derived, header)
+# (row key, summary.json path or None when derived, header) of sweep_summary.md and .csv
 COLUMNS: list[tuple[str, str | None, str]] = [
     ("job", None, "job"),
     ("status", None, "status"),
@@ -41,26 +45,70 @@ COLUMNS: list[tuple[str, str | None, str]] = [
     ("optim", "optim", "optim"),
     ("precision", "precision", "precision"),
     ("micro_batch", "micro_batch", "micro-batch"),
-    ("params_trainable", "params_trainable", "trainable"),
+    ("params_trainable", "params_trainable", "trainable params"),
     ("tokens_per_sec", "tokens_per_sec", "tok/s"),
     ("final_train_loss", "final_train_loss", "train loss"),
     ("final_val_loss", "final_val_loss", "val loss"),
-    ("peak_allocated_bytes", "memory.peaks.allocated_bytes", "peak alloc"),
-    ("peak_reserved_bytes", "memory.peaks.reserved_bytes", "peak reserved"),
-    ("peak_device_bytes", "memory.peaks.device_used_bytes", "peak device"),
-    ("peak_rss_bytes", "memory.peaks.rss_bytes", "peak RSS"),
+    ("peak_allocated_bytes", "memory.peaks.allocated_bytes", "whole-run peak alloc"),
+    ("peak_reserved_bytes", "memory.peaks.reserved_bytes", "whole-run peak reserved"),
+    ("peak_device_bytes", "memory.peaks.device_used_bytes", "whole-run peak device"),
+    ("peak_rss_bytes", "memory.peaks.rss_bytes", "whole-run peak RSS"),
     ("swap_growth_bytes", "memory.peaks.swap_growth_bytes", "swap growth"),
     ("weights_bytes", None, "weights"),
-    ("trainable_weights_bytes", "memory.census_first_optimizer.trainable_weights_bytes", "trainable w"),
+    ("trainable_weights_bytes", "memory.census_first_optimizer.trainable_weights_bytes", "trainable weights"),
     ("grads_bytes", "memory.census_first_optimizer.grads_bytes", "grads"),
     ("optimizer_state_bytes", "memory.census_first_optimizer.optimizer_state_bytes", "optim state"),
     ("optimizer_state_paged_bytes", "memory.census_first_optimizer.optimizer_state_paged_bytes", "paged state"),
-    ("activations_bytes", "memory.census_first_optimizer.activations_and_other_bytes", "activations"),
-    ("planned_peak_bytes", None, "planned peak"),
-    ("plan_error_pct", None, "plan err %"),
+    ("activations_bytes", "memory.census_first_optimizer.activations_and_other_bytes", "activations + other"),
+    # the plan's check at step 1 (summary.json plan_error.peak_allocated): the planned and the
+    # measured figure of one quantity, the step's peak allocated, and the error between them
+    ("planned_peak_bytes", None, "step-1 peak alloc: planned"),
+    ("step1_peak_bytes", None, "step-1 peak alloc: measured"),
+    ("plan_error_pct", None, "step-1 peak alloc: plan error (%)"),
+    ("planned_fit_bytes", None, "planned peak vs budget"),  # a pruned trial's: what ran out first in its plan
     ("adaptations", None, "adapted"),
     ("budget_bytes", "budget_bytes", "budget"),
 ]
+
+
+@dataclass(frozen=True)
+class Console:
+    """A column of the console table: its header words (top to bottom; the unit goes on a line
+    below), the header spanning it and its neighbours, and its rank when 120 columns cannot
+    hold every column (the lowest rank leaves first, for sweep_summary.md)."""
+
+    key: str
+    head: tuple[str, ...]
+    group: str = ""
+    rank: int = 50
+    unit: str = ""  # a non-byte column's unit ("" none); byte columns get theirs from the values
+
+
+# The console table's columns, in order. A group's byte columns share one unit, so they
+# compare across as well as down.
+MEASURED, PLAN_CHECK, CENSUS = "whole-run peak", "step-1 peak alloc", "step-1 census"
+CONSOLE = (
+    Console("job", ("job",), rank=100), Console("status", ("status",), rank=95),
+    Console("backend", ("backend",), rank=20), Console("method", ("method",), rank=20),
+    Console("optim", ("optim",), rank=20), Console("precision", ("precision",), rank=20),
+    Console("micro_batch", ("micro-", "batch"), rank=55), Console("params_trainable", ("trainable", "params"), rank=25),
+    Console("tokens_per_sec", ("speed",), rank=80, unit="(tok/s)"), Console("final_train_loss", ("train", "loss"), rank=80),
+    Console("final_val_loss", ("val", "loss"), rank=70),
+    Console("peak_allocated_bytes", ("alloc",), MEASURED, 75), Console("peak_reserved_bytes", ("reserved",), MEASURED, 74),
+    Console("peak_device_bytes", ("device",), MEASURED, 60), Console("peak_rss_bytes", ("RSS",), MEASURED, 72),
+    Console("planned_peak_bytes", ("planned",), PLAN_CHECK, 73), Console("step1_peak_bytes", ("measured",), PLAN_CHECK, 73),
+    Console("plan_error_pct", ("error",), PLAN_CHECK, 73, unit="(%)"),
+    Console("planned_fit_bytes", ("planned", "vs budget"), rank=65),
+    Console("weights_bytes", ("weights",), CENSUS, 45), Console("trainable_weights_bytes", ("trainable", "weights"), CENSUS, 40),
+    Console("grads_bytes", ("grads",), CENSUS, 42), Console("optimizer_state_bytes", ("optim", "state"), CENSUS, 50),
+    Console("optimizer_state_paged_bytes", ("paged", "state"), CENSUS, 41),
+    Console("activations_bytes", ("activ.", "+ other"), CENSUS, 43),
+    Console("swap_growth_bytes", ("swap", "growth"), rank=58), Console("adaptations", ("adapted",), rank=65),
+    Console("budget_bytes", ("budget",), rank=30),
+)
+JOINED = (PLAN_CHECK,)  # shown whole or not at all: the error is read off the two figures beside it
+CONSOLE_WIDTH = 120
+JOB_WIDTH = 48  # a longer job name is cut (sweep_summary.md has it whole)
 CENSUS_STACK = (("weights_bytes", "weights (frozen + trainable)", "#c7c7c7"), ("grads_bytes", "grads", "#ffbb78"),
                 ("optimizer_state_bytes", "optimizer state", "#98df8a"),
                 ("optimizer_state_paged_bytes", "paged optimizer state (outside the allocator)", "#dbdb8d"),
@@ -159,6 +207,7 @@ def rows(root: Path) -> list[dict[str, Any]]:
             # plan error of the step peak: predicted vs the allocator's (where it measured one)
             peak_err = (s.get("plan_error") or {}).get("peak_allocated") or {}
             row["planned_peak_bytes"] = peak_err.get("predicted")
+            row["step1_peak_bytes"] = peak_err.get("measured")
             rel = peak_err.get("relative_error")
             row["plan_error_pct"] = None if rel is None else 100.0 * rel
             row["adaptations"] = len([e for e in s.get("adaptations") or []
@@ -169,7 +218,7 @@ def rows(root: Path) -> list[dict[str, Any]]:
             p = json.loads((run / "pruned.json").read_text())
             row.update(status="pruned (plan)", backend=p.get("backend"), method=p.get("method"), optim=p.get("optim"),
                        precision=p.get("precision"), micro_batch=p.get("batch_size"),
-                       planned_peak_bytes=p.get("planned_peak_bytes"), budget_bytes=p.get("budget_bytes"))
+                       planned_fit_bytes=p.get("planned_peak_bytes"), budget_bytes=p.get("budget_bytes"))
         row["peak_bytes"] = _peak(row)
         out.append(row)
     out.sort(key=lambda r: (_natural(r["job"]), r["dir"]))
@@ -217,7 +266,7 @@ def winners(rs: list[dict[str, Any]]) -> list[str]:
         # against the budget: the allocator's peak where measured, else the plan's (the process
         # RSS of a CPU run counts the interpreter and libraries, which no device budget does)
         for key, label in (("peak_reserved_bytes", "peak reserved"), ("peak_allocated_bytes", "peak allocated"),
-                           ("planned_peak_bytes", "planned peak")):
+                           ("planned_peak_bytes", "planned peak allocated")):
             if r.get(key) is not None:
                 return int(r[key]), label
         return None, "peak"
@@ -252,7 +301,7 @@ def winners(rs: list[dict[str, Any]]) -> list[str]:
     pruned = [r for r in rs if r["status"].startswith("pruned")]
     if pruned:
         out.append(f"pruned by plan before loading: {len(pruned)} job(s) ("
-                   + ", ".join(f"{r['job']}: planned {_gib(r['planned_peak_bytes'])} GiB" for r in pruned) + ")")
+                   + ", ".join(f"{r['job']}: planned {_gib(r['planned_fit_bytes'])} GiB" for r in pruned) + ")")
     return out
 
 
@@ -260,10 +309,19 @@ def _gib(v: Any) -> str:
     return "n/a" if v is None else f"{v / GIB:.3f}"
 
 
-def _unit(rs: list[dict[str, Any]], key: str) -> tuple[float, str]:
-    """One unit per byte column, the largest its biggest value reaches (a tiny model's state
-    is KiB, a 7B's GiB), so the column reads without a row of 0.000s."""
-    return unit_for(max((abs(r[key]) for r in rs if r.get(key) is not None), default=0))
+def _units(rs: list[dict[str, Any]]) -> dict[str, tuple[float, str]]:
+    """One unit per byte column, the largest its biggest value reaches (a tiny model's state is
+    KiB, a 7B's GiB), so the column reads without a row of 0.000s; the byte columns of one
+    console group (CONSOLE) share the unit of the group's biggest value, so the step-1 planned
+    and measured peaks read side by side."""
+    group = {c.key: c.group for c in CONSOLE}
+    keys = [k for k, _, _ in COLUMNS if k.endswith("_bytes")]
+    top: dict[str, int] = {}
+    for k in keys:
+        vmax = max((abs(r[k]) for r in rs if r.get(k) is not None), default=0)
+        g = group.get(k) or k
+        top[g] = max(top.get(g, 0), vmax)
+    return {k: unit_for(top[group.get(k) or k]) for k in keys}
 
 
 def _fmt(key: str, v: Any, unit: float = GIB) -> str:
@@ -285,20 +343,116 @@ def _shown(rs: list[dict[str, Any]]) -> list[tuple[str, str | None, str]]:
     return [c for c in COLUMNS if c[0] in ("job", "status") or any(r.get(c[0]) is not None for r in rs)]
 
 
-def table(rs: list[dict[str, Any]]) -> str:
-    cols = _shown(rs)
-    units = {k: _unit(rs, k) for k, _, _ in cols if k.endswith("_bytes")}
-    head = [h + (f" {units[k][1]}" if k in units else "") for k, _, h in cols]
-    body = [[_fmt(k, r.get(k), units[k][0] if k in units else GIB) for k, _, _ in cols] for r in rs]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+_TEXT_KEYS = ("job", "status", "backend", "method", "optim", "precision")
+
+
+def _console_cell(c: Console, r: dict[str, Any], units: dict[str, tuple[float, str]]) -> str:
+    if c.key == "job":
+        job = str(r["job"])
+        return job if len(job) <= JOB_WIDTH else job[:JOB_WIDTH - 1] + "…"
+    return _fmt(c.key, r.get(c.key), units[c.key][0] if c.key in units else GIB)
+
+
+def _unit_label(c: Console, units: dict[str, tuple[float, str]]) -> str:
+    return f"({units[c.key][1]})" if c.key in units else c.unit
+
+
+def _spans(cols: list[Console]) -> list[tuple[int, int]]:
+    """(first, last) index of each run of neighbouring columns under one group header (a
+    column without a group is a run of its own)."""
+    out, i = [], 0
+    while i < len(cols):
+        j = i
+        while cols[i].group and j + 1 < len(cols) and cols[j + 1].group == cols[i].group:
+            j += 1
+        out.append((i, j))
+        i = j + 1
+    return out
+
+
+def _layout(cols: list[Console], cells: dict[str, list[str]], units: dict[str, tuple[float, str]]) -> list[int]:
+    """Each column's width: its header words, its unit and its cells. A group's header fits
+    above its columns: over several, on one line between dashes ("- step-1 peak alloc -"), the
+    last column widened for it; over one, wrapped to the column's width (its longest word)."""
+    widths = [max([len(w) for w in c.head] + [len(_unit_label(c, units))] + [len(x) for x in cells[c.key]])
+              for c in cols]
+    for i, j in _spans(cols):
+        span = sum(widths[i:j + 1]) + 2 * (j - i)
+        need = len(cols[i].group) + 4 if j > i else max((len(w) for w in cols[i].group.split()), default=0)
+        widths[j] += max(0, need - span)
+    return widths
+
+
+def _render(cols: list[Console], cells: dict[str, list[str]], units: dict[str, tuple[float, str]]) -> list[str]:
+    """The table's lines: the group headers (wrapped to the columns they span, dashed across
+    several), the header words (bottom-aligned), the units, then a row per job; numbers right-
+    aligned, so they compare down."""
+    widths = _layout(cols, cells, units)
+    numeric = [c.key not in _TEXT_KEYS for c in cols]
+
+    def line(parts: list[str]) -> str:
+        return "  ".join(p.rjust(w) if num else p.ljust(w) for p, w, num in zip(parts, widths, numeric)).rstrip()
+
+    spans = _spans(cols)
+    span_w = [sum(widths[i:j + 1]) + 2 * (j - i) for i, j in spans]
+    groups = []  # per span: its header lines
+    for (i, j), w in zip(spans, span_w):
+        if j > i:  # a dashed span: "--- name ---"
+            pad = w - len(cols[i].group) - 2
+            groups.append(["-" * (pad // 2) + f" {cols[i].group} " + "-" * (pad - pad // 2)])
+        else:
+            text = textwrap.wrap(cols[i].group, w) if cols[i].group else []
+            groups.append([t.rjust(w) if numeric[i] else t.ljust(w) for t in text])
+    top = max((len(g) for g in groups), default=0)
+    groups = [[""] * (top - len(g)) + g for g in groups]  # bottom-aligned over the header words
+    out = ["  ".join(g[d].ljust(w) for g, w in zip(groups, span_w)).rstrip() for d in range(top)]
+    depth = max(len(c.head) for c in cols)
+    heads = [("",) * (depth - len(c.head)) + c.head for c in cols]
+    out += [line([h[d] for h in heads]) for d in range(depth)]
+    if any(_unit_label(c, units) for c in cols):
+        out.append(line([_unit_label(c, units) for c in cols]))
+    out += [line([cells[c.key][n] for c in cols]) for n in range(len(next(iter(cells.values()))))]
+    return out
+
+
+def table(rs: list[dict[str, Any]], width: int = CONSOLE_WIDTH) -> str:
+    """The console table, at most ``width`` characters wide: one unit per column, named in the
+    header; a figure every job shares goes to a line below ("same in every job"), and where
+    the columns still do not fit, the lowest-ranked leave (named below; sweep_summary.md and
+    .csv keep every column)."""
+    units = _units(rs)
+    cols = [c for c in CONSOLE if c.key == "job" or any(r.get(c.key) is not None for r in rs)]
+    cells = {c.key: [_console_cell(c, r, units) for r in rs] for c in cols}
+    name = {k: h for k, _, h in COLUMNS}
+    same = []
+    if len(rs) >= 2:
+        for c in list(cols):
+            if c.key != "job" and c.group not in JOINED and len(set(cells[c.key])) == 1:
+                unit = units[c.key][1] if c.key in units else ""
+                same.append(f"{name[c.key]} {cells[c.key][0]}{' ' + unit if unit else ''}")
+                cols.remove(c)
+    dropped: list[Console] = []
+    while sum(_layout(cols, cells, units)) + 2 * (len(cols) - 1) > width and len(cols) > 1:
+        low = min(c.rank for c in cols if c.key != "job")
+        dropped += [c for c in cols if c.rank == low]
+        cols = [c for c in cols if c.rank != low or c.key == "job"]
+    lines = _render(cols, cells, units)
+    if same:
+        lines += textwrap.wrap("same in every job: " + "; ".join(same), width, subsequent_indent="  ")
+    if dropped:
+        lines += textwrap.wrap("not shown for width (in sweep_summary.md): " + ", ".join(name[c.key] for c in dropped),
+                               width, subsequent_indent="  ")
     return "\n".join(lines)
+
+
+def console_note(text: str, width: int = CONSOLE_WIDTH) -> str:
+    """A sentence of the report as printed under the table: wrapped to the table's width."""
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False))
 
 
 def markdown(rs: list[dict[str, Any]], notes: list[str]) -> str:
     cols = _shown(rs)
-    units = {k: _unit(rs, k) for k, _, _ in cols if k.endswith("_bytes")}
+    units = _units(rs)
     head = [h + (f" ({units[k][1]})" if k in units else "") for k, _, h in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rs:
@@ -307,8 +461,10 @@ def markdown(rs: list[dict[str, Any]], notes: list[str]) -> str:
     lines.append("")
     lines += [f"- {n}" for n in notes]
     lines.append("")
-    lines.append("KiB/MiB/GiB = 2^10/2^20/2^30 bytes. Census at the first optimizer step; peak = the allocator's reserved "
-                 "(else allocated, else process RSS where no allocator is measured).")
+    lines.append("KiB/MiB/GiB = 2^10/2^20/2^30 bytes. whole-run peak: measured over the whole run. Census at the first "
+                 "optimizer step. step-1 peak alloc: the plan's peak allocated for step 1, the allocator's measured "
+                 "peak in that step, and the plan error (planned - measured) / measured; peak in the sentences = "
+                 "the allocator's reserved (else allocated, else process RSS where no allocator is measured).")
     return "\n".join(lines) + "\n"
 
 
@@ -329,7 +485,9 @@ def _device_panel(ax: Any, rs: list[dict[str, Any]]) -> None:
     stacks = [st for st in stacks if any(st[3])]
     alloc = [(i, v) for i, r in enumerate(rs) if (v := r.get("peak_reserved_bytes") or r.get("peak_allocated_bytes"))]
     planned = [(i, r["planned_peak_bytes"]) for i, r in enumerate(rs) if r.get("planned_peak_bytes")]
-    top = max([sum(col) for col in zip(*[st[3] for st in stacks])] + [v for _, v in alloc + planned] + [0]) if n else 0
+    pruned = [(i, r["planned_fit_bytes"]) for i, r in enumerate(rs) if r.get("planned_fit_bytes")]
+    top = max([sum(col) for col in zip(*[st[3] for st in stacks])] + [v for _, v in alloc + planned + pruned] + [0]) \
+        if n else 0
     budgets = {r["budget_bytes"] for r in rs if r.get("budget_bytes")}
     budget = budgets.pop() if len(budgets) == 1 else None
     drawn = budget if budget is not None and top and budget <= 3 * top else None  # the budget as a line
@@ -339,9 +497,8 @@ def _device_panel(ax: Any, rs: list[dict[str, Any]]) -> None:
         ax.bar(xs, [v / scale for v in vals], bottom=bottoms, color=color, label=label, width=0.7,
                edgecolor="white", lw=0.5)
         bottoms = [b + v / scale for b, v in zip(bottoms, vals)]
-    pruned = [i for i, ok in enumerate(ran) if not ok and rs[i].get("planned_peak_bytes")]
     if pruned:
-        ax.bar(pruned, [rs[i]["planned_peak_bytes"] / scale for i in pruned], width=0.7, fill=False, hatch="//",
+        ax.bar([i for i, _ in pruned], [v / scale for _, v in pruned], width=0.7, fill=False, hatch="//",
                edgecolor="#d62728", label="pruned by plan (its planned peak)")
     _peak_markers(ax, ran, alloc, planned, scale)
     if drawn is not None:
@@ -466,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(rs))
     for n in notes:
-        print(n)
+        print(console_note(n))
     print(f"written: {(a.out or a.dir) / 'sweep_summary.csv'}, sweep_summary.md, sweep_memory.png", file=sys.stderr)
     return 0
 
@@ -487,9 +644,11 @@ class SweepReportCallback(Callback):
         except Exception as e:  # a report must never fail the sweep it describes
             print(f"[sweep] report not written: {e}", file=sys.stderr)
             return
+        print(f"[sweep] {len(rs)} job(s) side by side (each column's unit in its header; every column in "
+              "sweep_summary.md and .csv):", file=sys.stderr)
         print(table(rs), file=sys.stderr)
         for n in notes:
-            print(f"[sweep] {n}", file=sys.stderr)
+            print(console_note(f"[sweep] {n}"), file=sys.stderr)
         print(f"[sweep] report: {root / 'sweep_summary.md'}", file=sys.stderr)
 
 

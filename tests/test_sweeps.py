@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +20,18 @@ COMMON = ("train.steps=3", "train.eval_every=0", "train.progress=false", "data.n
 
 
 def _sweep(tmp: Path, name: str, *overrides: str, timeout: int = 600) -> Path:
+    """Run ``finetune -m`` into ``tmp/name``; what it printed to the console is kept beside the
+    sweep dir (``_console``)."""
     out = tmp / name
     r = subprocess.run([sys.executable, "-m", "finetune", "-m", *overrides, *COMMON, f"hydra.sweep.dir={out}"],
                        capture_output=True, text=True, timeout=timeout, cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
+    (tmp / f"{name}.console.txt").write_text(r.stderr)
     return out
+
+
+def _console(sweep: Path) -> str:
+    return (sweep.parent / f"{sweep.name}.console.txt").read_text()
 
 
 def _rows(sweep: Path) -> dict[str, dict[str, str]]:
@@ -85,10 +93,19 @@ def test_sweep_peaks_do_not_depend_on_job_order_torch(optim_sweeps) -> None:
         _census_close(a[optim]["memory"]["census_first_optimizer"], b[optim]["memory"]["census_first_optimizer"])
 
 
+@pytest.fixture(scope="module")
+def mlx_sweeps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two optimizers on the mlx backend (its allocator measured even on a CPU), in one order and
+    in the reverse order."""
+    pytest.importorskip("mlx.core")
+    tmp = tmp_path_factory.mktemp("mlx_sweeps")
+    return (_sweep(tmp, "fwd", "backend=mlx", "optim=adamw,sgd"),
+            _sweep(tmp, "rev", "backend=mlx", "optim=sgd,adamw"))
+
+
 @needs_mlx
-def test_sweep_peaks_do_not_depend_on_job_order_mlx(tmp_path: Path) -> None:
-    fwd = _sweep(tmp_path, "fwd", "backend=mlx", "optim=adamw,sgd")
-    rev = _sweep(tmp_path, "rev", "backend=mlx", "optim=sgd,adamw")
+def test_sweep_peaks_do_not_depend_on_job_order_mlx(mlx_sweeps) -> None:
+    fwd, rev = mlx_sweeps
     a, b = _summaries(fwd), _summaries(rev)
     assert set(a) == set(b) == {"adamw", "sgd"}
     for optim in a:
@@ -140,3 +157,73 @@ def test_optuna_search_prunes_by_plan_before_loading(tmp_path: Path) -> None:
     assert "pruned by plan before loading" in (out / "sweep_summary.md").read_text()
     best = (out / "optimization_results.yaml").read_text()
     assert "train.batch_size: 1" in best
+
+
+# -- the console table at the end of `finetune -m` ---------------------------------------------
+
+UNITS = ("(B)", "(KiB)", "(MiB)", "(GiB)", "(%)", "(tok/s)")
+NUMBER = re.compile(r"^[+-]?\d[\d,]*(\.\d+)?$")
+
+
+def _table(sweep: Path) -> tuple[list[str], list[str], str, dict[str, str]]:
+    """The sweep's console table as printed: (header lines, data rows, unit line, job -> row)."""
+    lines = _console(sweep).splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("[sweep]") and "side by side" in ln) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("[sweep]"))
+    block = lines[start:end]
+    assert block and all(len(ln) <= 120 for ln in block), "\n".join(block)
+    jobs = set(_rows(sweep))
+    data = [i for i, ln in enumerate(block) if any(ln.startswith(j + " ") for j in jobs)]
+    assert len(data) == len(jobs) and data == list(range(data[0], data[0] + len(jobs))), "\n".join(block)
+    rows = {next(j for j in jobs if block[i].startswith(j + " ")): block[i] for i in data}
+    return block[:data[0] - 1], [block[i] for i in data], block[data[0] - 1], rows
+
+
+def _cell(row: str, right: int) -> str:
+    """The right-aligned cell of ``row`` ending at column ``right`` (exclusive)."""
+    return row[:right].split()[-1]
+
+
+def _check_units(units: str, data: list[str]) -> dict[int, str]:
+    """Each unit in the unit line names one column; every cell under it is a bare number (or n/a)."""
+    found = {m.end(): m.group() for m in re.finditer(r"\(\S+?\)", units)}
+    assert found and set(found.values()) <= set(UNITS), units
+    for right, unit in found.items():
+        for row in data:
+            cell = _cell(row, right)
+            assert cell == "n/a" or NUMBER.match(cell), (unit, cell, row)
+    return found
+
+
+@needs_mlx
+def test_sweep_console_table_fits_120_columns_and_its_plan_error_reads_off_it(mlx_sweeps) -> None:
+    """The mlx sweep's table (the allocator measured): at most 120 columns, a unit per column in
+    its header, and the plan error is (planned - measured) / measured of the two step-1 peaks
+    printed beside it, in one unit."""
+    fwd, _ = mlx_sweeps
+    head, data, units, rows = _table(fwd)
+    found = _check_units(units, data)
+    words = {m.group(): m.end() for ln in head for m in re.finditer(r"\S+", ln)}
+    assert "step-1 peak alloc" in " ".join(head) and {"planned", "measured", "error"} <= set(words), head
+    planned, measured, error = words["planned"], words["measured"], words["error"]
+    assert found[planned] == found[measured] != "(%)" and found[error] == "(%)"  # one unit for the pair
+    csv_rows, summaries = _rows(fwd), _summaries(fwd)
+    for job, row in rows.items():
+        p, m, e = (float(_cell(row, x)) for x in (planned, measured, error))
+        assert abs(100 * (p - m) / m - e) <= 0.1, (job, p, m, e)
+        # and the printed pair is the pair the run's plan check compared (not the whole run's peak)
+        check = summaries[job.split("=")[1]]["plan_error"]["peak_allocated"]
+        assert int(csv_rows[job]["step1_peak_bytes"]) == check["measured"]
+        assert int(csv_rows[job]["planned_peak_bytes"]) == check["predicted"]
+        assert float(csv_rows[job]["plan_error_pct"]) == pytest.approx(100 * check["relative_error"])
+
+
+@needs_torch
+def test_sweep_console_table_of_a_cpu_sweep_fits_120_columns(optim_sweeps) -> None:
+    """Three optimizers on the cuda backend on CPU (no allocator): the same width and units."""
+    fwd, _ = optim_sweeps
+    _, data, units, rows = _table(fwd)
+    _check_units(units, data)
+    assert set(rows) == {"optim=adamw", "optim=adamw_8bit", "optim=paged_adamw_8bit"}
+    md = (fwd / "sweep_summary.md").read_text().splitlines()[0]  # the file keeps every column
+    assert "optim state" in md and "whole-run peak RSS" in md and "step-1 peak alloc: planned" in md
