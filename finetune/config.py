@@ -225,10 +225,14 @@ class MemoryConfig:
 class GenerateConfig:
     """mode=generate: load the base and a run's adapter and print a completion."""
 
-    prompt: str | None = None  # the user's message (the chat template applies where the model has one)
+    prompt: str | None = None  # the user's message, or the text to continue (see chat_template)
     adapter: str | None = None  # a run dir or adapter dir; null: the base alone
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
+    # true: the prompt goes through the tokenizer's chat template; false: as raw text; null: as
+    # the adapter's run formatted its prompts (adapter/finetune.json), else the chat template
+    # where the tokenizer has one
+    chat_template: bool | None = None
 
 
 @dataclass
@@ -540,9 +544,10 @@ def config_error_line(exc: BaseException) -> str | None:
             for part in full.split("."):
                 node_type = schema_keys(node_type)[part]
             wanted: dict[type | None, str] = {int: "a whole number", float: "a number", bool: "true or false"}
-            want = wanted.get(
-                next((t for t in (bool, int, float) if t in (node_type, *getattr(node_type, "__args__", ()))), None),
-                want)
+            args = getattr(node_type, "__args__", ())
+            want = wanted.get(next((t for t in (bool, int, float) if t in (node_type, *args)), None), want)
+            if type(None) in args:  # a key that may be null says so
+                want = f"{want.replace(' or ', ', ')} or null"
         except (KeyError, TypeError):
             pass
         return f"{full}: {msg}; give {full} {want}"
