@@ -30,6 +30,7 @@ import numpy as np
 from finetune.budget import DeviceMemory
 from finetune.modeldesc import Linear, ModelDesc
 from finetune.planspec import Setup, Tensor
+from finetune.prompting import Prompt
 from finetune.spec import RunSpec
 from finetune.records import Census, PlanData
 
@@ -409,12 +410,13 @@ class Backend(Protocol):
         cuda: per-process memory fraction). Return what was set, for the event log."""
         ...
 
-    def generate(self, model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+    def generate(self, model_dir: Path, adapter: Path | None, prompt: Prompt, max_new_tokens: int, temperature: float,
                  seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
-        """``mode=generate``: the completion of ``prompt`` (through the tokenizer's chat template
-        where it has one) by the base in ``model_dir`` plus ``adapter`` (in
-        ``Capabilities.adapter_format``), greedy at ``temperature`` 0, else sampled with
-        ``seed``. Needs no setup(): it loads its own model with the framework's library."""
+        """``mode=generate``: the completion of ``prompt`` (its text through the tokenizer's chat
+        template where ``prompt.chat``, else as raw text) by the base in ``model_dir`` plus
+        ``adapter`` (in ``Capabilities.adapter_format``), greedy at ``temperature`` 0, else sampled
+        with ``seed``; it ends at the first of ``finetune.prompting.end_token_ids`` and holds no
+        special token. Needs no setup(): it loads its own model with the framework's library."""
         ...
 
     def set_cache_limit(self, limit_bytes: int) -> int:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -241,6 +244,20 @@ def _one_line_config_errors() -> None:
     hydra_utils.run_and_report = run_and_report
 
 
+def _generate_run_dir(argv: list[str]) -> str | None:
+    """``mode=generate`` leaves no run dir behind: Hydra makes one for every run (and .hydra/ in
+    it) before the task starts, so unless the command names one (``hydra.run.dir=``) it gets a
+    temporary directory, returned here for ``main`` to remove, and no .hydra/. A multirun keeps
+    its sweep dirs."""
+    if argv_value(argv, "mode") != "generate" or any(a in ("-m", "--multirun") for a in argv) \
+            or any(a.lstrip("+~").startswith("hydra.run.dir=") for a in argv):
+        return None
+    tmp = tempfile.mkdtemp(prefix="finetune-generate-")
+    quote = '"' if "'" in tmp else "'"  # a quoted value: TMPDIR may hold spaces or ( ) [ ] ,
+    argv += [f"hydra.run.dir={quote}{tmp}{quote}", "hydra.output_subdir=null"]
+    return tmp
+
+
 def main() -> None:
     if "--debug" in sys.argv[1:]:
         sys.argv.remove("--debug")
@@ -272,10 +289,16 @@ def main() -> None:
     _one_line_config_errors()
     _guard_run_dir()
 
+    argv = sys.argv[1:]
+    scratch = _generate_run_dir(argv)
+    sys.argv[1:] = argv
     try:
         hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(_task)()
     except sweep.SweepStopped as stop:  # fail_fast=true: the first failed job ended the sweep
         sys.exit(sweep.stopped(stop))
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     code = sweep.multirun_exit_code()  # a multirun with failed jobs: 1, naming them in one line
     if _several_ranks():
         _leave_rank(code)

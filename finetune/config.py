@@ -225,17 +225,21 @@ class MemoryConfig:
 class GenerateConfig:
     """mode=generate: load the base and a run's adapter and print a completion."""
 
-    prompt: str | None = key(None, "the user's message (the chat template applies where the model has one)")
+    prompt: str | None = key(None, "the user's message, or the text to continue (see generate.chat_template)")
     adapter: str | None = key(None, "a run dir or adapter dir; null: the base model alone")
     max_new_tokens: int = key(64, "tokens to generate at most")
     temperature: float = key(0.0, "sampling temperature; 0: greedy")
+    chat_template: bool | None = key(None, "true: the prompt goes through the tokenizer's chat template; false: raw "
+                                     "text; null: as the adapter's run formatted its prompts (adapter/finetune.json), "
+                                     "else the chat template where the tokenizer has one")
 
 
 # mode -> what a command with it does (finetune --help lists them; the resolver checks mode against them)
 MODES = {
     "train": "train, writing the adapter (or weights), metrics.jsonl, summary.json and the memory account",
     "plan": "predict memory per category for the load, step 1 and the steady state (plan.json); loads no weights",
-    "generate": 'print a completion of prompt="..." from the base and a run\'s adapter (generate.adapter=RUN_DIR)',
+    "generate": 'print a completion of prompt="..." from the base and a run\'s adapter (generate.adapter=RUN_DIR); '
+                "no run dir",
 }
 
 
@@ -575,9 +579,10 @@ def config_error_line(exc: BaseException) -> str | None:
             for part in full.split("."):
                 node_type = schema_keys(node_type)[part]
             wanted: dict[type | None, str] = {int: "a whole number", float: "a number", bool: "true or false"}
-            want = wanted.get(
-                next((t for t in (bool, int, float) if t in (node_type, *getattr(node_type, "__args__", ()))), None),
-                want)
+            args = getattr(node_type, "__args__", ())
+            want = wanted.get(next((t for t in (bool, int, float) if t in (node_type, *args)), None), want)
+            if type(None) in args:  # a key that may be null says so
+                want = f"{want.replace(' or ', ', ')} or null"
         except (KeyError, TypeError):
             pass
         return f"{full}: {msg}; give {full} {want}"

@@ -47,6 +47,7 @@ import numpy as np
 from finetune import tokcache
 from finetune.backends.base import Batch, pack_layout, padded_length
 from finetune.errors import UserError
+from finetune.prompting import QA_PROMPT
 from finetune.tokcache import Damaged, Ragged, TokenWriter
 from finetune import synthetic
 from finetune.backends import capabilities, run_device
@@ -399,7 +400,7 @@ def _render(record: dict[str, Any], tokenizer: Any, mask_prompt: bool) -> tuple[
     if "prompt" in record and "completion" in record:
         p, c = str(record["prompt"]), str(record["completion"])
     elif "question" in record and "answer" in record:
-        p, c = f"Question: {record['question']}\nAnswer: ", str(record["answer"])
+        p, c = QA_PROMPT.format(record["question"]), str(record["answer"])
     elif "text" in record:
         t = str(record["text"])
         return t, [(0, len(t))]
@@ -554,7 +555,7 @@ def _code_fingerprint(name: str) -> str:
         from importlib.metadata import version
 
         text = version("finetune")
-    return hashlib.sha256(f"{tokcache.CACHE_FORMAT}\n{text}".encode()).hexdigest()
+    return hashlib.sha256(f"{tokcache.CACHE_FORMAT}\n{QA_PROMPT}\n{text}".encode()).hexdigest()
 
 
 def _source(dspec: DataSpec, seed: int, keyed: bool) -> tuple[str, dict[str, Any] | None, Iterator[dict[str, Any]],

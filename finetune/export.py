@@ -62,6 +62,7 @@ from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_
 from finetune.model_source import (PICKLE_SUFFIXES, TEXT_KEY_MAPPING, TOKENIZER_FILES, hf_download, is_multimodal,
                                    load_causal_lm)
 from finetune.planner.describe import FAMILIES, describe
+from finetune.prompting import RECORD_FILE
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -719,8 +720,16 @@ def convert(src: str | Path, dst: str | Path, to: str, base: str | None = None, 
     check_against_base(ad, b)
     with atomic_dir(dst) as tmp, disk_errors(tmp):
         WRITERS[to](ad, b, tmp)
+        _keep_record(ad, tmp)
         _scrub(tmp, ad, b)
     return dst
+
+
+def _keep_record(ad: Adapter, out: Path) -> None:
+    """The run's note beside the adapter (finetune.json: how its prompts were formatted, which
+    mode=generate follows) goes with it into ``out``; neither library reads it."""
+    if (ad.path / RECORD_FILE).is_file():
+        shutil.copy2(ad.path / RECORD_FILE, out / RECORD_FILE)
 
 
 # ---- merge --------------------------------------------------------------------------------
@@ -803,6 +812,7 @@ def merge(src: str | Path, dst: str | Path, base: str | None = None, dequantize:
             config = _read_json(tmp / "config.json")
             config["exported_from"] = provenance(ad, b, "merged model")
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            _keep_record(ad, tmp)
             _scrub(tmp, ad, b)
     return dst
 

@@ -32,7 +32,7 @@ from finetune.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors
 from finetune.redact import redact_tree
 from finetune.runlog import RankRunLog, RunLog, RunLogWriteError
-from finetune import data as data_mod, planner
+from finetune import data as data_mod, planner, prompting
 from finetune.accounting import Accountant, ranks
 from finetune.governor import Governor
 from finetune.model_source import check_weights, resolve_model_dir
@@ -366,6 +366,10 @@ class Trainer:
                 with atomic_dir(self.run_dir / "adapter") as tmp, disk_errors(tmp):
                     self.faults.in_write("adapter")
                     self.backend.save_adapter(tmp)
+                    # how its prompts were formatted, beside the adapter: mode=generate reads it,
+                    # wherever the adapter is copied or converted to (finetune/prompting.py)
+                    formats = self.data_stats["formats"]
+                    prompting.write_record(tmp, prompting.prompt_format(formats), formats)
             elif getattr(self.backend, "sharded", False):
                 self.backend.save_adapter(None)  # gathers the shards for rank 0 (a collective)
         except OSError as e:
@@ -436,6 +440,8 @@ class Trainer:
             "final_val_loss": val_loss,
             "effective_batch": spec.train.effective_batch, "micro_batch": self.governor.micro,
             "data": self.data_stats,
+            # chat | raw | question/answer: the shape mode=generate gives a prompt (also adapter/finetune.json)
+            "prompt_format": prompting.prompt_format(self.data_stats["formats"]),
             "memory": (mem := self.acct.summary(step_seconds)),
             "plan_error": getattr(self, "plan_error", None),
             # the run's peaks against the plan's steady state, in the four metrics

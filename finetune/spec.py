@@ -172,6 +172,7 @@ class GenerateSpec:
     adapter: str | None
     max_new_tokens: int
     temperature: float
+    chat_template: bool | None  # None: as the adapter's run formatted its prompts (finetune/prompting.py)
 
 
 @dataclass(frozen=True)

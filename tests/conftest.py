@@ -141,7 +141,8 @@ LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_security.py", "te
                  "test_families.py", "test_gpu_bench_smoke.py", "test_slurm.py", "test_dist_mlx.py", "test_full_disk.py",
                  "test_inputs_as_they_come.py", "test_sweep_failures.py", "test_sweep_secrets.py", "test_compile.py",
                  "test_family_plans.py", "test_governor.py", "test_chunked_loss.py", "test_faults.py", "test_signals.py",
-                 "test_planner_dist.py", "test_cli_runs.py", "test_rundir.py", "test_data_cache.py", "test_export.py",
+                 "test_planner_dist.py", "test_cli_runs.py", "test_rundir.py", "test_data_cache.py", "test_generate_format.py",
+                 "test_export.py",
                  "test_bad_input.py", "test_cli_config.py", "test_packing.py", "test_third_backend.py",
                  "test_plan_data.py", "test_backend_cuda.py", "test_governor_reactions.py", "test_loggers.py",
                  "test_packing_families.py")

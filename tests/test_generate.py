@@ -1,6 +1,7 @@
 """``finetune mode=generate``: a trained tiny adapter answers on both backends, its own and the
-other one's (converted on the fly), through the chat template; the printed text is the
-library's own generation."""
+other one's (converted on the fly), its prompt as raw text as the run trained (the built-in
+data is prompt/completion; tests/test_generate_format.py holds the prompt-format cases); the
+printed text is the library's own generation."""
 
 from __future__ import annotations
 

@@ -8,14 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from finetune.errors import UserError
 from finetune.export import check_remote_code
 from finetune.model_source import load_causal_lm
+from finetune.prompting import Prompt, end_token_ids
 
 
-def generate(model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+def generate(model_dir: Path, adapter: Path | None, prompt: Prompt, max_new_tokens: int, temperature: float,
              seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
     """The completion of ``prompt`` by the base in ``model_dir`` plus the PEFT ``adapter``:
-    greedy at ``temperature`` 0, plain temperature sampling seeded with ``seed`` otherwise."""
+    greedy at ``temperature`` 0, plain temperature sampling seeded with ``seed`` otherwise;
+    up to the first end token (finetune/prompting.py ``end_token_ids``), special tokens left out."""
     from transformers import AutoTokenizer
 
     check_remote_code(model_dir, trust_remote_code, "set model.trust_remote_code=true")
@@ -32,15 +35,19 @@ def generate(model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens:
     model.eval()
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    if tok.chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+    if prompt.chat:
+        if not tok.chat_template:
+            raise UserError(f"the tokenizer in {model_dir} has no chat template; set generate.chat_template=false")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
     else:
-        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        ids = tok(prompt.text, return_tensors="pt", add_special_tokens=prompt.special_tokens)["input_ids"]
     torch.manual_seed(seed)
     sample = temperature > 0
-    kwargs: dict[str, Any] = {"do_sample": sample, "max_new_tokens": max_new_tokens,
-                              "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
+    ends = end_token_ids(tok, model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (ends[0] if ends else None)
+    kwargs: dict[str, Any] = {"do_sample": sample, "max_new_tokens": max_new_tokens, "eos_token_id": ends or None,
+                              "pad_token_id": pad}
     if sample:
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)  # plain temperature sampling, as mlx's sampler
     else:

@@ -44,6 +44,7 @@ from finetune.records import CENSUS_KEYS, Census, CensusKey
 from finetune.planner.describe import EXPERTS, check_targets, lora_keys
 from finetune.planner.model import attention, model_desc
 from finetune.spec import MethodSpec, OptimSpec, RunSpec
+from finetune.prompting import Prompt
 
 log = logging.getLogger("finetune")
 
@@ -979,7 +980,7 @@ class CudaBackend:
         is False, so the governor never calls this)."""
         raise NotImplementedError("torch's caching allocator has no cache limit to set")
 
-    def generate(self, model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+    def generate(self, model_dir: Path, adapter: Path | None, prompt: Prompt, max_new_tokens: int, temperature: float,
                  seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
         """``mode=generate`` with the library's own generation (backends/cuda/generate.py)."""
         from finetune.backends.cuda.generate import generate

@@ -41,6 +41,7 @@ from finetune.model_source import stored_dtype, stored_quantization
 from finetune.records import Census
 from finetune.planner.describe import EXPERTS, FAMILIES, check_targets, lora_keys
 from finetune.planner.model import model_desc
+from finetune.prompting import Prompt
 from finetune.spec import OptimSpec, RunSpec
 
 log = logging.getLogger("finetune")
@@ -695,7 +696,7 @@ class MlxBackend:
         self._limits = None
         return prev
 
-    def generate(self, model_dir: Path, adapter: Path | None, prompt: str, max_new_tokens: int, temperature: float,
+    def generate(self, model_dir: Path, adapter: Path | None, prompt: Prompt, max_new_tokens: int, temperature: float,
                  seed: int, trust_remote_code: bool = False, allow_pickle: bool = False) -> str:
         """``mode=generate`` with the library's own generation (backends/mlx/generate.py)."""
         return generate(model_dir, adapter, prompt, max_new_tokens, temperature, seed,
