@@ -157,7 +157,7 @@ class DataConfig:
 class TrainConfig:
     """steps, batches and the schedule"""
 
-    steps: int = key(100, "optimizer steps")
+    steps: int = key(400, "optimizer steps")
     batch_size: int = key(4, "micro-batch: samples per forward/backward (memory scales with it)")
     grad_accum: int = key(1, "micro-batches per optimizer step; effective batch = batch_size * grad_accum")
     seq_len: int = key(256, "max tokens per sample; longer ones are truncated (counted, warned)")

@@ -220,3 +220,34 @@ def test_no_cli_log_is_written_and_warnings_reach_the_console(mlx_run: tuple[sub
     r, run = mlx_run
     assert not list(run.glob("*.log"))
     assert "1 of 41 samples were longer than train.seq_len=32 and were truncated" in r.stdout + r.stderr
+
+
+# ---- the default job learns, and says so in its last line -----------------------------------
+
+@pytest.mark.skipif(not (HAS_TORCH or HAS_MLX), reason="needs torch or mlx to train")
+def test_the_default_job_visibly_learns_and_ends_with_its_done_line(tmp_path: Path) -> None:
+    """`finetune` with nothing set (only the run dir placed in tmp): the loss falls well below a
+    uniform guess over the tiny model's 512 tokens (ln 512 = 6.24), and the last line says so,
+    with the figures summary.json holds; the README's first screen shows that line."""
+    import math
+    import re
+
+    run = tmp_path / "run"
+    r = _finetune("train.progress=false", f"hydra.run.dir={run}", cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    uniform = math.log(512)
+    assert abs(s["first_loss"] - uniform) < 0.5, s["first_loss"]  # it starts as a random model does
+    assert s["final_val_loss"] < uniform - 1.0 and s["final_train_loss"] < uniform - 1.0, s
+    last = r.stderr.strip().splitlines()[-1]
+    m = re.fullmatch(r"done: (\d+) steps \| train loss ([\d.]+) -> ([\d.]+) \| val loss ([\d.]+) \| ([\d,]+) tokens/s"
+                     r" \| peak .+", last)
+    assert m, last
+    assert int(m[1]) == s["steps"] == s["steps_this_run"]
+    assert [float(m[i]) for i in (2, 3, 4)] == [round(s[k], 2) for k in ("first_loss", "final_train_loss",
+                                                                         "final_val_loss")]
+    assert int(m[5].replace(",", "")) == round(s["tokens_per_sec"])
+    first_screen = "\n".join((REPO / "README.md").read_text().splitlines()[:40])
+    shown = re.search(r"^done: \d+ steps \| train loss [\d.]+ -> ([\d.]+) \| val loss ([\d.]+) \| .+$", first_screen, re.M)
+    assert shown, "the README's first screen shows the default job's done line"
+    assert float(shown[2]) < uniform - 1.0
