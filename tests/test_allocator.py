@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from allocator_invariants import check
 
 from finetune.backends.cuda.allocator import (
     K_LARGE_BUFFER,
@@ -97,7 +98,7 @@ def test_two_small_requests_share_a_2mib_segment():
     assert a.allocated == 1200 * KiB
     assert h2 == h1 + 600 * KiB  # the second is cut from the first's remainder
     assert a.inactive_split_bytes == 2 * MiB - 1200 * KiB
-    a.check()
+    check(a)
 
 
 def test_mid_size_requests_share_a_20mib_segment():
@@ -106,7 +107,7 @@ def test_mid_size_requests_share_a_20mib_segment():
     a.malloc(4 * MiB)  # best fit: the 15 MiB remainder; 11 MiB left: split
     assert (a.segments, a.reserved, a.allocated) == (1, 20 * MiB, 9 * MiB)
     assert a.inactive_split_bytes == 11 * MiB
-    a.check()
+    check(a)
 
 
 def test_large_pool_split_only_above_1mib_remainder():
@@ -122,7 +123,7 @@ def test_large_pool_split_only_above_1mib_remainder():
     a.free(h)
     h = a.malloc(18 * MiB)  # remainder 2 MiB: split
     assert a.allocated == 18 * MiB and a.inactive_split_bytes == 2 * MiB
-    a.check()
+    check(a)
     # a fresh 19.5 MiB request: its segment is rounded to 20 MiB (kRoundLarge), not split
     b = CachingAllocator()
     b.malloc(19 * MiB + 512 * KiB)
@@ -137,7 +138,7 @@ def test_frees_merge_neighbours_and_the_segment_is_reused():
     assert a.inactive_split_bytes == 5 * MiB + 11 * MiB
     a.free(h4)  # merges with both neighbours: one unsplit 20 MiB block
     assert a.inactive_split_bytes == 0 and a.allocated == 0
-    a.check()
+    check(a)
     h = a.malloc(20 * MiB)
     assert (a.reserved, a.segments, a.allocated) == (20 * MiB, 1, 20 * MiB)
     assert a.stats()["num_device_alloc"] == 1
@@ -149,9 +150,9 @@ def test_merge_in_any_order():
     h = [a.malloc(5 * MiB) for _ in range(3)]  # 5 + 5 + 5 (+ 5 free) in one segment
     a.free(h[1])
     a.free(h[0])
-    a.check()
+    check(a)
     a.free(h[2])
-    a.check()
+    check(a)
     assert a.inactive_split_bytes == 0
     a.empty_cache()
     assert (a.reserved, a.segments) == (0, 0)
@@ -183,7 +184,7 @@ def test_empty_cache_returns_only_fully_free_segments():
     a.empty_cache()
     assert (a.reserved, a.segments, a.inactive_split_bytes) == (0, 0, 0)
     assert a.peak_reserved == 50 * MiB and a.peak_allocated == 39 * MiB
-    a.check()
+    check(a)
 
 
 def test_best_fit_ties_go_to_the_lower_address():
@@ -215,7 +216,7 @@ def test_fragmentation_needs_a_new_segment_while_allocated_is_flat():
     assert before == after == 20 * MiB
     assert (a.reserved, a.segments) == (30 * MiB, 2)
     assert a.inactive_split_bytes == 10 * MiB
-    a.check()
+    check(a)
 
 
 def test_fragmentation_across_segments_expandable_reserves_less():
@@ -225,7 +226,7 @@ def test_fragmentation_across_segments_expandable_reserves_less():
         a.free(h[0])
         a.free(h[2])
         a.malloc(40 * MiB)
-        a.check()
+        check(a)
         return a
 
     plain = run(AllocConf())
@@ -247,7 +248,7 @@ def test_fragmentation_within_a_segment_expandable_pages_cost_more():
     assert before == after == 20 * MiB
     assert a.reserved == 40 * MiB
     assert a.inactive_split_bytes == 0  # torch leaves expandable segments out of it
-    a.check()
+    check(a)
 
 
 # --- device_total: the OOM path ----------------------------------------------------------------
@@ -260,7 +261,7 @@ def test_release_cache_and_retry_before_oom():
     assert (a.reserved, a.segments, a.allocated) == (40 * MiB, 1, 40 * MiB)
     assert a.peak_reserved == 40 * MiB
     assert a.stats()["num_device_free"] == 1
-    a.check()
+    check(a)
 
 
 def test_true_oom_raises_after_one_retry():
@@ -276,7 +277,7 @@ def test_true_oom_raises_after_one_retry():
     assert (a.reserved, a.allocated) == (30 * MiB, 30 * MiB)
     assert (exc.reserved, exc.allocated) == (30 * MiB, 30 * MiB)
     assert "\n" not in str(exc)
-    a.check()
+    check(a)
     a.malloc(30 * MiB)  # still usable: 30 + 30 fits
     assert a.reserved == 60 * MiB
 
@@ -293,7 +294,7 @@ def test_release_available_cached_blocks_frees_one_oversize_block():
     a.malloc(30 * MiB)
     assert a.num_alloc_retries == 0
     assert (a.reserved, a.segments) == (100 * MiB, 2)
-    a.check()
+    check(a)
 
 
 def test_release_available_cached_blocks_frees_the_largest_first():
@@ -307,7 +308,7 @@ def test_release_available_cached_blocks_frees_the_largest_first():
     a.malloc(100 * MiB)
     assert a.num_alloc_retries == 0
     assert (a.reserved, a.segments) == (130 * MiB, 2)
-    a.check()
+    check(a)
 
 
 def test_oversize_blocks_serve_requests_within_max_non_split_rounding():
@@ -344,7 +345,7 @@ def test_garbage_collection_threshold_needs_a_memory_fraction():
         a.free(hb)
         a.free(hc)
         a.malloc(400 * MiB)
-        a.check()
+        check(a)
         return a
 
     # no fraction: garbage collection never runs; every segment stays cached
@@ -372,8 +373,8 @@ def test_expandable_reserves_mapped_pages():
     b = CachingAllocator(EXP)
     b.malloc(25 * MiB)  # two 20 MiB pages; the 15 MiB left is split off (>= 512 B)
     assert (b.reserved, b.allocated) == (40 * MiB, 25 * MiB)
-    a.check()
-    b.check()
+    check(a)
+    check(b)
 
 
 def test_expandable_tail_pages_unmapped_only_by_empty_cache():
@@ -386,11 +387,11 @@ def test_expandable_tail_pages_unmapped_only_by_empty_cache():
     a.empty_cache()
     # the free block [5, 40) holds one whole page, [20, 40): unmapped; [5, 20) stays mapped
     assert (a.reserved, a.allocated) == (20 * MiB, 5 * MiB)
-    a.check()
+    check(a)
     a.free(ha)
     a.empty_cache()
     assert (a.reserved, a.expandable_segment_count) == (0, 0)
-    a.check()
+    check(a)
 
 
 def test_expandable_best_fit_prefers_a_hole_to_the_growable_tail():
@@ -405,7 +406,7 @@ def test_expandable_best_fit_prefers_a_hole_to_the_growable_tail():
     assert a.reserved == 40 * MiB
     assert a.malloc(10 * MiB) == hc + 10 * MiB  # the tail was left for a request it fits
     assert a.reserved == 40 * MiB
-    a.check()
+    check(a)
 
 
 def test_expandable_oom():
@@ -418,7 +419,7 @@ def test_expandable_oom():
     with pytest.raises(AllocatorOOM):
         a.malloc(10 * MiB)  # needs page 2; [35, 40) holds no whole page to unmap
     assert (a.num_alloc_retries, a.reserved, a.allocated) == (2, 40 * MiB, 35 * MiB)
-    a.check()
+    check(a)
 
 
 # --- random sequences: invariants --------------------------------------------------------------
@@ -461,11 +462,11 @@ def test_random_sequences_keep_the_invariants(conf, device_total):
         assert a.allocated == sum(live.values())
         assert a.peak_reserved >= a.peak_allocated
         if step % 10 == 0:
-            a.check()
+            check(a)
     assert device_total is not None or ooms == 0
     for h in list(live):
         a.free(h)
-    a.check()
+    check(a)
     assert a.allocated == 0 and a.inactive_split_bytes == 0
     a.empty_cache()
     assert (a.reserved, a.segments) == (0, 0)
@@ -473,7 +474,7 @@ def test_random_sequences_keep_the_invariants(conf, device_total):
     # address range with nothing mapped (release_blocks only visits mapped free blocks, as in
     # torch); it holds no memory, and without a device_total none is ever left
     assert device_total is not None or a.expandable_segment_count == 0
-    a.check()
+    check(a)
 
 
 def test_replay_of_a_long_step_sequence():
@@ -502,7 +503,7 @@ def test_replay_of_a_long_step_sequence():
     assert a.peak_allocated >= 1000 * (64 + 16 + 4) * MiB
     assert a.peak_reserved >= a.peak_allocated
     assert a.marks[-1][1]["reserved_bytes"] == a.reserved
-    a.check()
+    check(a)
 
 
 # --- replay --------------------------------------------------------------------------------------

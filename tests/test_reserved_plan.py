@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from finetune.backends.cuda import trace
-from finetune.backends.cuda.allocator import parse_alloc_conf
+from finetune.backends.cuda.alloc_config import parse_alloc_conf
 from finetune.backends import memory_model
 from finetune.planner import plan
 from finetune.model_source import local_model_dir

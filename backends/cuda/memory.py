@@ -30,7 +30,7 @@ from finetune.planspec import MIB, Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
 from finetune.backends.cuda import trace
-from finetune.backends.cuda.allocator import parse_alloc_conf
+from finetune.backends.cuda.alloc_config import parse_alloc_conf
 from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.budget import DeviceMemory, cuda_devices, host_memory
 
