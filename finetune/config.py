@@ -1,291 +1,166 @@
-"""Typed configuration schema.
+"""The config Hydra composes, and the checks' tables, made from the schema (finetune/spec.py).
 
-The dataclasses here are the schema; the values live in YAML under ``conf/``. The top-level
-``Config`` is registered in Hydra's ConfigStore as ``config_schema`` and ``conf/config.yaml``
-lists it first in its defaults, so a misspelt key or a wrongly typed value fails at compose
-time. Nothing here imports torch or mlx.
+The schema is one tree, ``finetune.spec``: each key a field with its default, meaning, range and
+choices. Here it becomes what Hydra needs (the values live in YAML under ``conf/``): ``Config``,
+the tree's mutable twin, registered in Hydra's ConfigStore as ``config_schema`` and listed first
+in ``conf/config.yaml``'s defaults, so a misspelt key or a wrongly typed value fails at compose
+time; and the tables the resolver and ``finetune --help`` read (``VALID``, ``BACKEND_KEYS``,
+``RANGES``), derived from the fields' metadata. Nothing here imports torch or mlx.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
-from dataclasses import dataclass, field
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING
-
 from finetune.errors import UserError
+from finetune.spec import (  # noqa: F401  (MODES re-exported: the CLI's help and completion read it here)
+    CAPABILITIES,
+    INF,
+    MODES,
+    BackendSpec,
+    DataSpec,
+    GenerateSpec,
+    LoraSpec,
+    MemorySpec,
+    MethodSpec,
+    ModelSpec,
+    OptimSpec,
+    PrecisionSpec,
+    RunSpec,
+    TrainSpec,
+)
 
 GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger", "search")
 
 
-def key(default: Any = None, meaning: str = "", *, factory: Any = None) -> Any:
-    """A schema field with its one-line meaning in ``metadata["help"]``: ``finetune --help``, the
-    shell completion and the README's key table read it from here (finetune.keyhelp)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"help": meaning})
-    return field(default=default, metadata={"help": meaning})
+def _config_type(t: Any) -> Any:
+    """The type OmegaConf checks a key against, for a spec field of type ``t``: a tuple is a
+    list, a path a string, a dict's values and a union other than ``X | None`` anything (a
+    preset's model.config, method.lora.keys: checked by the resolver and the planner)."""
+    if t is Path:
+        return str
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return t if len(rest) == 1 and rest[0] in (str, int, float, bool) else Any
+    if origin is tuple:
+        return list[args[0]]  # type: ignore[valid-type]
+    if origin is dict:
+        return dict[str, Any]
+    return t
 
 
-@dataclass
-class BackendConfig:
-    """which framework runs the job, and on what device"""
-
-    name: str = key("auto", "the backend (backend=...): auto is mlx on Apple Silicon, cuda where a CUDA "
-                    "device is visible, else cuda on CPU")
-    device: str = key("auto", "cuda backend: the torch device; auto: cuda:0 where CUDA is visible, else cpu")
-    device_map: str | None = key(None, "cuda backend: auto splits the model over every visible GPU (as qlora.py "
-                                 "does); null keeps it on one device")
-    # set to the world size under torchrun / mlx.launch
-    num_devices: int | None = key(None, "GPUs (or Macs) to plan for: device_map=auto's layer split, else "
-                                  "backend.strategy's ranks; null: those visible here, else 1")
-    # auto: sdpa, or eager where the model's code needs it (Gemma-2, gpt-oss)
-    attn_implementation: str = key("auto", "cuda backend: attention kernel: auto (transformers' choice), sdpa "
-                                   "(fused), eager (keeps [B, H, T, T] scores), flash_attention_2")
-    # FSDP2 fully_shard; the planner plans per rank for it when backend.num_devices > 1 without device_map=auto
-    strategy: str = key("ddp", "several processes: ddp replicates the model and sums gradients; fsdp (cuda) "
-                        "shards weights, grads and optimizer state")
-    # set before CUDA starts; the plan replays the step through a model of torch's caching allocator with it
-    alloc_conf: str | None = key(None, "cuda backend: the run's PYTORCH_CUDA_ALLOC_CONF, planned; null: the "
-                                 'environment\'s, else expandable_segments:True; "": torch\'s default')
-
-
-@dataclass
-class ModelConfig:
-    """a model preset: where the weights are and the architecture numbers planning needs"""
-
-    name: str = key("tiny", "the preset (model=...)")
-    path: str | None = key(None, "hub id or local HF-format directory of the weights; null for tiny (built here)")
-    revision: str | None = key(None, "hub branch, tag or commit sha of model.path; null: main")
-    # HF key names, verbatim; null for tiny (built from the fields below)
-    config: Any = key(None, "a preset's released config.json facts, planned from when the hub's file is neither "
-                      "cached nor reachable")
-    model_type: str = key("qwen2", "architecture family (HF model_type) of a model described by these fields")
-    hidden_size: int = key(64, "hidden width")
-    num_layers: int = key(2, "decoder layers")
-    num_heads: int = key(4, "attention (query) heads")
-    num_kv_heads: int = key(2, "key/value heads (grouped-query attention)")
-    head_dim: int | None = key(None, "width of one head; null: hidden_size // num_heads")
-    intermediate_size: int = key(128, "MLP inner width")
-    vocab_size: int = key(512, "vocabulary size (embedding rows)")
-    tie_embeddings: bool = key(True, "the LM head shares the embedding's weights")
-    attn_bias: bool = key(True, "bias on the q/k/v projections (Qwen2 has it, Llama does not)")
-    mlp_bias: bool = key(False, "bias on the MLP projections")
-    max_position: int = key(2048, "longest position the model is built for")
-    rope_theta: float = key(10000.0, "RoPE base frequency")
-    rms_norm_eps: float = key(1e-6, "epsilon of the RMS norms")
-    # bfloat16 for today's hub models
-    dtype: str | None = key(None, "the dtype the checkpoint stores, which precision=auto loads; a local "
-                            "config.json's dtype/torch_dtype wins")
-    # passed to every loader (tokenizer, config, weights)
-    trust_remote_code: bool = key(False, "run the model repository's own Python (modeling, tokenizer): only for "
-                                  "a source you trust")
-    allow_pickle: bool = key(False, "load pickle weights (*.bin, *.pt), which run code when loaded; false: "
-                             "safetensors only")
+def _config_fields(node: type) -> list[tuple[str, Any, Any]]:
+    """(name, type, field) of each key of spec node ``node`` as the config holds it: a flat
+    group's keys in its place, a derived field left out, a group as its twin."""
+    out: list[tuple[str, Any, Any]] = []
+    hints = typing.get_type_hints(node)
+    for f in dataclasses.fields(node):
+        t, md = hints[f.name], f.metadata
+        if md.get("derived"):
+            continue
+        if dataclasses.is_dataclass(t) and md.get("flat"):
+            out += _config_fields(t)  # type: ignore[arg-type]
+        elif dataclasses.is_dataclass(t):
+            twin = _twin(t)  # type: ignore[arg-type]
+            out.append((f.name, twin, dataclasses.field(default_factory=twin, metadata=md)))
+        else:
+            if f.default_factory is not dataclasses.MISSING:
+                made = dataclasses.field(default_factory=f.default_factory, metadata=md)
+            elif isinstance(f.default, tuple):  # a list in the config: a fresh one per instance
+                made = dataclasses.field(default_factory=functools.partial(list, f.default), metadata=md)
+            else:
+                made = dataclasses.field(default=f.default, metadata=md)
+            out.append((md.get("name", f.name), _config_type(t), made))
+    return out
 
 
-@dataclass
-class LoraConfig:
-    """LoRA/DoRA adapters (method=lora, dora, qlora)"""
-
-    rank: int = key(8, "adapter rank: more capacity, more trainable parameters and optimizer state")
-    alpha: float = key(16.0, "scale = alpha / rank (PEFT's convention; mlx-lm takes the scale)")
-    dropout: float = key(0.0, "dropout on the adapter's input")
-    keys: Any = key(None, "modules to adapt: null (q_proj, v_proj; Phi-3's qkv_proj), a list of the model's own "
-                    "names, all-linear, experts (MoE)")
-    num_layers: int = key(-1, "adapt the top N layers; -1: all")
-
-
-@dataclass
-class MethodConfig:
-    """how the model is adapted: LoRA, DoRA, QLoRA, or all weights"""
-
-    name: str = key("lora", "the method (method=...)")
-    lora: LoraConfig = key(meaning="LoRA/DoRA adapters", factory=LoraConfig)
-    # cuda: bitsandbytes NF4 (block 64); mlx: affine quantization with quant_group_size
-    quant_bits: int = key(4, "qlora: bits of the quantized base weights")
-    quant_type: str = key("nf4", "qlora on cuda: bitsandbytes' 4-bit type (nf4 or fp4)")
-    quant_group_size: int = key(64, "qlora on mlx: weights per affine quantization group")
-    double_quant: bool = key(True, "qlora on cuda: quantize the quantization constants too")
+@functools.cache
+def _twin(node: type) -> Any:
+    """The mutable twin of spec node ``node`` (``TrainSpec`` -> ``TrainConfig``, ``RunSpec`` ->
+    ``Config``): the same keys, defaults, meanings and checks, for Hydra to merge the YAML and the
+    overrides into."""
+    name = "Config" if node is RunSpec else node.__name__.removesuffix("Spec") + "Config"
+    twin = dataclasses.make_dataclass(name, _config_fields(node))
+    twin.__doc__, twin.__module__ = node.__doc__, __name__  # pickled by name (a sweep's launchers)
+    return twin
 
 
-@dataclass
-class OptimConfig:
-    """the optimizer and its settings"""
-
-    name: str = key("adamw", "the optimizer (optim=...)")
-    lr: float = key(1e-3, "peak learning rate (after warmup)")
-    weight_decay: float = key(0.0, "weight decay")
-    betas: list[float] = key(meaning="Adam's moment decay rates [beta1, beta2]", factory=lambda: [0.9, 0.999])
-    eps: float = key(1e-8, "Adam's epsilon (added to the denominator)")
-    momentum: float = key(0.0, "sgd: momentum; 0: plain SGD")
-    max_grad_norm: float | None = key(1.0, "clip the gradients' global norm to this; null: no clipping")
-    # HF Trainer's adamw_torch_fused; foreach (torch's default on a GPU) holds one more copy of
-    # every trainable tensor during the step
-    fused: bool = key(True, "adam/adamw on cuda: torch's fused kernel (no step workspace); false: torch's default")
-
-
-@dataclass
-class PrecisionConfig:
-    """the dtypes weights and compute run in"""
-
-    name: str = key("auto", "precision=...: auto (the checkpoint's dtype; LoRA/DoRA fp32), 32-true, bf16-mixed "
-                    "(fp32 master, bf16 autocast), bf16-true, 16-mixed")
+# The schema Hydra composes into, registered in its ConfigStore as ``config_schema`` (listed first
+# in conf/config.yaml's defaults), made from finetune/spec.py's tree: a misspelt key or a wrongly
+# typed value fails at compose time. Tests build one directly (Config(run_dir=...)) and set its keys.
+Config = _twin(RunSpec)
+BackendConfig = _twin(BackendSpec)
+ModelConfig = _twin(ModelSpec)
+MethodConfig = _twin(MethodSpec)
+LoraConfig = _twin(LoraSpec)
+OptimConfig = _twin(OptimSpec)
+PrecisionConfig = _twin(PrecisionSpec)
+DataConfig = _twin(DataSpec)
+TrainConfig = _twin(TrainSpec)
+MemoryConfig = _twin(MemorySpec)
+GenerateConfig = _twin(GenerateSpec)
 
 
-@dataclass
-class DataConfig:
-    """where the samples come from and how they are read"""
-
-    name: str = key("synthetic", "the data source (data=...)")
-    path: str | None = key(None, "jsonl: the file of records")
-    hf_name: str | None = key(None, "hf: the hub data set id (owner/name)")
-    hf_config: str | None = key(None, "hf: the data set's configuration (subset)")
-    hf_split: str = key("train", "hf: the split to read")
-    num_samples: int = key(2000, "synthetic: how many samples to generate")
-    max_samples: int | None = key(None, "jsonl/hf: cap on the records read; null: all")
-    val_fraction: float = key(0.05, "share of the samples held out for validation")
-    max_val_samples: int = key(64, "cap on the validation samples")
-    mask_prompt: bool = key(True, "prompt tokens carry no loss (only the answer is learned)")
-    # keyed by the data file, the tokenizer and the settings that change tokens
-    cache: bool = key(True, "reuse tokenized data cached on disk by the last run or sweep job; false: tokenize anew")
-    cache_dir: str | None = key(None, "the token cache; null: $FINETUNE_CACHE/tokens, else ~/.cache/finetune/tokens")
+def _leaves(node: type, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted config path, spec type, field) of every key of spec node ``node``, in order."""
+    out: list[tuple[str, Any, Any]] = []
+    hints = typing.get_type_hints(node)
+    for f in dataclasses.fields(node):
+        t, md = hints[f.name], f.metadata
+        if md.get("derived"):
+            continue
+        if dataclasses.is_dataclass(t):
+            out += _leaves(t, prefix if md.get("flat") else f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            out.append((prefix + md.get("name", f.name), t, f))
+    return out
 
 
-@dataclass
-class TrainConfig:
-    """steps, batches and the schedule"""
+def _interval_text(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    def num(x: float) -> str:  # 2**32 - 1 in full, not 4.29497e+09
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
-    steps: int = key(400, "optimizer steps")
-    batch_size: int = key(4, "micro-batch: samples per forward/backward (memory scales with it)")
-    grad_accum: int = key(1, "micro-batches per optimizer step; effective batch = batch_size * grad_accum")
-    seq_len: int = key(256, "max tokens per sample; longer ones are truncated (counted, warned)")
-    schedule: str = key("cosine", "learning-rate schedule after warmup")
-    warmup_steps: int = key(5, "steps of linear warmup to optim.lr")
-    eval_every: int = key(25, "steps between validation passes; 0: none")
-    eval_batches: int = key(4, "validation micro-batches per pass")
-    save_every: int = key(0, "steps between checkpoints (for train.resume); 0: only the final adapter")
-    seed: int = key(0, "random seed (data order, initialization, dropout)")
-    grad_checkpointing: bool = key(False, "recompute activations in backward: less memory, more compute")
-    # shapes repeat, so allocator caches reuse buffers instead of growing (capped at seq_len).
-    # benchmarks/mlx_footprint.py on CPU: padding cost 3-8% tokens/s and saved no memory once
-    # memory.cache_limit=auto bounds the cache
-    pad_multiple: int = key(0, "pad micro-batches to a multiple of N tokens; 1: trim to the longest; 0: auto (32 "
-                            "on an Apple GPU, as mlx-lm, else 1)")
-    resume: bool = key(False, "continue from the latest checkpoint in the run dir")
-    overwrite: bool = key(False, "a new run into a dir holding another run's checkpoints or result: false refuses "
-                          "it; true deletes them")
-    on_save_error: str = key("stop", "a checkpoint that cannot be written (disk full): stop (exit 2, the previous "
-                             "kept) or continue without it")
-    keep_checkpoints: int = key(2, "newest N checkpoints kept; the oldest goes once the new one is complete")
-    progress: bool = key(True, "progress bar on stderr")
-    loss_chunk: int = key(0, "chunked loss: logits this many tokens at a time, recomputed in backward (never the "
-                          "full [B, T, V]); 0: off")
-    compile: bool = key(False, "compile the step (mx.compile on mlx, torch.compile on cuda); off until it measures "
-                        "faster")
-    # cuda: transformers' position_ids path; mlx: a block-diagonal causal mask. Memory per
-    # micro-batch is set by tokens, not by the longest sample
-    packing: bool = key(False, "pack samples end to end into micro-batches of tokens_per_micro tokens: no pads, no "
-                        "attention across samples, the same loss")
-    tokens_per_micro: int | None = key(None, "tokens per packed micro-batch (the governor lowers it under memory "
-                                       "pressure); null: batch_size * seq_len")
-    pack_overflow: str = key("truncate", "a sample longer than tokens_per_micro: truncate its tail, or split it "
-                             "into pieces (every target kept once)")
-    # pads out of the loss, no sample's token sees one (backends/base.py pack_layout); the cost
-    # is compute on the pads
-    pack_fill: bool = key(False, "pad each step's last packed micro-batch to tokens_per_micro too: every step has "
-                          "the same shape and memory")
+    if hi == INF:
+        return f">= {num(lo)}" if lo_in else f"> {num(lo)}"
+    return f"in {'[' if lo_in else '('}{num(lo)}, {num(hi)}{']' if hi_in else ')'}"
 
 
-@dataclass
-class MemoryConfig:
-    """memory sampling, the budget, and what the governor may change"""
-
-    sample_every: int = key(1, "steps between memory samples; 0: off")
-    # the optimizer-phase sample of every sampled step keeps the peaks exact
-    phase_every: int = key(10, "after step 2, forward/backward samples on every N-th sampled step only; 1: all")
-    budget: str | None = key(None, "memory per device: bytes, a size (40GiB) or a share (90%); null: the device's "
-                             "own")
-    adapt: bool = key(True, "let the governor lower the micro-batch, checkpoint, chunk the loss or set limits")
-    supervise: bool = key(False, "mlx: restart from the last checkpoint after an uncatchable OOM")
-    # auto: after step 1, what that step freed and will ask for again (its measured peak above
-    # the live bytes), so the footprint stays near the peak
-    cache_limit: str | None = key("auto", "mlx: freed bytes kept for reuse: auto (what step 1 freed), a size "
-                                  "(512MiB), null (MLX's 32 MiB)")
-    # reserved falls back to what is live at each step's start, at the cost of new device
-    # allocations every step (HF Trainer's torch_empty_cache_steps)
-    empty_cache_every: int = key(0, "release the allocator's cache after every N-th optimizer step; 0: never")
-    # tests/data/mac_device_info.json holds several; null: memory.budget taken as the Mac's RAM off a Mac
-    device_info: str | None = key(None, "mlx plan: a Mac's mx.device_info() JSON (FILE or FILE:NAME) to judge the "
-                                  "peak against; null: this Mac's")
-
-
-@dataclass
-class GenerateConfig:
-    """mode=generate: load the base and a run's adapter and print a completion."""
-
-    prompt: str | None = key(None, "the user's message, or the text to continue (see generate.chat_template)")
-    adapter: str | None = key(None, "a run dir or adapter dir; null: the base model alone")
-    max_new_tokens: int = key(64, "tokens to generate at most")
-    temperature: float = key(0.0, "sampling temperature; 0: greedy")
-    chat_template: bool | None = key(None, "true: the prompt goes through the tokenizer's chat template; false: raw "
-                                     "text; null: as the adapter's run formatted its prompts (adapter/finetune.json), "
-                                     "else the chat template where the tokenizer has one")
-
-
-# mode -> what a command with it does (finetune --help lists them; the resolver checks mode against them)
-MODES = {
-    "train": "train, writing the adapter (or weights), metrics.jsonl, summary.json and the memory account",
-    "plan": "predict memory per category for the load, step 1 and the steady state (plan.json); loads no weights",
-    "generate": 'print a completion of prompt="..." from the base and a run\'s adapter (generate.adapter=RUN_DIR); '
-                "no run dir",
-}
-
-
-@dataclass
-class Config:
-    """the mode, the loggers, a sweep's settings and keys of your own"""
-
-    backend: BackendConfig = key(meaning="which framework runs the job", factory=BackendConfig)
-    model: ModelConfig = key(meaning="the model", factory=ModelConfig)
-    method: MethodConfig = key(meaning="how the model is adapted", factory=MethodConfig)
-    optim: OptimConfig = key(meaning="the optimizer", factory=OptimConfig)
-    precision: PrecisionConfig = key(meaning="dtypes", factory=PrecisionConfig)
-    data: DataConfig = key(meaning="the samples", factory=DataConfig)
-    train: TrainConfig = key(meaning="the training loop", factory=TrainConfig)
-    memory: MemoryConfig = key(meaning="memory accounting and the governor", factory=MemoryConfig)
-    # each chosen option of the `logger` group (logger=[tensorboard,mlflow]) adds its settings
-    # under its name, e.g. logger.tensorboard; its keys are its YAML's (conf/logger/)
-    logger: dict[str, Any] = key(meaning="loggers beside metrics.jsonl (always written), chosen with logger=[...]; "
-                                 "each one's keys sit under its name (logger.wandb.mode)", factory=dict)
-    generate: GenerateConfig = key(meaning="mode=generate", factory=GenerateConfig)
-    prompt: str | None = key(None, "mode=generate: the same as generate.prompt (the short form)")
-    # see finetune/sweep.py
-    isolate_jobs: bool = key(True, "multirun: each job in a fresh process (its own memory baseline)")
-    # either way the sweep exits 1 naming the failed jobs
-    fail_fast: bool = key(False, "multirun: stop the sweep at the first failed job; false: record it (failed.json) "
-                          "and go on")
-    # a job whose plan exceeds memory.budget is pruned before loading anything
-    objective: str | None = key(None, "multirun with Optuna: what a job returns (maximized or minimized); null: "
-                                "its summary")
-    mode: str = key("train", "what the command does (finetune --help lists the modes)")
-    # set from Hydra's run dir by the CLI, settable for tests
-    run_dir: str = key(MISSING, "where the run writes (hydra.run.dir sets it)")
-    extra: dict[str, Any] = key(meaning="keys of your own (+extra.NAME=VALUE), recorded with the run", factory=dict)
-
-
-# backend.name is checked against the registry (finetune.backends.BACKENDS), never restated here
-VALID = {
-    "data.name": ("synthetic", "jsonl", "hf"),
-    "train.schedule": ("constant", "linear", "cosine"),
-    "train.on_save_error": ("stop", "continue"),
-    "train.pack_overflow": ("truncate", "split"),
-    "mode": tuple(MODES),
-}
+_KEYS = _leaves(RunSpec)
+# The tables the resolver checks against, read from the fields' metadata (finetune/spec.py).
+# key -> its choices (backend.name is checked against the registry, finetune.backends.BACKENDS)
+VALID = {p: f.metadata["choices"] for p, _, f in _KEYS if isinstance(f.metadata.get("choices"), tuple)}
 # Checked against the chosen backend's capabilities (finetune/backends/<name>/capabilities.py),
-# never against a list restated here.
-BACKEND_KEYS = ("method.name", "optim.name", "precision.name", "backend.attn_implementation", "backend.strategy")
+# never against a list restated here; a group's choice is named before a setting's.
+BACKEND_KEYS = tuple(sorted((p for p, _, f in _KEYS if f.metadata.get("choices") == CAPABILITIES),
+                            key=lambda p: not p.endswith(".name")))
+# Every numeric key of the schema and its range: (low, high, low inclusive, high inclusive,
+# None allowed); a tuple's values as key.0, key.1. tests/test_bad_input.py sweeps this table with
+# a value outside each range.
+RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {}
+# keys whose valid values are no one interval: key -> (its range, one value beside it that is
+# valid too), checked by the resolver's check_ranges, and how a user reads that
+RANGE_OR: dict[str, tuple[tuple[float, float, bool, bool], Any]] = {}
+RANGE_TEXT: dict[str, str] = {}
+# why a bound is there, where it is not plain arithmetic
+RANGE_HINTS = {p: f.metadata["hint"] for p, _, f in _KEYS if "hint" in f.metadata}
+for _path, _type, _field in _KEYS:
+    if "range" not in _field.metadata:
+        continue
+    _rng = (*_field.metadata["range"], type(None) in typing.get_args(_type))
+    if "also" in _field.metadata:
+        RANGE_OR[_path] = (_field.metadata["range"], _field.metadata["also"])
+        RANGE_TEXT[_path] = f"{_interval_text(*_field.metadata['range'])} or {_field.metadata['also']}"
+    elif typing.get_origin(_type) is tuple:
+        RANGES.update({f"{_path}.{i}": _rng for i, _ in enumerate(typing.get_args(_type))})
+    else:
+        RANGES[_path] = _rng
 
 
 def register_configs() -> None:
@@ -321,72 +196,6 @@ def compose(run_dir: Any, *overrides: str) -> Any:
     return cfg
 
 
-# Every numeric key of the schema and its range: (low, high, low inclusive, high inclusive,
-# None allowed). tests/test_bad_input.py sweeps this table with a value outside each range.
-INF = float("inf")
-RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
-    "backend.num_devices": (1, INF, True, False, True),
-    "model.hidden_size": (1, INF, True, False, False),
-    "model.num_layers": (1, INF, True, False, False),
-    "model.num_heads": (1, INF, True, False, False),
-    "model.num_kv_heads": (1, INF, True, False, False),
-    "model.head_dim": (1, INF, True, False, True),
-    "model.intermediate_size": (1, INF, True, False, False),
-    "model.vocab_size": (1, INF, True, False, False),
-    "model.max_position": (1, INF, True, False, False),
-    "model.rope_theta": (0, INF, False, False, False),
-    "model.rms_norm_eps": (0, 1, False, False, False),
-    "method.lora.rank": (1, INF, True, False, False),
-    "method.lora.alpha": (0, INF, False, False, False),
-    "method.lora.dropout": (0, 1, True, False, False),
-    "method.quant_bits": (2, 8, True, True, False),
-    "method.quant_group_size": (1, INF, True, False, False),
-    "optim.lr": (0, INF, False, False, False),
-    "optim.weight_decay": (0, INF, True, False, False),
-    "optim.betas.0": (0, 1, True, False, False),
-    "optim.betas.1": (0, 1, True, False, False),
-    "optim.eps": (0, 1, False, False, False),
-    "optim.momentum": (0, 1, True, False, False),
-    "optim.max_grad_norm": (0, INF, False, False, True),
-    "data.num_samples": (1, INF, True, False, False),
-    "data.max_samples": (1, INF, True, False, True),
-    "data.val_fraction": (0, 1, True, False, False),
-    "data.max_val_samples": (0, INF, True, False, False),
-    "train.steps": (1, INF, True, False, False),
-    "train.loss_chunk": (0, INF, True, False, False),
-    "train.batch_size": (1, INF, True, False, False),
-    "train.grad_accum": (1, INF, True, False, False),
-    "train.seq_len": (8, INF, True, False, False),
-    "train.warmup_steps": (0, INF, True, False, False),
-    "train.eval_every": (0, INF, True, False, False),
-    "train.eval_batches": (0, INF, True, False, False),
-    "train.save_every": (0, INF, True, False, False),
-    "train.seed": (0, 2**32 - 1, True, True, False),
-    "train.pad_multiple": (0, INF, True, False, False),
-    "train.keep_checkpoints": (1, INF, True, False, False),
-    "train.tokens_per_micro": (2, INF, True, False, True),
-    "memory.sample_every": (0, INF, True, False, False),
-    "memory.phase_every": (1, INF, True, False, False),
-    "memory.empty_cache_every": (0, INF, True, False, False),
-    "generate.max_new_tokens": (1, INF, True, False, False),
-    "generate.temperature": (0, INF, True, False, False),
-}
-# keys whose valid values are no one interval (checked by the resolver's check_ranges)
-RANGE_TEXT = {"method.lora.num_layers": ">= 1 or -1"}
-# why a bound is there, where it is not plain arithmetic
-RANGE_HINTS = {
-    "train.seq_len": "shorter leaves no room for a prompt and its answer",
-    "train.seed": "seeds are 32-bit",
-    "method.lora.num_layers": "-1 adapts every layer",
-    "memory.sample_every": "0 turns sampling off",
-    "train.eval_every": "0 turns evaluation off",
-    "train.save_every": "0 saves only the final adapter",
-    "train.pad_multiple": "1: no padding; 0: auto",
-    "method.lora.dropout": "a probability",
-    "data.val_fraction": "a fraction of the data",
-}
-
-
 def range_text(dotted: str) -> str | None:
     """The valid values of numeric key ``dotted`` as a user reads them (">= 1", "in [0, 1)"),
     from RANGES (or RANGE_TEXT); None for a key without a range."""
@@ -394,13 +203,7 @@ def range_text(dotted: str) -> str | None:
         return RANGE_TEXT[dotted]
     if dotted not in RANGES:
         return None
-    lo, hi, lo_in, hi_in, _ = RANGES[dotted]
-    def num(x: float) -> str:  # 2**32 - 1 in full, not 4.29497e+09
-        return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-    if hi == INF:
-        return f">= {num(lo)}" if lo_in else f"> {num(lo)}"
-    return f"in {'[' if lo_in else '('}{num(lo)}, {num(hi)}{']' if hi_in else ')'}"
+    return _interval_text(*RANGES[dotted][:4])
 
 
 # Free-form nodes: their keys are the user's (extra) or each logger option's own YAML.

@@ -15,6 +15,8 @@ below it, so the planner and the backends read a spec without importing this mod
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from finetune.budget import parse_budget
 from finetune.config import (
     BACKEND_KEYS,
     RANGE_HINTS,
+    RANGE_OR,
     RANGES,
     VALID,
     Config,
@@ -38,23 +41,7 @@ from finetune.config import (
 )
 from finetune.errors import UserError
 from finetune.planner.model import resolve as resolve_setup
-from finetune.spec import (
-    BackendSpec,
-    DataSpec,
-    GenerateSpec,
-    LoraSpec,
-    MemorySpec,
-    MethodSpec,
-    ModelSpec,
-    OptimSpec,
-    PathsSpec,
-    PrecisionSpec,
-    QuantSpec,
-    RunSpec,
-    SweepSpec,
-    TrainSpec,
-    World,
-)
+from finetune.spec import RunSpec, World
 
 # -- the config's checks: choices, the backend's capabilities, ranges, unknown keys ------------
 
@@ -148,9 +135,12 @@ def check_ranges(cfg: DictConfig) -> None:
             fail(dotted, value, f"a number {rng}")
         if (value < lo if lo_in else value <= lo) or (value > hi if hi_in else value >= hi):
             fail(dotted, value, rng)
-    n = cfg.method.lora.num_layers
-    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
-        fail("method.lora.num_layers", n, str(range_text("method.lora.num_layers")))
+    for dotted, ((lo, hi, lo_in, hi_in), also) in RANGE_OR.items():  # method.lora.num_layers: >= 1 or -1
+        value = _value(cfg, dotted)
+        outside = not isinstance(value, (int, float)) or not (
+            (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi))
+        if isinstance(value, bool) or (outside and value != also):
+            fail(dotted, value, str(range_text(dotted)))
     budget = cfg.memory.budget
     if budget is not None:
         parse_budget(budget, 2**40)  # the size only checks a percentage's range here
@@ -194,11 +184,26 @@ def _plain(node: Any) -> Any:
     return node
 
 
-def _fields(node: Any, cls: type, **given: Any) -> Any:
-    """``cls`` with each of its fields read from the config node of the same name, except
-    those ``given``."""
-    values = {f.name: _plain(node[f.name]) for f in dataclasses.fields(cls) if f.name not in given}
-    return cls(**values, **given)
+def _build(node: Any, cls: Any) -> Any:
+    """Spec node ``cls`` with each key read from config ``node`` where the schema puts it (a flat
+    group's keys in ``node`` itself, a key under its config ``name``); its derived fields keep
+    their defaults, for the resolver to set."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        t, md = _hints(cls)[f.name], f.metadata
+        if md.get("derived"):
+            continue
+        if dataclasses.is_dataclass(t):
+            values[f.name] = _build(node if md.get("flat") else node[f.name], t)
+        else:  # indexed: a DictConfig's .keys is a method (method.lora.keys)
+            value = _plain(node[md.get("name", f.name)])
+            values[f.name] = Path(str(value)) if t is Path else value
+    return cls(**values)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def as_dictconfig(cfg: Any) -> DictConfig:
@@ -209,37 +214,25 @@ def as_dictconfig(cfg: Any) -> DictConfig:
 
 
 def _spec(cfg: DictConfig, world: World) -> RunSpec:
-    b, m, g = cfg.backend, cfg.method, cfg.generate
-    method = MethodSpec(
-        name=str(m.name),
-        lora=_fields(m.lora, LoraSpec, keys=_plain(m.lora["keys"])),  # DictConfig.keys is a method: index it
-        quant=QuantSpec(bits=int(m.quant_bits), type=str(m.quant_type), group_size=int(m.quant_group_size),
-                        double_quant=bool(m.double_quant)))
+    """The spec of ``cfg`` (every key where the schema, finetune/spec.py, puts it), with what the
+    resolver derives: the concrete backend, the prompt's short form, the loggers' settings, the
+    world and the record."""
+    spec = _build(cfg, RunSpec)
+    b = spec.backend
     n = b.num_devices
     if world.num_devices is not None:
         n = world.num_devices
     elif world.world_size > 1 and b.device_map != "auto":
         n = world.world_size
-    return RunSpec(
-        mode=str(cfg.mode),
-        backend=_fields(b, BackendSpec, resolved=concrete_name(str(b.name))),
-        model=_fields(cfg.model, ModelSpec),
-        method=method,
-        optim=_fields(cfg.optim, OptimSpec),
-        precision=_fields(cfg.precision, PrecisionSpec),
-        data=_fields(cfg.data, DataSpec),
-        train=_fields(cfg.train, TrainSpec),
-        memory=_fields(cfg.memory, MemorySpec),
-        loggers={str(k): dict(v or {}) for k, v in (_plain(cfg.logger) or {}).items()},
-        generate=GenerateSpec(prompt=g.prompt or cfg.prompt, adapter=g.adapter,
-                              max_new_tokens=int(g.max_new_tokens), temperature=float(g.temperature),
-                              chat_template=None if g.chat_template is None else bool(g.chat_template)),
-        sweep=_fields(cfg, SweepSpec),
-        paths=PathsSpec(run_dir=Path(str(cfg.run_dir))),
+    return dataclasses.replace(
+        spec,
+        backend=dataclasses.replace(b, resolved=concrete_name(str(b.name))),
+        generate=dataclasses.replace(spec.generate, prompt=spec.generate.prompt or spec.prompt),
+        loggers={str(k): dict(v or {}) for k, v in (spec.loggers or {}).items()},
+        extra=dict(spec.extra or {}),
         world=World(rank=world.rank, world_size=world.world_size, local_devices=world.local_devices,
                     num_devices=int(n) if n else None),
-        extra=dict(_plain(cfg.extra) or {}),
-        record=OmegaConf.to_container(cfg, resolve=True),  # type: ignore[arg-type]
+        record=OmegaConf.to_container(cfg, resolve=True),
     )
 
 

@@ -84,7 +84,7 @@ def test_help_lists_every_mode_and_each_keys_meaning_default_and_values() -> Non
     for k in keyhelp.leaf_keys():
         assert any(ln.startswith(f"  {k.path}=") for ln in lines), k.path
     flat = " ".join(out.split())  # the meanings wrap; read them unwrapped
-    assert "train.steps=100 optimizer steps [>= 1]" in flat
+    assert "train.steps=400 optimizer steps [>= 1]" in flat
     assert "train.schedule=cosine learning-rate schedule after warmup [constant, linear, cosine]" in flat
     assert "mode=train what the command does (finetune --help lists the modes) [train, plan, generate]" in flat
     assert "backend.strategy=ddp several processes:" in flat and "[cuda: ddp, fsdp; mlx: ddp]" in flat
