@@ -46,7 +46,6 @@ import argparse
 import json
 import re
 import shutil
-import struct
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ from finetune.model_source import (PICKLE_SUFFIXES, TEXT_KEY_MAPPING, TOKENIZER_
                                    load_causal_lm)
 from finetune.planner.describe import FAMILIES, describe
 from finetune.prompting import RECORD_FILE
+from finetune.safetensors_io import Tensor, dtype_bytes, header, read_safetensors, tensors_of, write_safetensors
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -71,84 +71,6 @@ PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers 
 # TOKENIZER_FILES, and the base's sampling defaults)
 BASE_FILES = (*TOKENIZER_FILES, "generation_config.json")
 _LAYER = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<index>\d+)\.(?P<rel>.+)$")
-
-# ---- safetensors, framework-free ----------------------------------------------------------
-# The format: an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
-# data_offsets}, "__metadata__": {str: str}}, then the raw little-endian tensor bytes.
-# bf16 is kept as its raw uint16 bits (no arithmetic is done on adapter tensors).
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-              "U32": np.uint32, "BOOL": np.bool_}
-
-
-@dataclass
-class Tensor:
-    """A tensor as stored: its safetensors dtype name and its values (bf16 as uint16 bits)."""
-
-    dtype: str
-    data: np.ndarray
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
-
-    @property
-    def T(self) -> Tensor:  # numpy's name for the transpose
-        return Tensor(self.dtype, np.ascontiguousarray(self.data.T))
-
-
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header of ``path`` and the byte offset where tensor data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise UserError(f"{path} is not a safetensors file (too short); re-save it with safetensors")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise UserError(f"{path} is not a safetensors file (bad header); re-save it with safetensors") from None
-    return header, 8 + n
-
-
-def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Every tensor of ``path`` (values copied out of the file) and its ``__metadata__``."""
-    header, start = read_header(path)
-    meta = header.pop("__metadata__", None) or {}
-    raw = Path(path).read_bytes()
-    out = {}
-    for name, h in header.items():
-        if h["dtype"] not in _ST_DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {h['dtype']}, which finetune-export does not convert")
-        b, e = h["data_offsets"]
-        dtype = np.dtype(_ST_DTYPES[h["dtype"]]).newbyteorder("<")
-        count = int(np.prod(h["shape"], dtype=np.int64))
-        if count * dtype.itemsize != e - b or start + e > len(raw):
-            raise UserError(f"{path}: tensor {name} does not fit its byte range; the file is damaged")
-        arr = np.frombuffer(raw, dtype=dtype, count=count, offset=start + b)
-        out[name] = Tensor(h["dtype"], arr.reshape(h["shape"]).copy())
-    return out, meta
-
-
-def write_safetensors(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (sorted by name, as the safetensors library does) into ``path``."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
-        n = t.data.nbytes
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as the library writes it
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in names:
-            data = tensors[name].data
-            f.write(np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).tobytes())
-
 
 # ---- the adapter, in neither format ------------------------------------------------------
 @dataclass
@@ -435,8 +357,7 @@ def resolve_base(name: str | None, adapter: Adapter, flag: bool, allow_pickle: b
                         "code when loaded; convert them to safetensors, or add --allow-pickle if you trust the source")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in safetensors:
-        header, _ = read_header(f)
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        shapes.update({k: tuple(v["shape"]) for k, v in tensors_of(header(f)[0]).items()})
     if not safetensors:
         shapes = _pickle_shapes(pickles)
     config = _read_json(local / "config.json")
@@ -737,6 +658,12 @@ def _bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB ({n:,} bytes)"
 
 
+def _float_bytes(dtype: str, default: int) -> int:
+    """Bytes per element of a float dtype mlx-lm keeps when it dequantizes (F32, F16, BF16),
+    else ``default`` (a U8 scale dequantizes to 16 bits)."""
+    return int(dtype_bytes(dtype) or default) if dtype in ("F32", "F16", "BF16") else default
+
+
 def dequantize_cost(base: Base) -> tuple[int, int]:
     """(bytes of the quantized base's weights now, bytes once dequantized to the dtype of its
     scales, as mlx-lm's fuse --dequantize writes them)."""
@@ -744,9 +671,7 @@ def dequantize_cost(base: Base) -> tuple[int, int]:
     now = sum(f.stat().st_size for f in base.path.glob("*.safetensors"))
     header_dtypes: dict[str, str] = {}
     for f in base.path.glob("*.safetensors"):
-        header, _ = read_header(f)
-        header_dtypes.update({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
-    size = {"F32": 4, "F16": 2, "BF16": 2}
+        header_dtypes.update({k: v["dtype"] for k, v in tensors_of(header(f)[0]).items()})
     after = 0
     for name, shape in base.shapes.items():
         mod, _, leaf = name.rpartition(".")
@@ -755,9 +680,9 @@ def dequantize_cost(base: Base) -> tuple[int, int]:
             continue
         n = int(np.prod(shape))
         if quantized and leaf == "weight":
-            after += n * 32 // _bits(q, mod) * size.get(header_dtypes[mod + ".scales"], 2)
+            after += n * 32 // _bits(q, mod) * _float_bytes(header_dtypes[mod + ".scales"], 2)
         else:
-            after += n * size.get(header_dtypes[name], 4)
+            after += n * _float_bytes(header_dtypes[name], 4)
     return now, after
 
 
