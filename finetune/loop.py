@@ -26,7 +26,7 @@ from finetune.backends import OutOfMemory, resolve_backend_name
 from finetune.backends.base import Batch, Comm, pack, pack_layout
 from finetune.backends.runtimes import get_backend
 from finetune.checkpointing import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
-from finetune.data import rank_slice
+from finetune.data.batches import rank_slice
 from finetune.errors import UserError
 from finetune.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors

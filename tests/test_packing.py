@@ -32,7 +32,8 @@ from finetune.backends.base import Batch, pack
 
 from finetune import loop as loop_mod
 from finetune.config import Config, ModelConfig
-from finetune.data import Tokenized, fit_to_micro, packed_widths
+from finetune.data import Tokenized
+from finetune.data.batches import fit_to_micro, packed_widths
 from finetune.loop import train
 from finetune.resolver import resolve
 from finetune.tiny import build_tiny
@@ -268,7 +269,7 @@ import mlx.core as mx
 from finetune.backends.base import Batch, pack
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import compose
-from finetune.data import packed_pair_span, packed_widths
+from finetune.data.batches import packed_pair_span, packed_widths
 from finetune.model_source import resolve_model_dir
 from finetune.resolver import resolve
 from finetune import planner
