@@ -11,13 +11,12 @@ samples it trains on or in what order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from finetune.backends import capabilities, run_device
-from finetune.backends.base import Batch, pack_layout, padded_length
+from finetune.backends.base import Batch, PackedFigures, pack_figures, pack_layout, padded_length
 from finetune.data.tokens import Tokenized
 from finetune.errors import UserError
 from finetune.spec import RunSpec
@@ -146,42 +145,23 @@ def packed_pair_span(lengths: np.ndarray, tokens_per_micro: int, fill: bool = Fa
     of ``lengths``: each one's segments' squares (its samples, with the pads that follow them
     under ``fill``, and its pad segments) summed over its columns, what attention run one
     sample at a time computes."""
-    lens = [int(x) for x in lengths]
-    return max(r.pair_span(lens) for r in pack_layout(lens, tokens_per_micro, fill, segment))
-
-
-@dataclass(frozen=True)
-class PackedSteps:
-    """What the packed micro-batches of a run's steps hold at most (``packed_steps``)."""
-
-    widest: int  # columns of the widest micro-batch
-    targets: int  # target positions of the micro-batch that holds the most (the output head's rows)
-    pair_span: float  # (query, key) pairs per position of the micro-batch with the most (packed_pair_span)
-    pad_tokens: int  # pad columns over all the steps and ranks (what pack computes and no loss counts)
+    return pack_figures(lengths, np.zeros(len(lengths), np.int64), tokens_per_micro, fill, segment).pair_span
 
 
 def packed_steps(src: DataSource, targets: np.ndarray, tokens_per_micro: int, steps: int, world_size: int = 1,
-                 fill: bool = False) -> PackedSteps:
+                 fill: bool = False) -> PackedFigures:
     """The micro-batches ``pack`` makes of the first ``steps`` optimizer steps of ``src``, each
     rank packing its own share of a step (``rank_slice``: rows rank, rank + W, ...), read
     from the samples' lengths and target counts (``targets``: ``Tokenized.targets``, which
     ``pack`` keeps: it masks each sample's first token). Under ``fill`` each sample's segment
     is padded up to the data's longest sample (``DataSource.longest``), as the loop packs it."""
-    segment = src.longest
-    widest = most = pads = 0
-    span = 0.0
+    out = PackedFigures(0, 0, 0.0, 0, 0)
     for i in range(steps):
         idx = src.step_indices(i)
         for rank in range(world_size):
             mine = idx[rank::world_size]
-            lens = [int(n) for n in src.lengths[mine]]
-            tgt = targets[mine]
-            for r in pack_layout(lens, tokens_per_micro, fill, segment):
-                widest = max(widest, r.width)
-                most = max(most, int(tgt[r.first:r.end].sum()))
-                span = max(span, r.pair_span(lens))
-                pads += r.width - r.used
-    return PackedSteps(widest, most, span, pads)
+            out = out.merge(pack_figures(src.lengths[mine], targets[mine], tokens_per_micro, fill, src.longest))
+    return out
 
 
 def fit_to_micro(tok: Tokenized, cap: int, overflow: str) -> tuple[Tokenized, int]:
