@@ -162,6 +162,42 @@ def pack_layout(lengths: Any, tokens_per_micro: int, fill: bool = False, segment
     return out
 
 
+@dataclass(frozen=True)
+class PackedFigures:
+    """What the micro-batches ``pack`` makes hold at most: the figures a plan prices a packed
+    run with (``pack_figures``; over several steps and ranks, ``merge``)."""
+
+    widest: int  # columns of the widest micro-batch
+    targets: int  # target positions of the micro-batch that holds the most (the output head's rows)
+    pair_span: float  # (query, key) pairs per position of the micro-batch with the most (PackedRow.pair_span)
+    longest: int  # tokens of the longest segment attention runs over alone (a sample with its pads, or pads)
+    pad_tokens: int  # pad columns of them all (what pack computes and no loss counts)
+
+    def merge(self, other: PackedFigures) -> PackedFigures:
+        """The figures of both sets of micro-batches together."""
+        return PackedFigures(max(self.widest, other.widest), max(self.targets, other.targets),
+                             max(self.pair_span, other.pair_span), max(self.longest, other.longest),
+                             self.pad_tokens + other.pad_tokens)
+
+
+def pack_figures(lengths: Any, targets: Any, tokens_per_micro: int, fill: bool = False,
+                 segment: int | None = None) -> PackedFigures:
+    """The figures of the micro-batches ``pack`` makes of samples of ``lengths`` (in order, as
+    ``pack_layout`` lays them out), read from the samples' lengths and target counts without
+    building them: ``targets[i]`` is sample i's label tokens past its first (which ``pack``
+    masks: the position before it belongs to another sample)."""
+    lens = [int(n) for n in lengths]
+    widest = most = longest = pads = 0
+    span = 0.0
+    for r in pack_layout(lens, tokens_per_micro, fill, segment):
+        widest = max(widest, r.width)
+        most = max(most, int(np.sum(targets[r.first:r.end], dtype=np.int64)))
+        span = max(span, r.pair_span(lens))
+        longest = max(longest, max(r.segments(lens), default=0))
+        pads += r.width - r.used
+    return PackedFigures(widest, most, span, longest, pads)
+
+
 def pack(batch: Batch, tokens_per_micro: int, pad_id: int = 0, fill: bool = False,
          segment: int | None = None) -> list[Batch]:
     """The samples of ``batch`` (a padded step, rows in the sampler's order) end to end in

@@ -63,7 +63,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from finetune.config import compose
-    from finetune.data import collate, tokenize
+    from finetune.data import tokenize
+    from finetune.data.batches import collate
     from finetune.model_source import resolve_model_dir
 
     model_dir = resolve_model_dir(compose("/tmp/unused", *MODELS[a.model]).model)

@@ -144,8 +144,8 @@ def classify(frames: list[tuple[str, str, int]]) -> str:
         return "ours|run log (metrics.jsonl, progress)"
     if any(p == "finetune/governor.py" for p in paths):
         return "ours|governor"
-    if any(p in ("finetune/data.py", "finetune/tokcache.py", "backends/base.py") for p in paths) or has("rank_slice"):
-        return "data|batch assembly (data.py, Batch.split)"
+    if any(p.startswith("finetune/data/") or p in ("finetune/tokcache.py", "backends/base.py") for p in paths) or has("rank_slice"):
+        return "data|batch assembly (finetune/data/, Batch.split)"
     if has("MlxBackend._arrays"):
         return "data|host to device (arrays)"
     leaf_func, leaf_path, leaf_line = frames[-1]

@@ -34,7 +34,8 @@ from typing import Any
 
 from finetune.backends import capabilities
 from finetune.backends.runtimes import get_backend
-from finetune.export import MLX_CONFIG, convert, detect_format, find_adapter_dir
+from finetune.export.adapters import MLX_CONFIG, detect_format, find_adapter_dir
+from finetune.export.conversion import convert
 from finetune.errors import UserError
 from finetune.model_source import check_weights, resolve_model_dir
 from finetune.prompting import Prompt, has_chat_template, read_record, wrap

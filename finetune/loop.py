@@ -23,10 +23,10 @@ from typing import Any, NoReturn
 
 from finetune import checkpoints
 from finetune.backends import OutOfMemory, resolve_backend_name
-from finetune.backends.base import Batch, Comm, pack, pack_layout
+from finetune.backends.base import Batch, Comm, pack, pack_figures
 from finetune.backends.runtimes import get_backend
 from finetune.checkpointing import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
-from finetune.data import rank_slice
+from finetune.data.batches import rank_slice
 from finetune.errors import UserError
 from finetune.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors
@@ -339,14 +339,12 @@ class Trainer:
             return mine.split(self.governor.micro)
         fill, segment = self.spec.train.pack_fill, self.data.longest
         parts = pack(mine, tokens, self.data.pad_id, fill=fill, segment=segment)
-        self._step_max_len = max(int(p.input_ids.shape[1]) for p in parts)  # the widest row: what calibration plans
-        # the step's own rows, what the calibration plan prices with them: the most targets of a
-        # row, the most attention pairs per position, the longest segment (a sample or pads)
-        lens = [int(n) for n in mine.lengths]
-        rows = pack_layout(lens, tokens, fill, segment)
-        self._step_rows = {"row_targets": max(int(p.loss_mask[0, 1:].sum()) for p in parts),
-                           "pair_span": max(r.pair_span(lens) for r in rows),
-                           "longest": max(max(r.segments(lens)) for r in rows)}
+        # the step's own rows, what the calibration plan prices with them: the widest row, the
+        # most targets of a row, the most attention pairs per position, the longest segment (a
+        # sample or pads); a sample's targets are its mask past its first token (collate pads with 0)
+        rows = pack_figures(mine.lengths, mine.loss_mask[:, 1:].sum(axis=1), tokens, fill, segment)
+        self._step_max_len = rows.widest
+        self._step_rows = {"row_targets": rows.targets, "pair_span": rows.pair_span, "longest": rows.longest}
         return parts
 
     def _agreed_sample(self, step: int, sample: Sample | None) -> Mapping[str, Any] | None:

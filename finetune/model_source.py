@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, cast
 
-from finetune import quiet
+from finetune import quiet, safetensors_io
 from finetune.errors import UserError
 from finetune.spec import ModelSpec
 from finetune.tiny import _arch, build_tiny, hf_config
@@ -421,7 +421,7 @@ def check_weights(model_dir: Path | str, model: ModelSpec) -> None:
     pickles = [p for p in files if p.name.endswith(PICKLE_SUFFIXES) and "training_args" not in p.name]
     if safetensors:
         for f in sorted(safetensors):
-            why = safetensors_damage(f)
+            why = safetensors_io.damage(f)
             if why is not None:
                 raise UserError(f"{f} is damaged ({why}), as an interrupted download leaves it; "
                                 f"{_download_again(f, model)}")
@@ -433,71 +433,6 @@ def check_weights(model_dir: Path | str, model: ModelSpec) -> None:
         raise UserError(f"model.path={d} has only pickle weights ({pickles[0].name}), which run code when loaded; "
                         "convert them to safetensors, or set model.allow_pickle=true if you trust the source")
     raise UserError(f"model.path={d} holds no weights (*.safetensors); point model.path at a complete model directory")
-
-
-# safetensors' own limit on the JSON header (safetensors/src/tensor.rs MAX_HEADER_SIZE): a
-# larger length in the first 8 bytes is not a header but damage.
-SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
-# bytes per element of safetensors' dtype names (safetensors/src/tensor.rs Dtype); a name not
-# here is left unchecked rather than refused (the format may grow).
-_ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                   "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
-
-
-def _safetensors_header(p: Path) -> tuple[dict[str, Any], int, int] | str:
-    """(the JSON header, its length, the file's size) of a ``.safetensors`` file, or why it has
-    none (the 8-byte little-endian length, then that many bytes of a JSON object)."""
-    import json
-
-    try:
-        size = p.stat().st_size
-        with p.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"{size} bytes, shorter than the 8-byte header length"
-            n = int.from_bytes(head, "little")
-            if n > SAFETENSORS_MAX_HEADER_BYTES or 8 + n > size:
-                return f"its header claims {n:,} bytes but the file holds {size:,}"
-            raw = f.read(n)
-    except OSError as e:
-        return f"unreadable: {e.strerror or e}"
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return "its header is not valid JSON"
-    if not isinstance(header, dict):
-        return "its header is not a JSON object"
-    return header, n, size
-
-
-def safetensors_damage(path: Path | str) -> str | None:
-    """Why a ``.safetensors`` file cannot be whole, or None when its layout holds: the 8-byte
-    little-endian header length, the JSON header it announces, and every tensor's
-    ``data_offsets`` inside the file (their end is the file's end, as safetensors writes it),
-    each tensor's bytes its dtype times its shape. Reads the header only: no torch, no weights."""
-    import math
-
-    got = _safetensors_header(Path(path))
-    if isinstance(got, str):
-        return got
-    header, n, size = got
-    data_bytes, end_max = size - 8 - n, 0
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        off = t.get("data_offsets") if isinstance(t, dict) else None
-        if (not isinstance(off, list) or len(off) != 2 or not all(isinstance(x, int) for x in off)
-                or not 0 <= off[0] <= off[1]):
-            return f"tensor {name} has no valid data_offsets"
-        if off[1] > data_bytes:
-            return f"tensor {name} ends at byte {8 + n + off[1]:,} of a {size:,}-byte file"
-        width, shape = _ST_DTYPE_BYTES.get(str(t.get("dtype"))), t.get("shape")
-        if width is not None and isinstance(shape, list) and off[1] - off[0] != width * math.prod(shape):
-            return f"tensor {name} holds {off[1] - off[0]:,} bytes, not {t['dtype']}{shape}"
-        end_max = max(end_max, off[1])
-    if end_max != data_bytes:
-        return f"{data_bytes - end_max:,} bytes after its last tensor"
-    return None
 
 
 def _shard_names(index: Path) -> list[str]:
@@ -551,12 +486,11 @@ def _elements(files: tuple[tuple[str, int, int], ...], text_only: bool) -> int |
     text = [re.compile(p) for p in (*TEXT_KEY_MAPPING, r"^lm_head\.")]
     total = 0
     for f, _, _ in files:
-        got = _safetensors_header(Path(f))
+        got = safetensors_io.read_header(f)
         if isinstance(got, str):
             return None
-        total += sum(math.prod(t.get("shape") or [1]) for k, t in got[0].items()
-                     if k != "__metadata__" and isinstance(t, dict)
-                     and (not text_only or any(p.match(k) for p in text)))
+        total += sum(math.prod(t.get("shape") or [1]) for k, t in safetensors_io.tensors_of(got[0]).items()
+                     if isinstance(t, dict) and (not text_only or any(p.match(k) for p in text)))
     return total
 
 

@@ -1,7 +1,7 @@
 """How a prompt becomes tokens: one rule for the data a run trains on and for ``mode=generate``
 (issue 31), so a model answers the prompt in the shape it learned.
 
-Training renders each record (finetune/data.py ``_render``): chat ``messages`` through the
+Training renders each record (finetune/data/tokens.py ``_render``): chat ``messages`` through the
 tokenizer's chat template; ``prompt``/``completion`` and ``text`` as they are, end to end, no
 special token added; ``question``/``answer`` as ``QA_PROMPT`` followed by the answer. A run
 records which of those its prompts took (``prompt_format``: "chat", "raw" or "question/answer")
@@ -23,7 +23,7 @@ from typing import Any
 from finetune.io import atomic_write_json
 
 PROMPT_FORMATS = ("chat", "raw", "question/answer")
-# a record's format (finetune/data.py record_format) -> the shape its prompt trained in
+# a record's format (finetune/data/formats.py record_format) -> the shape its prompt trained in
 FORMAT_OF_RECORDS = {"chat messages": "chat", "prompt/completion": "raw", "text": "raw",
                      "question/answer": "question/answer"}
 # what a question/answer record's prompt becomes (GSM8K's shape); the answer follows directly
@@ -35,7 +35,7 @@ RECORD_FILE = "finetune.json"
 
 def prompt_format(record_formats: dict[str, int]) -> str | None:
     """The prompt format of a run whose records were read as ``record_formats`` (format ->
-    records, finetune/data.py's stats): the one most of its records took (None: no records)."""
+    records, finetune/data/tokens.py's stats): the one most of its records took (None: no records)."""
     counts: dict[str, int] = {}
     for name, n in record_formats.items():
         fmt = FORMAT_OF_RECORDS.get(name)
@@ -70,7 +70,7 @@ class Prompt:
     chat: bool
     # raw text only: add the tokenizer's own special tokens (a BOS) as its encode does by
     # default: for a prompt with no record (a foreign adapter trained by a tool that adds them);
-    # finetune's training adds none (data.py _encode), so a recorded raw prompt gets none either
+    # finetune's training adds none (finetune/data/tokens.py _encode), so a recorded raw prompt gets none either
     special_tokens: bool = False
 
 

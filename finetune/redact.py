@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 from finetune.io import atomic_write_text
+from finetune.safetensors_io import header_bytes
 
 MASK = "***"
 # ``(^|_)token($|_)`` so hf_token matches and max_new_tokens / tokens_per_sec do not
@@ -222,16 +223,11 @@ def secrets_in_dir(root: Path | str, secrets: list[str]) -> list[tuple[Path, str
     """(file, secret) for each secret value still found in a file under ``root``: every byte
     of text and small files; of a ``.safetensors`` file its JSON header (the rest is tensor
     data), so a merged model of many GiB is checked in milliseconds."""
-    import struct
-
     found = []
     needles = [(s, s.encode()) for s in secrets if s]
     for f in sorted(p for p in Path(root).rglob("*") if p.is_file()):
-        if f.suffix == ".safetensors":
-            with open(f, "rb") as fh:
-                head = fh.read(8)
-                data = fh.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
-        else:
-            data = f.read_bytes()
+        head = header_bytes(f) if f.suffix == ".safetensors" else None
+        # a file without a readable header is read whole, as any other file
+        data = head if isinstance(head, bytes) else f.read_bytes()
         found += [(f, s) for s, b in needles if b in data]
     return found

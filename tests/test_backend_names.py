@@ -19,15 +19,21 @@ _TOKEN = re.compile(r"(?:^|_)(" + "|".join(NAMES) + r")(?:_|$)", re.IGNORECASE)
 
 # (file under finetune/, the name or literal): why it may name a backend
 ALLOWED: dict[tuple[str, str], str] = {
-    ("export.py", "mlx"): "mlx-lm's adapter format, a file format export converts to and from without a backend",
-    ("export.py", "_read_mlx"): "reads mlx-lm's adapter format (a file format, not the backend)",
-    ("export.py", "write_mlx"): "writes mlx-lm's adapter format (a file format, not the backend)",
-    ("export.py", "_merge_mlx"): "the mlx-lm merge engine export picks where torch is absent (its own --engine)",
-    ("export.py", "mlx_model_config"): "mlx-lm's config keys for that merge engine",
-    ("export.py", "MLX_CONFIG"): "mlx-lm's adapter_config.json file name (a file format)",
-    ("export.py", "MLX_WEIGHTS"): "mlx-lm's adapters.safetensors file name (a file format)",
-    ("export.py", "MLX_TEXT_PREFIX"): "the name under which an mlx-lm adapter of a multimodal base names its modules "
-                                      "(mlx-lm's wrapper's language_model.: a file format)",
+    ("export/conversion.py", "mlx"): "mlx-lm's adapter format, a file format export converts to and from without a "
+                                     "backend",
+    ("export/merging.py", "mlx"): "the mlx-lm merge engine, chosen by its own --engine name",
+    ("export/adapters.py", "_read_mlx"): "reads mlx-lm's adapter format (a file format, not the backend)",
+    ("export/conversion.py", "write_mlx"): "writes mlx-lm's adapter format (a file format, not the backend)",
+    ("export/merging.py", "_merge_mlx"): "the mlx-lm merge engine export picks where torch is absent (its own --engine)",
+    ("export/merging.py", "mlx_model_config"): "mlx-lm's config keys for that merge engine",
+    ("export/adapters.py", "MLX_CONFIG"): "mlx-lm's adapter_config.json file name (a file format)",
+    ("export/basemodel.py", "MLX_CONFIG"): "adapter_config.json, the file name the adapter names its base in",
+    ("export/conversion.py", "MLX_CONFIG"): "adapter_config.json, the file name export defines for both formats",
+    ("export/adapters.py", "MLX_WEIGHTS"): "mlx-lm's adapters.safetensors file name (a file format)",
+    ("export/conversion.py", "MLX_WEIGHTS"): "mlx-lm's adapters.safetensors file name (a file format)",
+    ("export/adapters.py", "MLX_TEXT_PREFIX"): "the name under which an mlx-lm adapter of a multimodal base names its "
+                                               "modules (mlx-lm's wrapper's language_model.: a file format)",
+    ("export/conversion.py", "MLX_TEXT_PREFIX"): "the same prefix, written into an mlx-lm adapter of a multimodal base",
     ("generate.py", "MLX_CONFIG"): "adapter_config.json, the file name export defines for both formats",
     ("accounting/accountant.py", "cuda_context"): "the samples' cuda_context bytes, a field of the metrics schema",
     ("records.py", "cuda_context"): "a field of the Sample record, named as metrics.jsonl has always named it",

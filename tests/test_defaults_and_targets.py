@@ -175,7 +175,7 @@ def test_padding_to_a_multiple_keeps_the_math() -> None:
     import numpy as np
     from finetune.backends.base import padded_length
 
-    from finetune.data import collate
+    from finetune.data.batches import collate
 
     assert [padded_length(t, 32) for t in (1, 2, 33, 34, 65)] == [1, 33, 33, 65, 65]
     assert padded_length(300, 32, max_len=256) == 300 and padded_length(200, 32, max_len=210) == 210

@@ -120,7 +120,7 @@ def test_mlx_adapter_exported_to_peft_gives_mlx_lms_logits(name, runs_root, base
         assert sorted(cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
     else:
         assert cfg["layers_to_transform"] is None
-    from finetune.export import read_safetensors
+    from finetune.safetensors_io import read_safetensors
 
     _, meta = read_safetensors(tmp_path / "peft" / "adapter_model.safetensors")
     made = json.loads(meta["finetune_export"])
@@ -147,7 +147,8 @@ def test_peft_adapter_exported_to_mlx_gives_peft_logits(name, runs_root, base, b
 
 def test_round_trip_is_bit_exact(runs_root, tmp_path):
     """mlx -> peft -> mlx and peft -> mlx -> peft give back every tensor bit for bit."""
-    from finetune.export import convert, read_safetensors
+    from finetune.export import convert
+    from finetune.safetensors_io import read_safetensors
 
     for name, there, back, weights in (("mlx-dora", "peft", "mlx", "adapters.safetensors"),
                                        ("cuda-lora", "mlx", "peft", "adapter_model.safetensors")):
@@ -232,7 +233,7 @@ def test_unconvertible_peft_adapter_is_refused_in_one_line(change, words, runs_r
 def test_layers_that_are_not_the_top_ones_are_refused_for_mlx(runs_root, tmp_path):
     """PEFT adapts any list of layers; mlx-lm only the top num_layers: layer 0 of 2 alone does
     not convert to mlx (and does convert to PEFT, where it came from)."""
-    from finetune.export import read_safetensors, write_safetensors
+    from finetune.safetensors_io import read_safetensors, write_safetensors
 
     src = _edited_peft(runs_root, tmp_path, layers_to_transform=[0])
     tensors, meta = read_safetensors(src / "adapter_model.safetensors")

@@ -269,7 +269,7 @@ def test_router_adapter_is_refused_by_the_exporter(root: Path, tmp_path: Path) -
     """An mlx-lm adapter on Mixtral's router (``block_sparse_moe.gate``, a linear layer in mlx-lm
     and the name transformers saves its weight under) has no PEFT module to land on: in
     transformers 5 ``mlp.gate`` is a router, not a linear layer. Refused in one line."""
-    from finetune.export import Tensor, read_safetensors, write_safetensors
+    from finetune.safetensors_io import Tensor, read_safetensors, write_safetensors
 
     run, out = trained(root, "mixtral", "mlx", "all-linear")
     assert not isinstance(out, UserError), out

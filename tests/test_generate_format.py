@@ -170,9 +170,9 @@ def tiny_tok(tmp_path_factory):
 
 
 def test_the_prompt_side_of_training_is_what_generate_wraps(tiny_tok):
-    """Each data format's prompt, as training renders it (data.py ``_render``: the text before
+    """Each data format's prompt, as training renders it (finetune/data/tokens.py ``_render``: the text before
     the first scored character), is what generation builds from the same prompt."""
-    from finetune.data import _render
+    from finetune.data.tokens import _render
     from finetune.prompting import FORMAT_OF_RECORDS, prompt_format, wrap
 
     _, tok = tiny_tok

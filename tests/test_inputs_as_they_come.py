@@ -118,7 +118,7 @@ def _run_case(case: tuple[str, str, tuple[str, ...], int, str], inputs: Path, wo
     args = [*COMMON, *(e.format(i=inputs) for e in extra), f"data.cache_dir={cache}", f"hydra.run.dir={run_dir}"]
     cmd = finetune_cmd()
     if case_id == "json-array-too-big":  # the CLI's own main, with the array limit lowered in that process
-        cmd = [sys.executable, "-c", (f"import sys, finetune.data as d; d.JSON_ARRAY_MAX_BYTES = {BIG_ARRAY_LIMIT}; "
+        cmd = [sys.executable, "-c", (f"import sys, finetune.data.formats as d; d.JSON_ARRAY_MAX_BYTES = {BIG_ARRAY_LIMIT}; "
                                       "sys.argv[0] = 'finetune'; from finetune.cli import main; main()")]
     if path.startswith("PIPE:"):  # bash hands the child /dev/fd/63, a pipe cat writes into
         cmd = ["bash", "-c", 'exec "$@" data.path=<(cat "$PIPE_SRC")', "bash", *cmd]

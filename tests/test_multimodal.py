@@ -141,7 +141,7 @@ def _export(*args: Any) -> None:
 @pytest.mark.parametrize("trained_on, to", [("cuda", "mlx"), ("mlx", "peft")])
 def test_adapters_cross_backends(kind: str, trained_on: str, to: str, runs: dict[str, tuple[Path, dict[str, Any]]],
                                  tmp_path: Path) -> None:
-    from finetune.export import read_safetensors
+    from finetune.safetensors_io import read_safetensors
 
     run = runs[trained_on][0]
     _export("--to", to, run / "adapter", tmp_path / to)

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import make_cfg
-from finetune.data import collate, load_records
+from finetune.data.batches import collate
+from finetune.data.formats import load_records
 from finetune.errors import UserError
 
 
@@ -81,7 +82,7 @@ def test_packed_pair_span_is_the_most_pairs_per_position_of_any_row(lengths, cap
     """data.packed_pair_span: each packed micro-batch's (query, key) pairs per position (its
     samples' squares, its pads a segment of their own) over the row's width, the most of any row;
     computed by hand on rows whose widths ``packed_widths`` gives."""
-    from finetune.data import packed_pair_span, packed_widths
+    from finetune.data.batches import packed_pair_span, packed_widths
 
     assert packed_pair_span(np.array(lengths), cap) == pytest.approx(want, rel=1e-12)
     assert int(packed_widths(np.array(lengths), cap).max()) >= max(lengths)

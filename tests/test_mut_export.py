@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from conftest import make_cfg
 from finetune.errors import UserError
-from finetune.export import Tensor, convert, merge, read_safetensors, write_safetensors
+from finetune.export import convert, merge
+from finetune.safetensors_io import Tensor, read_safetensors, write_safetensors
 
 HIDDEN, KV_OUT = 64, 32  # the tiny model: hidden 64, 4 heads of 16, 2 kv heads (v_proj is [32, 64])
 OUT = {"self_attn.q_proj": HIDDEN, "self_attn.v_proj": KV_OUT}

@@ -13,7 +13,8 @@ from safetensors.numpy import save_file
 
 from finetune.config import compose
 from finetune.errors import UserError
-from finetune.model_source import check_weights, safetensors_damage
+from finetune.model_source import check_weights
+from finetune.safetensors_io import damage as safetensors_damage
 
 
 def test_missing_shards_named_first_with_the_count(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ from finetune.backends.base import Batch, pack
 
 from finetune import loop as loop_mod
 from finetune.config import Config, ModelConfig
-from finetune.data import Tokenized, fit_to_micro, packed_widths
+from finetune.data import Tokenized
+from finetune.data.batches import fit_to_micro, packed_widths
 from finetune.loop import train
 from finetune.resolver import resolve
 from finetune.tiny import build_tiny
@@ -252,7 +253,7 @@ def packed_peaks(tmp_path_factory: Any) -> tuple[int, list[int], list[int]]:
     eight optimizer steps of 32 samples of 12-40 tokens (a 4-token prompt out of the loss;
     ``train.seq_len=40``, the cut that bounds a packed row's longest sample) packed to 512
     tokens per micro-batch (about 20 samples each: real micro-batches hold dozens), on the tiny
-    model with MLX; the plan at the widest packed micro-batch of the steps (data.py
+    model with MLX; the plan at the widest packed micro-batch of the steps (finetune/data/batches.py
     packed_widths, what mode=train plans). Measured in a fresh process, as
     tests/test_planner.py's MLX peaks are. Attention runs per sample, so its scores follow the
     samples' squares; the plan prices the data's most per micro-batch (``pair_span``, as
@@ -268,7 +269,7 @@ import mlx.core as mx
 from finetune.backends.base import Batch, pack
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import compose
-from finetune.data import packed_pair_span, packed_widths
+from finetune.data.batches import packed_pair_span, packed_widths
 from finetune.model_source import resolve_model_dir
 from finetune.resolver import resolve
 from finetune import planner
@@ -292,7 +293,7 @@ for step in range(8):
     be.optimizer_step(1e-3)
     peaks.append(mx.get_peak_memory())
 # the head runs on targets only: at most (n - 4) / n of a sample's tokens (the data's head_fraction)
-# attention runs per sample: the data's most pairs per position (data.py packed_pair_span)
+# attention runs per sample: the data's most pairs per position (finetune/data/batches.py packed_pair_span)
 p = planner.plan(resolve(cfg), seq_len=max(widths), recommend=False, head_fraction=36 / 40, pair_span=max(spans))
 print(json.dumps([p["peak_allocated_bytes"], peaks, widths]))
 """

@@ -23,7 +23,7 @@ CAPABILITIES = Capabilities(
     # so small steps keep the reuse they had
     min_cache_limit_bytes=32 << 20,
     # an Apple GPU: MLX reuses a freed Metal buffer only for a request within two pages of its
-    # size, so repeated shapes matter; mlx-lm pads the same way (finetune/data.py pad_multiple)
+    # size, so repeated shapes matter; mlx-lm pads the same way (finetune/data/batches.py pad_multiple)
     default_pad_multiple={"mlx:gpu": 32},
     pre_quantized=True,  # mlx_lm.convert -q checkpoints: mlx_lm.load rebuilds their quantized layers
     adapter_format="mlx",

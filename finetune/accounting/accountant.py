@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from finetune.accounting.cost import SamplingCost
-from finetune.accounting.probes import NvmlProbe, SystemProbe
+from finetune.accounting.probes import NON_ALLOCATOR_PARTS, NvmlProbe, SystemProbe, reconcile_nvml
 from finetune.accounting.rules import explain as explain_samples
 from finetune.units import fmt_bytes, fmt_delta
 from finetune.accounting.report import device_title, render_table, write_plot
@@ -637,15 +637,10 @@ class Accountant:
 
 
 def _split_non_allocator(r: dict[str, Any]) -> None:
-    """non_allocator = NVML used - reserved; unexplained = the part no known cause covers."""
-    used, reserved = r.get("device_used"), r.get("reserved")
-    if used is None or reserved is None:
-        r["non_allocator"] = r["non_allocator_unexplained"] = None
-        return
-    na = used - reserved
-    known = [r.get(k) for k in ("paged_optimizer_state", "cuda_context", "other_processes_used")]
-    r["non_allocator"] = na
-    r["non_allocator_unexplained"] = na - sum(v for v in known if v is not None)
+    """non_allocator = NVML used - reserved; unexplained = the part no known cause covers
+    (probes.reconcile_nvml)."""
+    r["non_allocator"], r["non_allocator_unexplained"] = reconcile_nvml(
+        r.get("device_used"), r.get("reserved"), [r.get(k) for k in NON_ALLOCATOR_PARTS])
 
 
 def _census_bytes(s: dict[str, Any]) -> dict[str, int | None]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from finetune.accounting.probes import NON_ALLOCATOR_PARTS, reconcile_nvml
+
 PROCESS_KEYS = ("allocated", "reserved", "peak_allocated", "peak_reserved", "step_peak_allocated",
                 "step_peak_reserved", "rss", "peak_rss", "swap_process", "process_device_used", "cuda_context",
                 "paged_optimizer_state", "inactive_split", "alloc_retries", "num_ooms", "mlx_active", "mlx_cache",
@@ -86,14 +88,11 @@ def gather(samples_per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for k in NO_SUM_KEYS:
         overall[k] = _stats([(r, s.get(k)) for r, s in zip(rank_ids, ranks)])
     # the non-allocator gap from the sums, so a shared device is not subtracted twice
-    used, res = overall["device_used"]["sum"], overall.get("reserved", {}).get("sum")
-    na = used - res if used is not None and res is not None else None
-    known = [overall.get(k, {}).get("sum") for k in ("paged_optimizer_state", "cuda_context")]
-    known.append(overall["other_processes_used"]["sum"])
+    na, unexplained = reconcile_nvml(overall["device_used"]["sum"], overall.get("reserved", {}).get("sum"),
+                                     [overall.get(k, {}).get("sum") for k in NON_ALLOCATOR_PARTS])
     overall["non_allocator"] = {**_stats([(r, s.get("non_allocator")) for r, s in zip(rank_ids, ranks)]), "sum": na}
     overall["non_allocator_unexplained"] = {
-        **_stats([(r, s.get("non_allocator_unexplained")) for r, s in zip(rank_ids, ranks)]),
-        "sum": na - sum(v for v in known if v is not None) if na is not None else None}
+        **_stats([(r, s.get("non_allocator_unexplained")) for r, s in zip(rank_ids, ranks)]), "sum": unexplained}
     census: dict[str, dict[str, Any]] = {}
     cats = sorted({k for s in ranks for k in (s.get("census") or {})})
     for k in cats:

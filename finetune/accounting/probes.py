@@ -344,6 +344,22 @@ def _parse_psi(text: bytes) -> tuple[float | None, float | None]:
     return some, full
 
 
+# what NVML counts beyond the allocator's reserved bytes that a sample can name: paged optimizer
+# state (bitsandbytes, unified memory), the CUDA context (measured when it was created), other
+# processes on the device
+NON_ALLOCATOR_PARTS = ("paged_optimizer_state", "cuda_context", "other_processes_used")
+
+
+def reconcile_nvml(used: int | None, reserved: int | None, known: list[int | None]) -> tuple[int | None, int | None]:
+    """NVML's view against the allocator's: (non_allocator = NVML used - reserved, the part of
+    it no known cause covers: ``known``, the bytes of ``NON_ALLOCATOR_PARTS`` where measured);
+    (None, None) where either reading is missing. One device's row, or sums over ranks."""
+    if used is None or reserved is None:
+        return None, None
+    na = used - reserved
+    return na, na - sum(v for v in known if v is not None)
+
+
 class NvmlProbe:
     """NVML per-device figures for the CUDA devices this process uses.
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from finetune.backends.base import Batch
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import Config
-from finetune.data import rank_slice
+from finetune.data.batches import rank_slice
 from finetune.resolver import resolve
 from finetune.synthetic import generate
 
