@@ -1,5 +1,11 @@
-"""``finetune``: the thin command-line entry. It resolves the composed config into a RunSpec
-(finetune.resolver) and hands it to the mode: finetune.loop.train, the planner, generate.
+"""``finetune``: the front door. ``main`` answers what needs no config (a <TAB>, a group option
+that does not exist), refuses a config that does not compose (Hydra's Compose API: no run dir
+made), and hands the command to Hydra. Hydra's job, ``_task``, masks secrets in the files Hydra
+saved, resolves the config into a RunSpec (finetune.resolver) and runs the mode:
+finetune.loop.train, the planner, generate, or a sweep's job. The rest is Hydra's own settings
+(conf/config.yaml): its callbacks make and lock the run dir before Hydra writes into it
+(finetune.rundir) and finish a sweep; its job logging writes no log file. A refused command
+is one line, exit 2, and leaves no run dir behind, or an existing one as it was.
 
 Imports stay light here (hydra, omegaconf): ``finetune --help`` never imports torch or mlx, nor
 does ``mode=plan`` unless it reads the data's lengths with a tokenizer (finetune.plandata).
@@ -92,13 +98,13 @@ def check_composes(argv: list[str]) -> None:
     sweep Hydra cannot enumerate (``interval``, ``glob``) is left to the sweeper. A command with
     Hydra's other flags (--help, --cfg, -sc, --config-dir...) goes to Hydra as it is."""
     flags = {a for a in argv if a.startswith("-")}
-    if flags - {"-m", "--multirun"}:
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not overrides or flags - {"-m", "--multirun"}:  # the default config composes
         return
     from hydra import compose, initialize_config_module
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    overrides = [a for a in argv if not a.startswith("-")]
     try:
         jobs = [overrides]
         if flags or "hydra.mode=MULTIRUN" in overrides:
@@ -106,7 +112,7 @@ def check_composes(argv: list[str]) -> None:
             for o in OverridesParser.create().parse_overrides(overrides):
                 try:
                     choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-                                   if o.is_sweep_override() else [o.input_line])
+                                   if o.is_sweep_override() else [str(o.input_line)])
                 except HydraException:  # a sweep only its sweeper enumerates (interval, glob)
                     continue
             first = [c[0] for c in choices]
@@ -154,9 +160,6 @@ def _generate_run_dir(argv: list[str]) -> str | None:
 
 
 def main() -> None:
-    """The front door: answer what needs no config (a <TAB>, a wrong group option), refuse a
-    config that does not compose, then hand the command to Hydra (conf/config.yaml: its run
-    dir, its callbacks) with ``_task`` as its job."""
     if "--debug" in sys.argv[1:]:
         sys.argv.remove("--debug")
         os.environ["HYDRA_FULL_ERROR"] = "1"
