@@ -1,5 +1,11 @@
-"""``finetune``: the thin command-line entry. It resolves the composed config into a RunSpec
-(finetune.resolver) and hands it to the mode: finetune.loop.train, the planner, generate.
+"""``finetune``: the front door. ``main`` answers what needs no config (a <TAB>, a group option
+that does not exist), refuses a config that does not compose (Hydra's Compose API: no run dir
+made), and hands the command to Hydra. Hydra's job, ``_task``, masks secrets in the files Hydra
+saved, resolves the config into a RunSpec (finetune.resolver) and runs the mode:
+finetune.loop.train, the planner, generate, or a sweep's job. The rest is Hydra's own settings
+(conf/config.yaml): its callbacks make and lock the run dir before Hydra writes into it
+(finetune.rundir) and finish a sweep; its job logging writes no log file. A refused command
+is one line, exit 2, and leaves no run dir behind, or an existing one as it was.
 
 Imports stay light here (hydra, omegaconf): ``finetune --help`` never imports torch or mlx, nor
 does ``mode=plan`` unless it reads the data's lengths with a tokenizer (finetune.plandata).
@@ -12,23 +18,31 @@ import os
 import shutil
 import sys
 import tempfile
-from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
 from omegaconf import OmegaConf
 
-from finetune.config import GROUPS, group_options, register_configs
-from finetune.errors import UserError
-from finetune.supervisor import argv_value, supervise
-from finetune import checkpoints, completion, keyhelp, quiet, sweep
-from finetune.config import choose_data_group, config_error_line
+from finetune import completion, keyhelp, quiet, sweep
+from finetune.config import (
+    GROUPS,
+    choose_data_group,
+    config_error_line,
+    group_options,
+    register_configs,
+)
+from finetune.errors import UserError, debug, refuse
 from finetune.generate import generate
 from finetune.loop import train
 from finetune.planner import run_plan
 from finetune.records import Plan
 from finetune.redact import redact_hydra_files
 from finetune.resolver import resolve
+from finetune.rundir import RunDirGuard, put_back, several_ranks
+from finetune.supervisor import argv_value, supervise
+
+# what tests and sweeps call here; the run dir's guard belongs to the command line (finetune.rundir)
+__all__ = ["RunDirGuard", "check_group_choices", "group_values", "main", "run", "sweep_job"]
 
 CONFIG_MODULE = "finetune.conf"
 
@@ -76,125 +90,46 @@ def sweep_job(cfg: Any, tree: Any = None) -> sweep.Job:
                      tree={str(k): v for k, v in tree.items()} if isinstance(tree, dict) else {}, spec=lambda: resolve(cfg), run=lambda: run(cfg))
 
 
-def debug() -> bool:
-    """``--debug`` or ``HYDRA_FULL_ERROR=1``: errors show their traceback (for bug reports)."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
-
-
-def _fail(e: BaseException) -> None:
-    """A bad input: one line naming the fix, exit 2; the traceback only under --debug."""
-    if debug():
-        raise e
-    print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _remove_unused_run_dir(cfg: Any) -> None:
-    """After a bad input: a run dir holding only what Hydra wrote into it (.hydra/, its log)
-    goes, so nothing is left that looks like a run's result."""
-    import shutil
-    from pathlib import Path
+def check_composes(argv: list[str]) -> None:
+    """Compose the command's config as Hydra will, with Hydra's Compose API (no run dir, no
+    job), so that an unknown key or a bad value is refused in one line before ``hydra.main``
+    makes anything. A sweep (``-m``) composes its first job and each further value of each
+    sweep in its place, every one a job of the sweep (as Hydra's basic sweeper splits it); a
+    sweep Hydra cannot enumerate (``interval``, ``glob``) is left to the sweeper. A command with
+    Hydra's other flags (--help, --cfg, -sc, --config-dir...) goes to Hydra as it is."""
+    flags = {a for a in argv if a.startswith("-")}
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not overrides or flags - {"-m", "--multirun"}:  # the default config composes
+        return
+    from hydra import compose, initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
     try:
-        d = Path(str(cfg.run_dir))
-    except Exception:  # no run dir resolved (an error in the config itself)
-        return
-    if d.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in d.iterdir()):
-        shutil.rmtree(d, ignore_errors=True)
-
-
-_TASK_STARTED = False  # an OSError before this is Hydra making the run dir
-
-
-class RunDirGuard:
-    """A single training run's directory as it was before Hydra wrote into it, and its lock.
-
-    Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` and opens its log before our code
-    runs. The guard is made just before that (``_guard_run_dir``): it takes the run dir's lock
-    first, so a second run into a busy directory is refused having written nothing, and it
-    keeps what those files held, so a command refused later (a resume of another run, a
-    missing data file) puts them back and leaves an existing run's directory as it was."""
-
-    HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
-
-    def __init__(self, run_dir: Path, subdir: str | None):
-        self.run_dir = run_dir
-        self.hydra_dir = run_dir / subdir if subdir else None
-        self.hydra_dir_existed = bool(self.hydra_dir and self.hydra_dir.is_dir())
-        self.files: dict[Path, bytes | None] = {}
-        if self.hydra_dir is not None:
-            for name in self.HYDRA_FILES:
-                f = self.hydra_dir / name
-                self.files[f] = f.read_bytes() if f.is_file() else None
-        self.logs = {f: f.stat().st_size for f in run_dir.glob("*.log") if f.is_file()}
-        self.lock = checkpoints.lock_run_dir(run_dir)
-
-    def restore(self) -> None:
-        """Put back what this command wrote before the run began (nothing once it has begun)."""
-        if self.lock.begun:
-            return
-        for f, old in self.files.items():
-            try:
-                if old is None:
-                    f.unlink(missing_ok=True)
-                elif not f.is_file() or f.read_bytes() != old:
-                    f.write_bytes(old)
-            except OSError:
-                pass
-        if self.hydra_dir is not None and not self.hydra_dir_existed:
-            try:
-                self.hydra_dir.rmdir()  # only when empty: nothing of anyone else's goes
-            except OSError:
-                pass
-        for f in self.run_dir.glob("*.log"):
-            try:
-                if f not in self.logs:
-                    f.unlink()
-                elif f.stat().st_size > self.logs[f]:
-                    os.truncate(f, self.logs[f])
-            except OSError:
-                pass
-        self.lock.release(remove=True)
-
-
-_GUARD: RunDirGuard | None = None
-
-
-def _several_ranks() -> bool:
-    """A launcher started this process as one of several (torchrun, srun, mlx.launch, mpirun):
-    rank 0's Trainer takes the lock once the ranks agree on one run dir."""
-    env = os.environ
-    return any(int(env.get(k) or 1) > 1 for k in ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")) \
-        or "MLX_RANK" in env
-
-
-def _guard_run_dir() -> None:
-    """Make the RunDirGuard of a single training run just before Hydra writes into its
-    directory: Hydra's ``run_job`` configures its log (the first file it opens there) and
-    then saves ``.hydra/``; the run dir is already known to its HydraConfig."""
-    import hydra.core.utils as hydra_core_utils
-
-    original = hydra_core_utils.configure_log
-
-    def configure_log(*args: Any, **kwargs: Any) -> Any:
-        global _GUARD
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        if not HydraConfig.initialized():  # a multirun's launcher, before its first job: no run dir
-            return original(*args, **kwargs)
-        hc = HydraConfig.get()
-        mode = next((o.split("=", 1)[1] for o in hc.overrides.task if o.startswith("mode=")), "train")
-        if hc.mode == RunMode.RUN and mode == "train" and not _several_ranks():
-            _GUARD = RunDirGuard(Path(hc.runtime.output_dir), hc.output_subdir)
-        return original(*args, **kwargs)
-
-    hydra_core_utils.configure_log = configure_log
+        jobs = [overrides]
+        if flags or "hydra.mode=MULTIRUN" in overrides:
+            choices = []
+            for o in OverridesParser.create().parse_overrides(overrides):
+                try:
+                    choices.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+                                   if o.is_sweep_override() else [str(o.input_line)])
+                except HydraException:  # a sweep only its sweeper enumerates (interval, glob)
+                    continue
+            first = [c[0] for c in choices]
+            jobs = [first] + [first[:i] + [v] + first[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            for job in jobs:
+                compose(config_name="config", overrides=job)
+    except Exception as e:
+        line = config_error_line(e)
+        if line is None:
+            raise
+        refuse(UserError(line))
 
 
 def _task(cfg: Any) -> Any:
-    global _TASK_STARTED
-    _TASK_STARTED = True
+    """The job Hydra runs, once its files are in the run dir: secrets masked in them, then the
+    mode; a refused command puts the run dir back as it was (finetune.rundir) and says why."""
     try:
         # .hydra/*.yaml: no token or key a user passed or planted
         tree = OmegaConf.to_container(cfg, resolve=False)
@@ -203,45 +138,11 @@ def _task(cfg: Any) -> Any:
             return sweep.run_job(sweep_job(cfg, tree))
         return run(cfg)
     except UserError as e:
-        if _GUARD is not None:
-            _GUARD.restore()
-        _remove_unused_run_dir(cfg)
-        _fail(e)
+        put_back(OmegaConf.select(cfg, "run_dir", throw_on_resolution_failure=False))
+        refuse(e)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
-
-
-def _one_line_config_errors() -> None:
-    """Hydra prints a composition error (an unknown key, a string where a number belongs, a run
-    dir it cannot create) over several lines and exits 1; print ours, one line, exit 2."""
-    import hydra._internal.utils as hydra_utils
-
-    report = hydra_utils.run_and_report
-
-    def run_and_report(func: Any) -> Any:
-        def guarded() -> Any:
-            try:
-                return func()
-            except UserError as e:  # the run dir's guard refused it before Hydra wrote anything
-                if debug():
-                    raise
-                _fail(e)
-            except OSError as e:  # the run dir: Hydra makes it (and .hydra/) before the task
-                if debug() or _TASK_STARTED:
-                    raise
-                where = getattr(e, "filename", None) or ""
-                _fail(UserError(f"cannot write {where} ({e.strerror or e}); set hydra.run.dir= to a "
-                                "writable directory"))
-            except Exception as e:
-                line = config_error_line(e)
-                if line is None or debug():
-                    raise
-                _fail(UserError(line))
-
-        return report(guarded)
-
-    hydra_utils.run_and_report = run_and_report
 
 
 def _generate_run_dir(argv: list[str]) -> str | None:
@@ -274,7 +175,7 @@ def main() -> None:
     try:
         check_group_choices(sys.argv[1:])
     except UserError as e:
-        _fail(e)
+        refuse(e)
     # data.path=train.jsonl alone trains on that file: the group that reads it, said in one line
     chosen, note = choose_data_group(sys.argv[1:])
     if note:
@@ -286,9 +187,7 @@ def main() -> None:
 
     register_configs()
     keyhelp.register()  # ${finetune_keys:} in the --help template: every mode and key, with its meaning
-    _one_line_config_errors()
-    _guard_run_dir()
-
+    check_composes(sys.argv[1:])
     argv = sys.argv[1:]
     scratch = _generate_run_dir(argv)
     sys.argv[1:] = argv
@@ -300,7 +199,7 @@ def main() -> None:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     code = sweep.multirun_exit_code()  # a multirun with failed jobs: 1, naming them in one line
-    if _several_ranks():
+    if several_ranks():
         _leave_rank(code)
     sys.exit(code)
 
