@@ -9,7 +9,7 @@ from __future__ import annotations
 # the end table and its explanations, where the run went
 OURS = ("backend=auto chose", "reused the token cache", "tokenized", "data: ", "built the tiny model", "train:",
         "Memory at the end", "census:", "process:", "OS:", "no allocator figures", "not measurable here",
-        "accounting:", "[memory]", "[governor]", "[plan]", "run dir:", "          allocated", "Device ", "Overall ")
+        "accounting:", "[memory]", "[governor]", "[plan]", "run dir:", "done: ", "          allocated", "Device ", "Overall ")
 
 
 def test_filters_are_specific():
