@@ -38,7 +38,7 @@ from finetune.backends.cuda.memory import FSDP_OPTIMIZERS, packed_path, resolved
 
 from finetune.errors import UserError
 from finetune import precision as precision_mod
-from finetune.accounting.probes import NvmlProbe
+from finetune.accounting.probes import NvmlProbe, lean_host_heap
 from finetune.model_source import TOKENIZER_FILES, load_causal_lm, stored_dtype, stored_quantization
 from finetune.records import CENSUS_KEYS, Census, CensusKey
 from finetune.planner.describe import EXPERTS, check_targets, lora_keys
@@ -447,7 +447,8 @@ class CudaBackend:
             kwargs["quantization_config"] = self._bnb_config(m, self.autocast_dtype or self.weight_dtype)
 
         try:
-            hf = load_causal_lm(model_dir, **kwargs)  # a multimodal checkpoint: its language model alone
+            with lean_host_heap():  # the load's host peak is what is live (the plan's figure)
+                hf = load_causal_lm(model_dir, **kwargs)  # a multimodal checkpoint: its language model alone
         except (RuntimeError, NotImplementedError, ImportError) as e:
             if m.name != "qlora":
                 raise
