@@ -53,28 +53,16 @@ class BackendConfig:
 
 @dataclass
 class ModelConfig:
-    """a model preset: where the weights are and the architecture numbers planning needs"""
+    """a model preset: where the weights are, and its config.json facts"""
 
     name: str = key("tiny", "the preset (model=...)")
     path: str | None = key(None, "hub id or local HF-format directory of the weights; null for tiny (built here)")
     revision: str | None = key(None, "hub branch, tag or commit sha of model.path; null: main")
-    # HF key names, verbatim; null for tiny (built from the fields below)
-    config: Any = key(None, "a preset's released config.json facts, planned from when the hub's file is neither "
-                      "cached nor reachable")
-    model_type: str = key("qwen2", "architecture family (HF model_type) of a model described by these fields")
-    hidden_size: int = key(64, "hidden width")
-    num_layers: int = key(2, "decoder layers")
-    num_heads: int = key(4, "attention (query) heads")
-    num_kv_heads: int = key(2, "key/value heads (grouped-query attention)")
-    head_dim: int | None = key(None, "width of one head; null: hidden_size // num_heads")
-    intermediate_size: int = key(128, "MLP inner width")
-    vocab_size: int = key(512, "vocabulary size (embedding rows)")
-    tie_embeddings: bool = key(True, "the LM head shares the embedding's weights")
-    attn_bias: bool = key(True, "bias on the q/k/v projections (Qwen2 has it, Llama does not)")
-    mlp_bias: bool = key(False, "bias on the MLP projections")
-    max_position: int = key(2048, "longest position the model is built for")
-    rope_theta: float = key(10000.0, "RoPE base frequency")
-    rms_norm_eps: float = key(1e-6, "epsilon of the RMS norms")
+    # HF key names, verbatim: a hub preset's released config.json, tiny's own (what it is built from)
+    config: Any = key(None, "the model's config.json facts: a preset's released ones, planned from when the hub's "
+                      "file is neither cached nor reachable; tiny's, which it is built from. "
+                      "model.config.KEY=VALUE sets one: tiny is built with it, a hub preset is planned with it, a "
+                      "checkpoint on disk refuses one its config.json contradicts")
     # bfloat16 for today's hub models
     dtype: str | None = key(None, "the dtype the checkpoint stores, which precision=auto loads; a local "
                             "config.json's dtype/torch_dtype wins")
@@ -326,16 +314,6 @@ def compose(run_dir: Any, *overrides: str) -> Any:
 INF = float("inf")
 RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "backend.num_devices": (1, INF, True, False, True),
-    "model.hidden_size": (1, INF, True, False, False),
-    "model.num_layers": (1, INF, True, False, False),
-    "model.num_heads": (1, INF, True, False, False),
-    "model.num_kv_heads": (1, INF, True, False, False),
-    "model.head_dim": (1, INF, True, False, True),
-    "model.intermediate_size": (1, INF, True, False, False),
-    "model.vocab_size": (1, INF, True, False, False),
-    "model.max_position": (1, INF, True, False, False),
-    "model.rope_theta": (0, INF, False, False, False),
-    "model.rms_norm_eps": (0, 1, False, False, False),
     "method.lora.rank": (1, INF, True, False, False),
     "method.lora.alpha": (0, INF, False, False, False),
     "method.lora.dropout": (0, 1, True, False, False),
@@ -371,6 +349,28 @@ RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
     "generate.max_new_tokens": (1, INF, True, False, False),
     "generate.temperature": (0, INF, True, False, False),
 }
+# config.json facts of model.config checked where the config has them (a preset's, tiny's, a
+# user's override): what the 14 architecture keys beside config: had (issue 32), in HF's names
+CONFIG_FACT_RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
+    "model.config.hidden_size": (1, INF, True, False, False),
+    "model.config.num_hidden_layers": (1, INF, True, False, False),
+    "model.config.num_attention_heads": (1, INF, True, False, False),
+    "model.config.num_key_value_heads": (1, INF, True, False, False),
+    "model.config.head_dim": (1, INF, True, False, True),
+    "model.config.intermediate_size": (1, INF, True, False, False),
+    "model.config.vocab_size": (1, INF, True, False, False),
+    "model.config.max_position_embeddings": (1, INF, True, False, False),
+    "model.config.rope_theta": (0, INF, False, False, False),
+    "model.config.rms_norm_eps": (0, 1, False, False, False),
+}
+# The keys a preset stated beside config: until issue 32, and where the fact is now: a user
+# typing the old key is told the new one
+MOVED_KEYS = {f"model.{old}": f"model.config.{new}" for old, new in (
+    ("model_type", "model_type"), ("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate_size"), ("vocab_size", "vocab_size"),
+    ("tie_embeddings", "tie_word_embeddings"), ("attn_bias", "attention_bias"), ("mlp_bias", "mlp_bias"),
+    ("max_position", "max_position_embeddings"), ("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_norm_eps"))}
 # keys whose valid values are no one interval (checked by the resolver's check_ranges)
 RANGE_TEXT = {"method.lora.num_layers": ">= 1 or -1"}
 # why a bound is there, where it is not plain arithmetic
@@ -392,9 +392,9 @@ def range_text(dotted: str) -> str | None:
     from RANGES (or RANGE_TEXT); None for a key without a range."""
     if dotted in RANGE_TEXT:
         return RANGE_TEXT[dotted]
-    if dotted not in RANGES:
+    if dotted not in RANGES and dotted not in CONFIG_FACT_RANGES:
         return None
-    lo, hi, lo_in, hi_in, _ = RANGES[dotted]
+    lo, hi, lo_in, hi_in, _ = RANGES.get(dotted) or CONFIG_FACT_RANGES[dotted]
     def num(x: float) -> str:  # 2**32 - 1 in full, not 4.29497e+09
         return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
@@ -443,6 +443,8 @@ def nearest_config_keys(full: str) -> str:
     first among equals); else the keys of the nearest node that exists."""
     import difflib
 
+    if full in MOVED_KEYS:  # a preset's architecture key of old: now its config.json fact
+        return f"did you mean: {MOVED_KEYS[full]}"
     parent, _, last = full.rpartition(".")
     paths = schema_paths()
     near = [p for p in paths if p.rpartition(".")[2] == last]  # the right name under another parent

@@ -7,7 +7,8 @@ and defaults come from the schema (``finetune/config.py``), so no field here has
 its own: a default stated twice drifts. Lists arrive as tuples; free-form nodes (a preset's
 ``model.config``, the loggers' settings, ``extra``) as plain dicts, read-only by convention.
 
-Low in the house (it imports nothing of the project's): the planner and the backends read it.
+Low in the house (it imports only the model description's types): the planner and the backends
+read it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from finetune.modeldesc import ModelHandle
 
 
 @dataclass(frozen=True)
@@ -34,21 +37,7 @@ class ModelSpec:
     name: str
     path: str | None
     revision: str | None
-    config: dict[str, Any] | None  # a preset's released config.json facts (HF key names)
-    model_type: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int | None
-    intermediate_size: int
-    vocab_size: int
-    tie_embeddings: bool
-    attn_bias: bool
-    mlp_bias: bool
-    max_position: int
-    rope_theta: float
-    rms_norm_eps: float
+    config: dict[str, Any] | None  # config.json facts (HF key names): a preset's released ones, tiny's built ones
     dtype: str | None
     trust_remote_code: bool
     allow_pickle: bool
@@ -220,6 +209,9 @@ class RunSpec:
     # the composed config as a plain dict (interpolations resolved): what loggers record as the
     # run's hyperparameters; never read for a setting
     record: dict[str, Any]
+    # the model described once (mode=plan and mode=train; finetune.planner.model.describe_model),
+    # located at its directory once the run has one; None where nothing described it
+    model_handle: ModelHandle | None = None
 
     def joined(self, world: World, run_dir: Path | None = None) -> RunSpec:
         """This spec for the ranks a launcher started: ``world`` (rank, size), the run dir the

@@ -39,10 +39,10 @@ from finetune.backends.cuda.memory import FSDP_OPTIMIZERS, packed_path, resolved
 from finetune.errors import UserError
 from finetune import precision as precision_mod
 from finetune.accounting.probes import NvmlProbe
-from finetune.model_source import TOKENIZER_FILES, load_causal_lm, stored_dtype, stored_quantization
+from finetune.model_source import TOKENIZER_FILES, load_causal_lm
 from finetune.records import CENSUS_KEYS, Census, CensusKey
 from finetune.planner.describe import EXPERTS, check_targets, lora_keys
-from finetune.planner.model import attention, model_desc
+from finetune.planner.model import attention, model_handle
 from finetune.spec import MethodSpec, OptimSpec, RunSpec
 from finetune.prompting import Prompt
 
@@ -105,16 +105,16 @@ def _check_architecture(model_dir: Path, trust_remote_code: bool) -> None:
                     "repository ships its own code and you trust it")
 
 
-def _check_loadable(spec: RunSpec, model_dir: Path) -> None:
+def _check_loadable(spec: RunSpec, model_dir: Path, quantization: dict[str, Any] | None) -> None:
     """UserError, naming the fix, for a model this backend cannot train as asked: packing
-    under the repository's own modeling code, an MLX-quantized checkpoint, an architecture
-    transformers cannot build. The last two read the downloaded directory (the resolver's
-    planner saw a hub id's cached config at best)."""
+    under the repository's own modeling code, an MLX-quantized checkpoint (``quantization``:
+    the run's model handle's, located at the downloaded directory), an architecture
+    transformers cannot build (read from that directory)."""
     if spec.train.packing and spec.model.trust_remote_code:
         raise UserError("train.packing with model.trust_remote_code=true: the model's own code may not keep "
                         "attention within a packed sample (transformers' position_ids path); set "
                         "train.packing=false")
-    if stored_quantization(spec.model, model_dir):
+    if quantization:
         raise UserError(f"{model_dir} is MLX-quantized (config.json 'quantization'), which transformers "
                         "cannot load; use backend=mlx, or the unquantized checkpoint with method=qlora")
     _check_architecture(model_dir, spec.model.trust_remote_code)
@@ -405,6 +405,7 @@ class CudaBackend:
         if spec.backend.resolved != self.name:  # the resolver checked its choices against that backend
             raise ValueError(f"a spec resolved for backend={spec.backend.resolved} was handed to backend={self.name}")
         self.spec, self.model_dir = spec, Path(model_dir)
+        self.handle = model_handle(spec, model_dir)  # the run's model, described once (RunSpec.model_handle)
         mn = spec.optim.max_grad_norm
         self._max_norm = None if mn is None else float(mn)  # read once, not every step
         self._padding_mask = spec.model.trust_remote_code
@@ -413,8 +414,7 @@ class CudaBackend:
         """Dtypes (the ones the planner priced, finetune/precision.py) and the device; on a GPU
         the CUDA context is measured before anything else touches CUDA in this process."""
         prec = spec.precision.name
-        stored, _ = stored_dtype(spec.model, model_dir)
-        self.dtypes = precision_mod.resolve("cuda", prec, spec.method.name, stored)
+        self.dtypes = precision_mod.resolve("cuda", prec, spec.method.name, self.handle.stored_dtype[0])
         device = _resolve_device(spec.backend.device, self.comm.local_rank)
         if device.type == "cuda":  # before anything else touches CUDA in this process
             split_later = spec.backend.device_map == "auto"
@@ -429,8 +429,8 @@ class CudaBackend:
         """The base model through ``from_pretrained`` on ``device`` (or split over the GPUs),
         4-bit quantized there for qlora; a multimodal checkpoint's language model alone."""
         m = spec.method
-        _check_loadable(spec, model_dir)
-        self.desc = model_desc(spec.model, model_dir)
+        _check_loadable(spec, model_dir, self.handle.quantization)
+        self.desc = self.handle.desc
         wanted = spec.backend.attn_implementation
         attention(self.desc, wanted)  # refuses, in one line, an attention this model does not run
         kwargs: dict[str, Any] = {"dtype": self.weight_dtype,
