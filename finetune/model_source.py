@@ -369,8 +369,8 @@ def read_model_config(model: ModelSpec, model_dir: Path | str | None = None) -> 
     facts = _preset_facts(model)
     if facts is not None:
         over = tuple(f"{k}={_shown(v)}" for k, v in config_overrides(model).items())
-        return ConfigRead(facts, f"model.config of preset {name} (released config.json facts; {repo}: {why})", None,
-                          none, over)
+        where = f"model.config of preset {name} (released config.json facts; {repo}: {why})"
+        return ConfigRead(facts, where + _with(over), None, none, over)
     match = [n for n, doc in sorted(_presets().items()) if doc.get("path") == repo and doc.get("config")]
     preset = f"use its preset (model={match[0]})" if match else "use a preset (model=<name>, see conf/model/)"
     raise UserError(f"model.path={repo}: no config.json in the hub cache ({constants.HF_HUB_CACHE}) and {why}; "
@@ -433,8 +433,12 @@ def _over_hub(model: ModelSpec, hf: dict[str, Any], where: str, path: Path) -> C
     else:
         described = {**hf, **over}
     shown = tuple(f"{k}={_shown(v)}" for k, v in over.items())
-    return ConfigRead(described, f"{where}, with " + ", ".join(f"model.config.{s}" for s in shown), path,
-                      (hf, str(path)), shown)
+    return ConfigRead(described, where + _with(shown), path, (hf, str(path)), shown)
+
+
+def _with(overridden: tuple[str, ...]) -> str:
+    """What a config.json's label adds for the facts set over it."""
+    return ", with " + ", ".join(f"model.config.{o}" for o in overridden) if overridden else ""
 
 
 # config.json dtype names -> ours (transformers 5 writes "dtype", 4.x "torch_dtype")

@@ -82,6 +82,7 @@ def tiny_config(model: Any) -> dict[str, Any]:
 
         config = (cast(dict[str, Any], OmegaConf.to_container(facts, resolve=True)) if OmegaConf.is_config(facts)
                   else dict(facts))
+        config = json.loads(json.dumps(config))  # as config.json holds it: the run spec's tuples are lists
     if config.get("model_type") != "qwen2":
         raise UserError(f"model.config.model_type={config.get('model_type')}: the tiny model is built as a Qwen2 "
                         "(model_type qwen2); give another family's checkpoint with model.path")
