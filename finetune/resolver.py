@@ -144,6 +144,7 @@ def check_ranges(cfg: DictConfig) -> None:
     # model.config's facts where the config has them (a preset's, tiny's, a user's override)
     facts = cfg.model.config if isinstance(cfg.model.config, DictConfig) else {}
     for dotted, (lo, hi, lo_in, hi_in, nullable) in [*RANGES.items(), *CONFIG_FACT_RANGES.items()]:
+        value: Any
         if dotted.startswith("model.config."):
             value, nullable = facts.get(dotted.rpartition(".")[2]), True
         else:

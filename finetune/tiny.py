@@ -56,12 +56,13 @@ def preset_config(name: str) -> tuple[tuple[str, Any], ...] | None:
     model is built from its own; ``finetune.model_source`` tells a user's facts from a preset's."""
     from importlib import resources
 
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     f = resources.files("finetune.conf") / "model" / f"{name}.yaml"
     if not f.is_file():
         return None
-    facts = OmegaConf.create(f.read_text()).get("config")
+    doc = OmegaConf.create(f.read_text())
+    facts = doc.get("config") if isinstance(doc, DictConfig) else None
     return None if facts is None else tuple(cast(dict[str, Any], OmegaConf.to_container(facts, resolve=True)).items())
 
 
