@@ -29,14 +29,6 @@ GRAD_ACTIVATION_OVERLAP = 0.5
 
 # ---- the model ---------------------------------------------------------------------------------
 
-def model_desc(model: ModelSpec, model_dir: Any = None) -> ModelDesc:
-    """The description of the model ``model`` names: from ``model_dir`` (a loaded model's
-    directory), a local ``model.path``, the hub's cached config of a hub id, or the preset's
-    released config facts (finetune.model_source.model_config). A run reads its one handle's
-    (``RunSpec.model_handle``) instead."""
-    return describe_model(model, model_dir).desc
-
-
 def describe_model(model: ModelSpec, model_dir: Any = None) -> ModelHandle:
     """The model's handle: ``describe`` of its config.json (``read_model_config``), the dtype
     and quantization it stores, and, for a family not described exactly, held against its
@@ -48,9 +40,10 @@ def describe_model(model: ModelSpec, model_dir: Any = None) -> ModelHandle:
     hf = got.config
     arch = describe(hf, got.where)
     if got.overridden:
-        arch = replace(arch, notes=arch.notes + (
-            f"planned with {', '.join('model.config.' + o for o in got.overridden)} over the checkpoint's config.json: "
-            "a what-if (a run trains the checkpoint as it is, and refuses it)",))
+        facts = ", ".join("model.config." + o for o in got.overridden)
+        note = (f"planned with {facts} over the checkpoint's config.json: a what-if (a run trains the checkpoint "
+                "as it is, and refuses it)")
+        arch = replace(arch, notes=(*arch.notes, note))
     handle = ModelHandle(desc=arch, config=hf, config_path=str(got.path) if got.path is not None else None,
                          stored_dtype=stored_dtype(model, model_dir, local=got.local),
                          quantization=stored_quantization(model, model_dir, local=got.local),
