@@ -72,10 +72,10 @@ def _backend(args: argparse.Namespace):
 
     from finetune.config import Config
     from finetune.resolver import resolve
-    from finetune.tiny import build_tiny
+    from finetune.tiny import build_tiny, preset_config
 
     cfg = Config(run_dir="unused")
-    cfg.model.vocab_size = args.vocab
+    cfg.model.config = {**dict(preset_config("tiny") or ()), "vocab_size": args.vocab}
     cfg.backend.name = args.backend
     if args.backend == "cuda":
         cfg.backend.device = "cpu"

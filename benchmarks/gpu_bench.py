@@ -78,8 +78,8 @@ from mlx_footprint import GSM8K, make_data  # (GSM8K: $FINETUNE_GSM8K or ../shar
 
 GIB = 2**30
 MODEL = ["model=qwen2-0.5b"]  # the preset holds the 0.5B shape; model.path points at the random build
-SMOKE_ARCH = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
-              "model.intermediate_size=128", "model.vocab_size=2048"]
+SMOKE_ARCH = ["model.config.hidden_size=64", "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+              "model.config.num_key_value_heads=2", "model.config.intermediate_size=128", "model.config.vocab_size=2048"]
 # (method, micro-batch, seq_len, grad checkpointing, optimizer): every level of each axis at least twice
 GRID: list[tuple[str, int, int, int, str]] = [
     ("lora", 1, 512, 0, "adamw"), ("lora", 4, 1024, 0, "adamw"), ("lora", 4, 1024, 1, "adamw"),

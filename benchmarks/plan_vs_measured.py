@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 GIB = 1 << 30
 MODELS = {
     "tiny": [],
-    "small": ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=2",
-              "model.intermediate_size=704", "model.vocab_size=2048"],
+    "small": ["model.config.hidden_size=256", "model.config.num_hidden_layers=4", "model.config.num_attention_heads=8",
+              "model.config.num_key_value_heads=2", "model.config.intermediate_size=704", "model.config.vocab_size=2048"],
 }
 
 

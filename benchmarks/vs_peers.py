@@ -105,10 +105,11 @@ SEQ = 512  # max tokens per sample, every side
 MICRO = 8  # samples per step (ours, the Trainer, mlx-lm); TRL's rows are chosen to match it
 SKIP = 10  # warm-up steps every side leaves out (--skip; MLX's reference BLAS: 15-160 s a step, so fewer there)
 MODELS = {
-    "tiny": ["model.hidden_size=256", "model.num_layers=4", "model.num_heads=4", "model.num_kv_heads=2",
-             "model.intermediate_size=704", "model.vocab_size=2048"],
-    "medium": ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.num_kv_heads=2",
-               "model.intermediate_size=1408", "model.vocab_size=8192"],
+    "tiny": ["model.config.hidden_size=256", "model.config.num_hidden_layers=4", "model.config.num_attention_heads=4",
+             "model.config.num_key_value_heads=2", "model.config.intermediate_size=704", "model.config.vocab_size=2048"],
+    "medium": ["model.config.hidden_size=512", "model.config.num_hidden_layers=8", "model.config.num_attention_heads=8",
+               "model.config.num_key_value_heads=2", "model.config.intermediate_size=1408",
+               "model.config.vocab_size=8192"],
 }
 ARCH = MODELS["tiny"]
 SIDES = {"cuda": ("ours", "ours_packed", "trainer", "trl"), "mlx": ("ours", "ours_packed", "mlx_lm")}

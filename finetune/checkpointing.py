@@ -28,7 +28,7 @@ from finetune.io import atomic_dir, atomic_write_json, disk_errors, finalize_dir
 from finetune.runlog import RunLogWriteError
 from finetune.io import fsync_tree
 from finetune.planner.describe import lora_keys
-from finetune.planner.model import model_desc
+from finetune.planner.model import model_handle
 from finetune.spec import DataSpec, RunSpec
 
 log = logging.getLogger("finetune")
@@ -71,7 +71,7 @@ class Checkpointer:
             m = self.spec.method
             data = data_identity(self.spec.data)
             # method.lora.keys as the model resolves them (null: its default keys)
-            keys = lora_keys(model_desc(self.spec.model, self.model_dir), m.lora.keys)
+            keys = lora_keys(model_handle(self.spec, self.model_dir).desc, m.lora.keys)
             self._identity = {"backend": self.backend_name, "model": self.spec.model.name,
                               "model_path": str(self.model_dir), "method": m.name,
                               "lora_rank": m.lora.rank, "lora_keys": list(keys),

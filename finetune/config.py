@@ -196,14 +196,39 @@ def compose(run_dir: Any, *overrides: str) -> Any:
     return cfg
 
 
+# config.json facts of model.config checked where the config has them (a preset's, tiny's, a
+# user's override): what the 14 architecture keys beside config: had (issue 32), in HF's names
+CONFIG_FACT_RANGES: dict[str, tuple[float, float, bool, bool, bool]] = {
+    "model.config.hidden_size": (1, INF, True, False, False),
+    "model.config.num_hidden_layers": (1, INF, True, False, False),
+    "model.config.num_attention_heads": (1, INF, True, False, False),
+    "model.config.num_key_value_heads": (1, INF, True, False, False),
+    "model.config.head_dim": (1, INF, True, False, True),
+    "model.config.intermediate_size": (1, INF, True, False, False),
+    "model.config.vocab_size": (1, INF, True, False, False),
+    "model.config.max_position_embeddings": (1, INF, True, False, False),
+    "model.config.rope_theta": (0, INF, False, False, False),
+    "model.config.rms_norm_eps": (0, 1, False, False, False),
+}
+# The keys a preset stated beside config: until issue 32, and where the fact is now: a user
+# typing the old key is told the new one
+MOVED_KEYS = {f"model.{old}": f"model.config.{new}" for old, new in (
+    ("model_type", "model_type"), ("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+    ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("head_dim", "head_dim"),
+    ("intermediate_size", "intermediate_size"), ("vocab_size", "vocab_size"),
+    ("tie_embeddings", "tie_word_embeddings"), ("attn_bias", "attention_bias"), ("mlp_bias", "mlp_bias"),
+    ("max_position", "max_position_embeddings"), ("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_norm_eps"))}
+
 def range_text(dotted: str) -> str | None:
     """The valid values of numeric key ``dotted`` as a user reads them (">= 1", "in [0, 1)"),
     from RANGES (or RANGE_TEXT); None for a key without a range."""
     if dotted in RANGE_TEXT:
         return RANGE_TEXT[dotted]
-    if dotted not in RANGES:
+    if dotted not in RANGES and dotted not in CONFIG_FACT_RANGES:
         return None
-    return _interval_text(*RANGES[dotted][:4])
+    if dotted in RANGES:
+        return _interval_text(*RANGES[dotted][:4])
+    return _interval_text(*CONFIG_FACT_RANGES[dotted][:4])
 
 
 # Free-form nodes: their keys are the user's (extra) or each logger option's own YAML.
@@ -246,6 +271,8 @@ def nearest_config_keys(full: str) -> str:
     first among equals); else the keys of the nearest node that exists."""
     import difflib
 
+    if full in MOVED_KEYS:  # a preset's architecture key of old: now its config.json fact
+        return f"did you mean: {MOVED_KEYS[full]}"
     parent, _, last = full.rpartition(".")
     paths = schema_paths()
     near = [p for p in paths if p.rpartition(".")[2] == last]  # the right name under another parent

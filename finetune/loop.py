@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -36,6 +37,7 @@ from finetune import data as data_mod, planner, prompting
 from finetune.accounting import Accountant, ranks
 from finetune.governor import Governor
 from finetune.model_source import check_weights, resolve_model_dir
+from finetune.planner.model import locate_model
 from finetune.records import Plan, Sample
 from finetune.spec import RunSpec, World
 from finetune.units import fmt_bytes
@@ -167,7 +169,12 @@ class Trainer:
         self.governor.before_load(seq_len=8, only_check=True)
         self.model_dir = resolve_model_dir(self.spec.model, seed=0)
         check_weights(self.model_dir, self.spec.model)
-        for note in planner.model_desc(self.spec.model, self.model_dir).notes:  # a family priced approximately, ...
+        # the run's one model handle, at its directory: what the governor, the runtime, the
+        # checkpointer and calibration read from here on (described again only where the
+        # directory's config.json is not the one described: a hub checkpoint downloaded now)
+        handle = locate_model(self.spec.model_handle, self.spec.model, self.model_dir)
+        self.spec = self.governor.spec = replace(self.spec, model_handle=handle)
+        for note in handle.desc.notes:  # a family priced approximately, ...
             log.warning("plan: %s", note)
         self.tokenizer = self._load_tokenizer()
         self.data, self.data_stats = data_mod.build(self.spec, self.tokenizer)

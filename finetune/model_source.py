@@ -5,12 +5,12 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from finetune import quiet, safetensors_io
 from finetune.errors import UserError
 from finetune.spec import ModelSpec
-from finetune.tiny import _arch, build_tiny, hf_config
+from finetune.tiny import build_tiny, preset_config, tiny_config, tiny_dir
 
 # What training needs from a hub repository; skips other formats (pytorch_model.bin twins,
 # gguf, onnx) that would multiply the download.
@@ -284,8 +284,25 @@ def _hub_failure(e: BaseException, revision: str | None) -> str:
     return f"the hub is unreachable ({first[:120]})"
 
 
+class ConfigRead(NamedTuple):
+    """A model's config.json as ``read_model_config`` found it."""
+
+    config: dict[str, Any]  # as described: a hub checkpoint's with the user's model.config facts over it
+    where: str  # a short label of where it was read (the plan's model.source)
+    path: Path | None  # the config.json file (the tiny model: where it is built); None: a preset's facts
+    local: tuple[dict[str, Any] | None, str | None]  # what ``local_config`` reads for the same model
+    overridden: tuple[str, ...] = ()  # "key=value" of the model.config facts set over a hub checkpoint's
+
+
 def model_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[dict[str, Any], str]:
-    """The checkpoint's ``config.json`` as a dict, and a short label of where it was read.
+    """The checkpoint's ``config.json`` as a dict, and a short label of where it was read
+    (``read_model_config``)."""
+    got = read_model_config(model, model_dir)
+    return got.config, got.where
+
+
+def read_model_config(model: ModelSpec, model_dir: Path | str | None = None) -> ConfigRead:
+    """The checkpoint's ``config.json``, where it was read, and the facts set over it.
 
     Looked for in order: ``model_dir`` (a loaded model's directory); a local ``model.path``;
     a hub id's config.json in the hub cache, then downloaded alone (``model.revision``,
@@ -293,37 +310,46 @@ def model_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple
     (``model.config``) when the preset is of that same repository. With ``model.path`` null:
     ``tiny``'s own config (what ``build_tiny`` writes), another preset's ``model.config``.
 
+    ``model.config.KEY=VALUE`` on the command line (a fact other than the preset's own) is
+    planned, never ignored: the tiny model is built from it; a hub checkpoint's config.json is
+    described with it over it (``overridden``: a plan's what-if, which a run refuses); a
+    checkpoint on disk (``model_dir``, a local ``model.path``) whose config.json says otherwise
+    refuses it.
+
     Raises:
         UserError: one line naming the fixes; never falls back to another model's numbers.
     """
+    none: tuple[dict[str, Any] | None, str | None] = (None, None)
     if model_dir is not None:
         cj = Path(str(model_dir)) / "config.json"
         if not cj.is_file():
             raise UserError(f"{model_dir} has no config.json; point model.path at an HF-format model directory")
-        return _read_config_json(cj), str(cj)
+        return _on_disk(model, cj)
     path = model.path
     name = str(model.name)
     if path is None:
         if name == "tiny":
-            return hf_config(_arch(model)), "preset tiny (the config.json build_tiny writes)"
+            return ConfigRead(tiny_config(model), "preset tiny (the config.json build_tiny writes)",
+                              tiny_dir(model) / "config.json", none)
         facts = model.config
         if facts is None:
             raise UserError(f"model={name} has no model.path and no model.config; "
                             "set model.path=<hub id or local dir>")
-        return _plain(facts), f"model.config of preset {name}"
+        return ConfigRead(_plain(facts), f"model.config of preset {name}", None, none)
     if not _is_hub_id(path):
         local = Path(str(path)).expanduser()
         if not local.exists():
             raise UserError(f"model.path={path} does not exist; give an existing directory or a hub id")
         if not (local / "config.json").is_file():
             raise UserError(f"model.path={path} has no config.json; point it at an HF-format model directory")
-        return _read_config_json(local / "config.json"), str(local / "config.json")
+        return _on_disk(model, local / "config.json")
     repo, revision = str(path), model.revision
     from huggingface_hub import constants
 
     cached = _cached_config(repo, revision)
     if cached is not None:
-        return _read_config_json(cached), f"{repo} config.json in the hub cache ({constants.HF_HUB_CACHE})"
+        hf = _read_config_json(cached)
+        return _over_hub(model, hf, f"{repo} config.json in the hub cache ({constants.HF_HUB_CACHE})", cached)
     why = _hub_unreachable()
     if why is None:
         from huggingface_hub import hf_hub_download
@@ -333,7 +359,7 @@ def model_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple
         hf_logging.set_verbosity_error()  # its retry warnings would break the one-line error
         try:
             got = Path(hf_hub_download(repo, "config.json", revision=revision, token=_hf_token()))
-            return _read_config_json(got), f"{repo} config.json from the hub ({got})"
+            return _over_hub(model, _read_config_json(got), f"{repo} config.json from the hub ({got})", got)
         except UserError:
             raise
         except Exception as e:  # offline, gated, misspelt, no network: named in the one line below
@@ -342,12 +368,77 @@ def model_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple
             hf_logging.set_verbosity(level)
     facts = _preset_facts(model)
     if facts is not None:
-        return facts, f"model.config of preset {name} (released config.json facts; {repo}: {why})"
+        over = tuple(f"{k}={_shown(v)}" for k, v in config_overrides(model).items())
+        where = f"model.config of preset {name} (released config.json facts; {repo}: {why})"
+        return ConfigRead(facts, where + _with(over), None, none, over)
     match = [n for n, doc in sorted(_presets().items()) if doc.get("path") == repo and doc.get("config")]
     preset = f"use its preset (model={match[0]})" if match else "use a preset (model=<name>, see conf/model/)"
     raise UserError(f"model.path={repo}: no config.json in the hub cache ({constants.HF_HUB_CACHE}) and {why}; "
                     f"download it ({hf_download(repo, revision)}; a plan needs only "
                     f"{hf_download(repo, revision, 'config.json')}), point model.path at a local directory, or {preset}")
+
+
+def config_overrides(model: ModelSpec) -> dict[str, Any]:
+    """The facts of ``model.config`` that are not its preset's own (``model.config.KEY=VALUE``
+    on the command line, or a preset's config: replaced): key -> value; every fact where the
+    preset (``model.name``) has no config: block of its own."""
+    facts = model.config
+    if facts is None:
+        return {}
+    mine = _lists(_plain(facts))  # the spec's lists are tuples, the YAML's lists
+    own = _lists(dict(preset_config(str(model.name)) or ()))
+    return {k: v for k, v in mine.items() if k not in own or own[k] != v}
+
+
+def _lists(v: Any) -> Any:
+    """``v`` with every tuple a list, dicts walked: facts compared as config.json holds them."""
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_lists(x) for x in v]
+    return v
+
+
+def _shown(v: Any) -> str:
+    import json
+
+    return json.dumps(v) if isinstance(v, (bool, dict, list)) or v is None else str(v)
+
+
+def _text_node(hf: dict[str, Any]) -> dict[str, Any]:
+    """Where a config.json keeps its language model's facts: a multimodal one's ``text_config``."""
+    return hf["text_config"] if is_multimodal(hf) else hf
+
+
+def _on_disk(model: ModelSpec, cj: Path) -> ConfigRead:
+    """A checkpoint on disk's config.json (``cj``); one fact of ``model.config`` set against it: one line."""
+    hf = _read_config_json(cj)
+    node = _text_node(hf)
+    for k, v in config_overrides(model).items():
+        if k in node and node[k] != v:
+            raise UserError(f"model.config.{k}={_shown(v)} contradicts {cj} ({k}: {_shown(node[k])}): a checkpoint "
+                            f"on disk is the model its config.json describes; drop model.config.{k}, or plan the "
+                            f"change on its hub id or preset (finetune mode=plan model=<preset> model.config.{k}=...)")
+    return ConfigRead(hf, str(cj), cj, (hf, str(cj)))
+
+
+def _over_hub(model: ModelSpec, hf: dict[str, Any], where: str, path: Path) -> ConfigRead:
+    """A hub checkpoint's config.json with the facts of ``model.config`` the user set over it
+    (a plan's what-if: a layer count, a vocabulary)."""
+    over = {k: v for k, v in config_overrides(model).items() if _text_node(hf).get(k) != v}
+    if not over:
+        return ConfigRead(hf, where, path, (hf, str(path)))
+    if is_multimodal(hf):
+        described = {**hf, "text_config": {**hf["text_config"], **over}}
+    else:
+        described = {**hf, **over}
+    shown = tuple(f"{k}={_shown(v)}" for k, v in over.items())
+    return ConfigRead(described, where + _with(shown), path, (hf, str(path)), shown)
+
+
+def _with(overridden: tuple[str, ...]) -> str:
+    """What a config.json's label adds for the facts set over it."""
+    return ", with " + ", ".join(f"model.config.{o}" for o in overridden) if overridden else ""
 
 
 # config.json dtype names -> ours (transformers 5 writes "dtype", 4.x "torch_dtype")
@@ -373,12 +464,14 @@ def local_config(model: ModelSpec, model_dir: Path | str | None = None) -> tuple
     return None, None
 
 
-def stored_dtype(model: ModelSpec, model_dir: Path | str | None = None) -> tuple[str, str]:
+def stored_dtype(model: ModelSpec, model_dir: Path | str | None = None,
+                 local: tuple[dict[str, Any] | None, str | None] | None = None) -> tuple[str, str]:
     """The dtype the checkpoint stores its floating weights in, and where that was read:
     ``config.json`` ``dtype``/``torch_dtype`` (also inside ``text_config``; a hub id's from the
     hub cache), else the preset's ``model.dtype``, else float32 (transformers' own default when a
-    config names none). A hub id neither cached nor of this preset is read with ``model_config``."""
-    hf, where = local_config(model, model_dir)
+    config names none). A hub id neither cached nor of this preset is read with ``model_config``.
+    ``local``: ``local_config``'s answer, where the caller has read it already."""
+    hf, where = local if local is not None else local_config(model, model_dir)
     if hf is None and model_dir is None and _is_hub_id(model.path) \
             and not (model.dtype and _preset_is_of(model)):
         # a hub id not in the cache, and a preset of another model (tiny's float32 says nothing
@@ -398,10 +491,12 @@ def stored_dtype(model: ModelSpec, model_dir: Path | str | None = None) -> tuple
     return "float32", "no dtype in config.json or model.dtype: float32 (transformers' default)"
 
 
-def stored_quantization(model: ModelSpec, model_dir: Path | str | None = None) -> dict[str, Any] | None:
+def stored_quantization(model: ModelSpec, model_dir: Path | str | None = None,
+                        local: tuple[dict[str, Any] | None, str | None] | None = None) -> dict[str, Any] | None:
     """An MLX pre-quantized checkpoint's ``quantization`` block (``{"group_size": 64, "bits":
-    4, ...}``, as ``mlx_lm.convert -q`` and the mlx-community repos write it), or None."""
-    hf, where = local_config(model, model_dir)
+    4, ...}``, as ``mlx_lm.convert -q`` and the mlx-community repos write it), or None.
+    ``local``: ``local_config``'s answer, where the caller has read it already."""
+    hf, where = local if local is not None else local_config(model, model_dir)
     q = (hf or {}).get("quantization")  # HF "quantization_config" (bnb, GPTQ, AWQ) is another format
     if not isinstance(q, dict) or "bits" not in q or "group_size" not in q:
         return None

@@ -160,6 +160,32 @@ class ModelDesc:
                 "sliding_window": self.sliding_window, "source": self.source}
 
 
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """The model of one run, described once (``finetune.planner.model.describe_model``) and
+    handed to the planner, the governor, both runtimes, the checkpointer and calibration on the
+    run spec (``RunSpec.model_handle``): nobody reads config.json again.
+
+    Built by the resolver before any download, from the checkpoint's own config.json where this
+    machine has it (a local directory, the hub cache), else the preset's released facts; once
+    the model's directory is known (downloaded, or the tiny model built) the loop locates it
+    there (``locate_model``), describing again only where that directory's config.json is not
+    the one described."""
+
+    desc: ModelDesc
+    config: dict[str, Any]  # the config.json described (a what-if's overrides applied)
+    config_path: str | None  # that file (the tiny model: where it is built); None: a preset's facts
+    stored_dtype: tuple[str, str]  # the dtype the checkpoint stores, and where that was read
+    quantization: dict[str, Any] | None  # an MLX pre-quantized checkpoint's block, or None
+    # the checkpoint's tensors (their elements, and where read) where its safetensors headers
+    # were read: only for a family not described exactly (finetune.planner.describe.reconcile)
+    elements: tuple[int, str] | None = None
+    # model.config facts set over a hub checkpoint's config.json: the plan is a what-if, and a
+    # run (which trains the checkpoint as it is) refuses it
+    overridden: tuple[str, ...] = ()
+    directory: str | None = None  # the model's directory, once resolved
+
 def first_stage(desc: ModelDesc, keys: tuple[str, ...], full: bool) -> int:
     """Stage of the block where gradients start in the lowest layer that needs them."""
     if full:

@@ -26,6 +26,7 @@ from finetune.backends import BACKENDS, capabilities, concrete_name
 from finetune.budget import parse_budget
 from finetune.config import (
     BACKEND_KEYS,
+    CONFIG_FACT_RANGES,
     RANGE_HINTS,
     RANGE_OR,
     RANGES,
@@ -40,7 +41,8 @@ from finetune.config import (
     schema_keys,
 )
 from finetune.errors import UserError
-from finetune.planner.model import resolve as resolve_setup
+from finetune.model_source import config_overrides, read_model_config
+from finetune.planner.model import describe_model, resolve as resolve_setup
 from finetune.spec import RunSpec, World
 
 # -- the config's checks: choices, the backend's capabilities, ranges, unknown keys ------------
@@ -116,8 +118,8 @@ def check_data_keys(cfg: DictConfig) -> None:
 
 
 def check_ranges(cfg: DictConfig) -> None:
-    """Raise UserError for the first numeric key outside its range (``RANGES``), or a string
-    or bool where a number belongs, naming the range."""
+    """Raise UserError for the first numeric key outside its range (``RANGES``; model.config's
+    facts, ``CONFIG_FACT_RANGES``), or a string or bool where a number belongs, naming the range."""
     def fail(dotted: str, value: Any, rng: str) -> None:
         hint = RANGE_HINTS.get(dotted)
         fix = "set optim.betas=[0.9,0.999]" if dotted.startswith("optim.betas.") else f"set {dotted} to a value {rng}"
@@ -126,8 +128,14 @@ def check_ranges(cfg: DictConfig) -> None:
     betas = list(cfg.optim.betas)
     if len(betas) != 2:
         raise UserError(f"optim.betas={betas} needs two values; set optim.betas=[0.9,0.999]")
-    for dotted, (lo, hi, lo_in, hi_in, nullable) in RANGES.items():
-        value = _value(cfg, dotted) if not dotted.startswith("optim.betas.") else betas[int(dotted[-1])]
+    # model.config's facts where the config has them (a preset's, tiny's, a user's override)
+    facts = cfg.model.config if isinstance(cfg.model.config, DictConfig) else {}
+    for dotted, (lo, hi, lo_in, hi_in, nullable) in [*RANGES.items(), *CONFIG_FACT_RANGES.items()]:
+        value: Any
+        if dotted.startswith("model.config."):
+            value, nullable = facts.get(dotted.rpartition(".")[2]), True
+        else:
+            value = _value(cfg, dotted) if not dotted.startswith("optim.betas.") else betas[int(dotted[-1])]
         if value is None and nullable:
             continue
         rng = str(range_text(dotted))
@@ -236,6 +244,30 @@ def _spec(cfg: DictConfig, world: World) -> RunSpec:
     )
 
 
+def _with_model_handle(spec: RunSpec) -> RunSpec:
+    """The spec with its model described, once for the run (``RunSpec.model_handle``): the
+    planner, the governor, both runtimes, the checkpointer and calibration read that handle.
+    Training goes ahead on a model the planner cannot read (its governor then acts on
+    measurements only); a what-if of facts set over a hub checkpoint's config.json is for a plan
+    only (a run would train the checkpoint as it is)."""
+    try:
+        handle = describe_model(spec.model)
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - said again, with the reason, by the governor before loading
+        if spec.mode != "train":
+            raise
+        return spec
+    if spec.mode == "train" and handle.overridden:
+        raise _not_for_a_run(spec, handle.overridden)
+    return dataclasses.replace(spec, model_handle=handle)
+
+
+def _not_for_a_run(spec: RunSpec, overridden: tuple[str, ...]) -> UserError:
+    return UserError(f"model.config.{overridden[0]} is set over the config.json of {spec.model.path}, which mode={spec.mode} "
+                     "loads as it is (the override would be ignored); drop it, or plan the what-if with mode=plan")
+
+
 def _check_model_choices(spec: RunSpec) -> None:
     """The refusals that need the model description and the backend's memory model: the
     planner's own resolution of the setup (``finetune.planner.model.resolve``). Training goes
@@ -265,7 +297,13 @@ def resolve(cfg: Any, world: World | None = None) -> RunSpec:
     validate(cfg)
     spec = _spec(cfg, world or World())
     if spec.mode in ("plan", "train"):
+        spec = _with_model_handle(spec)
         _check_model_choices(spec)
+    elif spec.model.path is not None and config_overrides(spec.model):
+        # mode=generate loads the checkpoint as it is: facts set against it are refused, not ignored
+        overridden = read_model_config(spec.model).overridden  # a checkpoint on disk refuses them itself
+        if overridden:
+            raise _not_for_a_run(spec, overridden)
     if spec.mode == "generate" and not spec.generate.prompt:
         raise UserError('mode=generate needs a prompt: add prompt="..." (or generate.prompt="...")')
     return spec

@@ -19,7 +19,8 @@ parent's node (``method.quant_bits`` is ``spec.method.quant.bits``, ``isolate_jo
 ``spec.sweep.isolate_jobs``), ``name`` gives a key's config name, and a ``derived`` field is no
 key (the resolver sets it).
 
-Low in the house (it imports nothing of the project's): the planner and the backends read it.
+Low in the house (it imports only the model description's types): the planner and the backends
+read it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ MODES = {
                 "no run dir",
 }
 
+from finetune.modeldesc import ModelHandle
+
 
 @dataclass(frozen=True)
 class BackendSpec:
@@ -111,28 +114,17 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """a model preset: where the weights are and the architecture numbers planning needs"""
+    """a model preset: where the weights are, and its config.json facts"""
 
     name: str = key("tiny", "the preset (model=...)")
     path: str | None = key(None, "hub id or local HF-format directory of the weights; null for tiny (built here)")
     revision: str | None = key(None, "hub branch, tag or commit sha of model.path; null: main")
-    # HF key names, verbatim; null for tiny (built from the fields below)
-    config: dict[str, Any] | None = key(None, "a preset's released config.json facts, planned from when the hub's "
-                                        "file is neither cached nor reachable")
-    model_type: str = key("qwen2", "architecture family (HF model_type) of a model described by these fields")
-    hidden_size: int = key(64, "hidden width", ge=1)
-    num_layers: int = key(2, "decoder layers", ge=1)
-    num_heads: int = key(4, "attention (query) heads", ge=1)
-    num_kv_heads: int = key(2, "key/value heads (grouped-query attention)", ge=1)
-    head_dim: int | None = key(None, "width of one head; null: hidden_size // num_heads", ge=1)
-    intermediate_size: int = key(128, "MLP inner width", ge=1)
-    vocab_size: int = key(512, "vocabulary size (embedding rows)", ge=1)
-    tie_embeddings: bool = key(True, "the LM head shares the embedding's weights")
-    attn_bias: bool = key(True, "bias on the q/k/v projections (Qwen2 has it, Llama does not)")
-    mlp_bias: bool = key(False, "bias on the MLP projections")
-    max_position: int = key(2048, "longest position the model is built for", ge=1)
-    rope_theta: float = key(10000.0, "RoPE base frequency", gt=0)
-    rms_norm_eps: float = key(1e-6, "epsilon of the RMS norms", gt=0, lt=1)
+    # HF key names, verbatim: a hub preset's released config.json, tiny's own (what it is built from)
+    config: dict[str, Any] | None = key(None, "the model's config.json facts: a preset's released ones, planned from "
+                                        "when the hub's file is neither cached nor reachable; tiny's, which it is "
+                                        "built from. model.config.KEY=VALUE sets one: tiny is built with it, a hub "
+                                        "preset is planned with it, a checkpoint on disk refuses one its config.json "
+                                        "contradicts")
     # bfloat16 for today's hub models
     dtype: str | None = key(None, "the dtype the checkpoint stores, which precision=auto loads; a local "
                             "config.json's dtype/torch_dtype wins")
@@ -389,6 +381,9 @@ class RunSpec:
     # the composed config as a plain dict (interpolations resolved): what loggers record as the
     # run's hyperparameters; never read for a setting
     record: dict[str, Any] = derived("the composed config, as recorded with the run", factory=dict)
+    # the model described once (mode=plan and mode=train; finetune.planner.model.describe_model),
+    # located at its directory once the run has one; None where nothing described it
+    model_handle: ModelHandle | None = derived("the model described once, where the run described it")
 
     def joined(self, world: World, run_dir: Path | None = None) -> RunSpec:
         """This spec for the ranks a launcher started: ``world`` (rank, size), the run dir the

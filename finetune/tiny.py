@@ -1,26 +1,29 @@
 """The ``tiny`` model: a random-init Qwen2 with a BPE tokenizer trained on the built-in data.
 
-Written once as an HF-format directory (config.json, model.safetensors, tokenizer files) into
-a cache folder and reused; both backends load that same directory through their ordinary
-loading code (transformers on cuda, mlx-lm on mlx). Weights are drawn with numpy, so building
-it needs neither torch nor mlx.
+Built from config.json facts alone: the preset's ``config:`` block (conf/model/tiny.yaml), with
+the user's overrides (``model.config.num_hidden_layers=4``), is the config.json it writes, and its
+numbers size the weights. Written once as an HF-format directory (config.json, model.safetensors,
+tokenizer files) into a cache folder and reused; both backends load that same directory through
+their ordinary loading code (transformers on cuda, mlx-lm on mlx). Weights are drawn with numpy,
+so building it needs neither torch nor mlx.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from finetune.errors import UserError
 from finetune.io import as_umask
 from finetune.synthetic import generate
-from finetune.spec import ModelSpec
 
 BUILDER_VERSION = 2  # 2: weights at a trained network's scale, so the default LoRA job visibly learns
 EMBED_STD = 0.1  # embeddings (tied to the head): logits can reach ~6 nats at the head, starting near uniform
@@ -36,40 +39,91 @@ def cache_root() -> Path:
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
-def _arch(m: ModelSpec) -> dict[str, Any]:
-    keys = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-            "vocab_size", "tie_embeddings", "attn_bias", "max_position", "rope_theta", "rms_norm_eps")
-    return {k: getattr(m, k) for k in keys}
+# config.json's names of the numbers the builder draws weights from, under the names builder 2
+# hashed them by (the cache key below keeps builder 2's, so a model built then is reused)
+_NUMBERS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate_size": "intermediate_size",
+            "vocab_size": "vocab_size", "tie_embeddings": "tie_word_embeddings",
+            "max_position": "max_position_embeddings", "rope_theta": "rope_theta", "rms_norm_eps": "rms_norm_eps"}
+_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+           "vocab_size", "max_position_embeddings")
 
 
-def hf_config(arch: dict[str, Any]) -> dict[str, Any]:
-    head_dim = arch["head_dim"] or arch["hidden_size"] // arch["num_heads"]
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": arch["hidden_size"],
-        "intermediate_size": arch["intermediate_size"],
-        "num_hidden_layers": arch["num_layers"],
-        "num_attention_heads": arch["num_heads"],
-        "num_key_value_heads": arch["num_kv_heads"],
-        "head_dim": head_dim,
-        "vocab_size": arch["vocab_size"],
-        "max_position_embeddings": arch["max_position"],
-        "rope_theta": arch["rope_theta"],
-        "rms_norm_eps": arch["rms_norm_eps"],
-        "tie_word_embeddings": arch["tie_embeddings"],
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": arch["num_layers"],
-        "initializer_range": 0.02,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "pad_token_id": 0,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-    }
+@functools.lru_cache(maxsize=32)
+def preset_config(name: str) -> tuple[tuple[str, Any], ...] | None:
+    """The ``config:`` block of preset ``name`` (conf/model/NAME.yaml) as the YAML states it,
+    interpolations resolved, as (key, value) pairs; None where the preset has none. The tiny
+    model is built from its own; ``finetune.model_source`` tells a user's facts from a preset's."""
+    from importlib import resources
+
+    from omegaconf import DictConfig, OmegaConf
+
+    f = resources.files("finetune.conf") / "model" / f"{name}.yaml"
+    if not f.is_file():
+        return None
+    doc = OmegaConf.create(f.read_text())
+    facts = doc.get("config") if isinstance(doc, DictConfig) else None
+    return None if facts is None else tuple(cast(dict[str, Any], OmegaConf.to_container(facts, resolve=True)).items())
+
+
+def tiny_config(model: Any) -> dict[str, Any]:
+    """The config.json the tiny model ``model`` names is built from: its ``model.config`` (the
+    preset's block with the user's overrides; a schema-default ``ModelConfig`` without one: the
+    preset's), with ``head_dim`` written out (hidden_size / num_attention_heads where null), so
+    transformers and mlx-lm read the same width.
+
+    Raises:
+        UserError: a fact the builder cannot build (another family, a count below 1), in one line.
+    """
+    facts = getattr(model, "config", None)
+    if facts is None:
+        config = dict(preset_config("tiny") or ())
+    else:
+        from omegaconf import OmegaConf
+
+        config = (cast(dict[str, Any], OmegaConf.to_container(facts, resolve=True)) if OmegaConf.is_config(facts)
+                  else dict(facts))
+        config = json.loads(json.dumps(config))  # as config.json holds it: the run spec's tuples are lists
+    if config.get("model_type") != "qwen2":
+        raise UserError(f"model.config.model_type={config.get('model_type')}: the tiny model is built as a Qwen2 "
+                        "(model_type qwen2); give another family's checkpoint with model.path")
+    missing = [k for k in _NUMBERS.values() if k not in config and k != "head_dim"]
+    if missing:
+        raise UserError(f"model.config has no {missing[0]}, which the tiny model is built from; "
+                        f"set model.config.{missing[0]} (conf/model/tiny.yaml has every one)")
+    for k in _COUNTS:
+        v = config.get(k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UserError(f"model.config.{k}={v} must be a whole number >= 1 to build the tiny model; "
+                            f"set model.config.{k} to a value >= 1")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise UserError(f"model.config.num_attention_heads={config['num_attention_heads']} is not a multiple of "
+                        f"model.config.num_key_value_heads={config['num_key_value_heads']}; each key/value head "
+                        "serves a whole group of query heads")
+    if config.get("head_dim") is None:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    return config
+
+
+def _arch(config: dict[str, Any]) -> dict[str, Any]:
+    """The numbers the weights are drawn from, as builder 2 named them (head_dim None where it
+    is hidden / heads; Qwen2's q/k/v biases always on)."""
+    arch = {k: config[v] for k, v in _NUMBERS.items()}
+    if arch["head_dim"] == arch["hidden_size"] // arch["num_heads"]:
+        arch["head_dim"] = None
+    arch["attn_bias"] = True
+    return arch
+
+
+def _cache_key(config: dict[str, Any], seed: int) -> str:
+    """The tiny model's cache key: builder 2's (its numbers and the seed) when the rest of
+    ``config`` is the preset's, else those facts that differ too (a model built from other
+    facts is another model)."""
+    preset = {**dict(preset_config("tiny") or ()), "max_window_layers": config["num_hidden_layers"]}  # as builder 2 wrote it
+    rest = {k: v for k, v in config.items() if k not in _NUMBERS.values() and (k not in preset or preset[k] != v)}
+    rest.update({k: "(absent)" for k in preset if k not in config})
+    payload: list[Any] = [BUILDER_VERSION, _arch(config), seed] + ([rest] if rest else [])
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _weights(arch: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
@@ -134,15 +188,21 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_tiny(model: ModelSpec, seed: int = 0) -> Path:
-    """Return the directory of the tiny model for these architecture numbers, building it once.
+def tiny_dir(model: Any, seed: int = 0) -> Path:
+    """Where the tiny model ``model`` names is (or will be) built: no file is read or written."""
+    return cache_root() / f"tiny-qwen2-{_cache_key(tiny_config(model), seed)}"
+
+
+def build_tiny(model: Any, seed: int = 0) -> Path:
+    """Return the directory of the tiny model for these config.json facts (``tiny_config``),
+    building it once.
 
     The directory is assembled under a temporary name and renamed into place, so a reader
     never sees a half-written model, and two processes building at once both end well.
     """
-    arch = _arch(model)
-    key = hashlib.sha256(json.dumps([BUILDER_VERSION, arch, seed], sort_keys=True).encode()).hexdigest()[:12]
-    final = cache_root() / f"tiny-qwen2-{key}"
+    config = tiny_config(model)
+    arch = _arch(config)
+    final = cache_root() / f"tiny-qwen2-{_cache_key(config, seed)}"
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +212,7 @@ def build_tiny(model: ModelSpec, seed: int = 0) -> Path:
 
         _write_tokenizer(tmp, arch["vocab_size"])
         save_file(_weights(arch, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(arch), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         as_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600: the model is as readable as the umask says
         try:
             os.rename(tmp, final)

@@ -17,7 +17,7 @@ OUT_DIR="${1:-${OUT:-/tmp}/gpu_check}"
 OPTIMS="${GPU_CHECK_OPTIMS:-adamw_8bit paged_adamw_8bit}"
 STEPS="${GPU_CHECK_STEPS:-10}"
 # GPU_CHECK_ARCH="model=tiny" bash scripts/gpu_check.sh   (a smoke test of this script on a CPU)
-read -r -a ARCH <<< "${GPU_CHECK_ARCH:-model=tiny model.hidden_size=1024 model.num_layers=8 model.num_heads=16 model.num_kv_heads=4 model.intermediate_size=4096}"
+read -r -a ARCH <<< "${GPU_CHECK_ARCH:-model=tiny model.config.hidden_size=1024 model.config.num_hidden_layers=8 model.config.num_attention_heads=16 model.config.num_key_value_heads=4 model.config.intermediate_size=4096}"
 
 if command -v finetune >/dev/null 2>&1; then
   FINETUNE=(finetune)

@@ -47,8 +47,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = out / "long.jsonl"
     long_texts(data)
-    common = ["backend=cuda", "method=lora", "model=tiny", "model.hidden_size=1024", "model.num_layers=8",
-              "model.num_heads=16", "model.num_kv_heads=4", "model.intermediate_size=4096", "data=jsonl",
+    common = ["backend=cuda", "method=lora", "model=tiny", "model.config.hidden_size=1024",
+              "model.config.num_hidden_layers=8", "model.config.num_attention_heads=16",
+              "model.config.num_key_value_heads=4", "model.config.intermediate_size=4096", "data=jsonl",
               f"data.path={data}", "train.seq_len=1024", "train.steps=4", "train.eval_every=0",
               "train.save_every=0", "train.progress=false"]
     a = run(compose(out / "A", *common, "train.batch_size=8", "train.grad_accum=4"))

@@ -295,11 +295,11 @@ def test_cuda_context_measure_without_nvml_is_unknown():
     """No driver, no NVML: the context size is unknown (None), never 0, and CUDA is not touched."""
     import torch
 
-    from finetune.backends.cuda.runtime import _measure_cuda_contexts
+    from finetune.backends.cuda.load import measure_cuda_contexts
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible: test_cuda_memory_figures covers the measurement")
-    assert _measure_cuda_contexts([0]) == {0: None}
+    assert measure_cuda_contexts([0]) == {0: None}
     assert not torch.cuda.is_initialized()
 
 

@@ -30,7 +30,7 @@ from finetune.backends.base import Batch
 
 from finetune.config import Config, ModelConfig
 from finetune.resolver import resolve
-from finetune.tiny import build_tiny
+from finetune.tiny import build_tiny, preset_config
 
 V = 8192
 B, T = 4, 129
@@ -40,7 +40,7 @@ LOGITS_BYTES = TARGETS * V * 4  # 16 MiB of fp32 logits
 
 def big_vocab(tie: bool = True) -> ModelConfig:
     m = ModelConfig()
-    m.vocab_size, m.tie_embeddings = V, tie
+    m.config = {**dict(preset_config("tiny") or ()), "vocab_size": V, "tie_word_embeddings": tie}
     return m
 
 

@@ -42,9 +42,11 @@ def test_data_groups_need_their_source(tmp_path):
 
 
 def test_model_presets_carry_architecture(tmp_path):
+    """Every preset, tiny included, states its architecture as config.json facts (model.config)."""
     for name in group_options("model"):
         m = make_cfg(tmp_path, f"model={name}").model
-        assert m.hidden_size % m.num_heads == 0 and m.num_heads % m.num_kv_heads == 0
+        c = m.config
+        assert c.hidden_size % c.num_attention_heads == 0 and c.num_attention_heads % c.num_key_value_heads == 0
         assert (m.path is None) == (name == "tiny")
 
 

@@ -31,6 +31,10 @@ PACKAGES = {"finetune": REPO / "finetune", "finetune.backends": REPO / "backends
 # free of torch and mlx. finetune.backends.runtimes.get_backend loads the runtimes by name.
 LAZY_FRAMEWORK_MODULES = {
     "finetune.backends.cuda.runtime": "torch, transformers, peft: the cuda runtime, loaded by get_backend",
+    "finetune.backends.cuda.load": "torch: what the cuda runtime's setup loads with (device, checks, adapters)",
+    "finetune.backends.cuda.optimizers": "torch: the cuda runtime's optimizers",
+    "finetune.backends.cuda.files": "torch: the cuda runtime's adapter and checkpoint files",
+    "finetune.backends.cuda.readings": "torch: the cuda runtime's memory readings (allocator, census)",
     "finetune.backends.cuda.loss": "torch: the cuda loss, used by the cuda runtime once a model is set up",
     "finetune.backends.cuda.varlen": "torch: packed rows' attention per sample, used by the cuda runtime",
     "finetune.backends.cuda.distributed": "torch.distributed: the cuda ranks, used by the cuda runtime under a launcher",

@@ -93,7 +93,7 @@ def test_help_lists_every_mode_and_each_keys_meaning_default_and_values() -> Non
     assert "finetune-export" in out and "finetune-report" in out
     # the value shown is the one the command would use, after its group choices
     sgd = " ".join(_help("optim=sgd", "model=llama2-7b").split())
-    assert "optim.lr=0.01 peak learning rate" in sgd and "model.hidden_size=4096 hidden width" in sgd
+    assert "optim.lr=0.01 peak learning rate" in sgd and "model.path=meta-llama/Llama-2-7b-hf hub id" in sgd
 
 
 def _query(line: str, shell: str = "bash") -> str:

@@ -169,10 +169,10 @@ def test_a_preset_plans_from_its_released_facts_offline(tmp_path: Path, offline_
 
 
 def test_a_preset_without_a_path_and_tiny(tmp_path: Path) -> None:
-    from finetune.tiny import _arch, hf_config
+    from finetune.tiny import tiny_config
 
     tiny = make_cfg(tmp_path / "r").model
-    assert model_config(tiny) == (hf_config(_arch(tiny)), "preset tiny (the config.json build_tiny writes)")
+    assert model_config(tiny) == (tiny_config(tiny), "preset tiny (the config.json build_tiny writes)")
     assert model_config(tiny)[0]["hidden_size"] == 64
     mixtral = make_cfg(tmp_path / "r", "model=mixtral-8x7b", "model.path=null").model
     assert model_config(mixtral) == (released("Mixtral-8x7B-v0.1"), "model.config of preset mixtral-8x7b")

@@ -17,9 +17,10 @@ from finetune.resolver import check_ranges
 from finetune.errors import UserError
 
 # counts that must be at least 1: 1 is accepted, 0 refused
-AT_LEAST_ONE = ["backend.num_devices", "model.hidden_size", "model.num_layers", "model.num_heads",
-                "model.num_kv_heads", "model.head_dim", "model.intermediate_size", "model.vocab_size",
-                "model.max_position", "method.lora.rank", "method.quant_group_size", "data.num_samples",
+AT_LEAST_ONE = ["backend.num_devices", "model.config.hidden_size", "model.config.num_hidden_layers",
+                "model.config.num_attention_heads", "model.config.num_key_value_heads", "model.config.head_dim",
+                "model.config.intermediate_size", "model.config.vocab_size", "model.config.max_position_embeddings",
+                "method.lora.rank", "method.quant_group_size", "data.num_samples",
                 "data.max_samples", "train.steps", "train.batch_size", "train.grad_accum",
                 "train.keep_checkpoints", "memory.phase_every", "generate.max_new_tokens"]
 # (key, value, accepted?) on the other edges: inclusive edges accepted, exclusive ones refused
@@ -28,9 +29,9 @@ EDGES = [(k, 1, True) for k in AT_LEAST_ONE] + [(k, 0, False) for k in AT_LEAST_
     ("train.seed", 2**32, False),
     ("train.seed", 0, True),
     ("train.seed", -1, False),
-    ("model.rms_norm_eps", 1.0, False),  # (0, 1): both ends open
-    ("model.rms_norm_eps", 0.0, False),
-    ("model.rope_theta", 0.0, False),  # > 0
+    ("model.config.rms_norm_eps", 1.0, False),  # (0, 1): both ends open
+    ("model.config.rms_norm_eps", 0.0, False),
+    ("model.config.rope_theta", 0.0, False),  # > 0
     ("method.lora.alpha", 0.0, False),  # > 0
     ("method.lora.dropout", 0.0, True),  # [0, 1)
     ("method.lora.dropout", 1.0, False),

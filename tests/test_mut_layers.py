@@ -22,13 +22,13 @@ def test_cuda_reads_the_blocks_linear_layers_and_nothing_else() -> None:
     """What PEFT could target in the blocks: the linear leaves (GPT-2's Conv1D too), never the
     head, never a container or a norm."""
     import torch
-    from finetune.backends.cuda.runtime import _linear_names
+    from finetune.backends.cuda.load import linear_names
     from transformers import AutoModelForCausalLM
 
     llama = AutoModelForCausalLM.from_pretrained(str(build_family("llama")), dtype=torch.float32)
-    assert _linear_names(llama) == LLAMA
+    assert linear_names(llama) == LLAMA
     gpt2 = AutoModelForCausalLM.from_pretrained(str(build_family("gpt2")), dtype=torch.float32)
-    assert _linear_names(gpt2) == {"c_attn", "c_proj", "c_fc"}
+    assert linear_names(gpt2) == {"c_attn", "c_proj", "c_fc"}
 
 
 @pytest.mark.skipif(not HAS_MLX, reason="needs mlx")

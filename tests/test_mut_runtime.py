@@ -241,9 +241,9 @@ def test_cuda_compile_on_a_cuda_device_without_triton_is_refused_naming_the_inst
     torch = pytest.importorskip("torch")
     if importlib.util.find_spec("triton") is not None:
         pytest.skip("triton is installed here: the refusal cannot be seen")
-    from finetune.backends.cuda.runtime import _compile_loss
+    from finetune.backends.cuda.loss import compile_loss
     from finetune.errors import UserError
 
     with pytest.raises(UserError, match=r"^train.compile on a CUDA device needs Triton \(inductor's GPU kernels\): "
                                         r"pip install triton, or set train.compile=false$"):
-        _compile_loss(torch.device("cuda"), 0, None)
+        compile_loss(torch.device("cuda"), 0, None)

@@ -140,7 +140,7 @@ def test_cuda_a_model_whose_attention_gets_no_positions_keeps_the_block_mask() -
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.backends.cuda.runtime import _packed_attention
+    from finetune.backends.cuda.load import packed_attention
 
     hf = AutoModelForCausalLM.from_pretrained(build_family("llama"), dtype=torch.float32, attn_implementation="sdpa")
     for layer in hf.model.layers:
@@ -149,7 +149,7 @@ def test_cuda_a_model_whose_attention_gets_no_positions_keeps_the_block_mask() -
             return _orig(*a, **k)
 
         layer.self_attn.forward = forward
-    path = _packed_attention(hf, torch.device("cpu"))
+    path = packed_attention(hf, torch.device("cpu"))
     assert path == "sdpa with transformers' [1, 1, T, T] block-diagonal causal mask built from position_ids"
     assert hf.config._attn_implementation == "sdpa"  # the model's own sdpa again, not the per-sample one
 

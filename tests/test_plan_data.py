@@ -23,7 +23,7 @@ from finetune import data as data_mod
 from finetune.backends.base import padded_length
 from finetune.config import ModelConfig
 from finetune.planner import plan
-from finetune.tiny import _arch, build_tiny, hf_config
+from finetune.tiny import build_tiny
 
 
 def _run_plan(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
@@ -108,7 +108,7 @@ def test_the_mac_seed_plans_its_data_not_seq_len(tmp_path: Path, gsm8k: Path) ->
     and keeps the 2048 plan as the bound, which is the larger."""
     spec = make_spec(tmp_path / "x", "backend=mlx", "model=qwen2-72b")
     cache = tmp_path / "hub"
-    released = {**hf_config(_arch(spec.model)), "torch_dtype": "bfloat16"}  # as the hub stores it
+    released = {**(spec.model.config or {}), "torch_dtype": "bfloat16"}  # as the hub stores it
     _hub_snapshot(cache, "Qwen/Qwen2-72B", released, build_tiny(ModelConfig()))
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "FINETUNE_CACHE": str(tmp_path / "ft-cache")}

@@ -40,16 +40,17 @@ def _meta_counts(model_cfg, method: str, keys: list[str], rank: int, num_layers:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    m = model_cfg
-    kw = {"hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-          "num_key_value_heads": m.num_kv_heads, "intermediate_size": m.intermediate_size,
-          "vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings}
+    m = model_cfg.config  # the preset's config.json facts
+    kw = {"hidden_size": m.hidden_size, "num_hidden_layers": m.num_hidden_layers,
+          "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
+          "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
+          "tie_word_embeddings": m.tie_word_embeddings}
     hf_cfg = Qwen2Config(**kw) if m.model_type == "qwen2" else LlamaConfig(
-        attention_bias=m.attn_bias, mlp_bias=m.mlp_bias, **kw)
+        attention_bias=m.get("attention_bias", False), mlp_bias=m.get("mlp_bias", False), **kw)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
     if method != "full":
-        L = m.num_layers
+        L = m.num_hidden_layers
         top = list(range(L - num_layers, L)) if 0 < num_layers < L else None
         model = get_peft_model(model, LoraConfig(r=rank, target_modules=keys, layers_to_transform=top,
                                                   use_dora=method == "dora"))
@@ -238,7 +239,7 @@ def test_plan_equals_backend_census_after_a_step(backend, tmp_path):
         cfg = _cfg(tmp_path, f"backend={backend}", "train.batch_size=2", *over)
         be = Backend()
         info = be.setup(resolve(cfg), resolve_model_dir(cfg.model))
-        be.forward_backward(_fixed_batch(cfg.model.vocab_size, 2, 16), 1.0)
+        be.forward_backward(_fixed_batch(cfg.model.config.vocab_size, 2, 16), 1.0)
         be.optimizer_step(1e-3)
         p = planner.plan(resolve(cfg), seq_len=16, recommend=False)
         assert (p["params_total"], p["params_trainable"]) == (info.params_total, info.params_trainable), over
@@ -296,7 +297,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
     be = CudaBackend()
     be.setup(resolve(cfg), resolve_model_dir(cfg.model))
-    kept, loss = kept_by_autograd(be, _fixed_batch(cfg.model.vocab_size, B, T))
+    kept, loss = kept_by_autograd(be, _fixed_batch(cfg.model.config.vocab_size, B, T))
     arch, s = planner.resolve(resolve(cfg), seq_len=T)
     _, _, d = planner.activations(arch, s)
     predicted = d["saved_layers"] + d["head"] - B * T * T  # no padding here: sdpa gets no mask
@@ -306,7 +307,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
 
 @needs_torch
 @pytest.mark.parametrize("over", [(), ("method=full",), ("precision=bf16-mixed",), ("train.grad_checkpointing=true",),
-                                  ("method=dora",), ("model.intermediate_size=512", "precision=bf16-true"),
+                                  ("method=dora",), ("model.config.intermediate_size=512", "precision=bf16-true"),
                                   ("method=full", "train.grad_accum=2")])
 def test_torch_step_peak_matches_allocator_events(over, tmp_path):
     """A real CudaBackend step on the CPU under torch.profiler(profile_memory=True): the peak of
@@ -322,11 +323,11 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
     be = CudaBackend()
     be.setup(resolve(cfg), resolve_model_dir(cfg.model))
-    be.forward_backward(_fixed_batch(cfg.model.vocab_size, B, T), 1.0)
+    be.forward_backward(_fixed_batch(cfg.model.config.vocab_size, B, T), 1.0)
     be.optimizer_step(1e-3)  # optimizer state exists from here on, as in the steady state
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for micro in range(int(cfg.train.grad_accum)):
-            be.forward_backward(_fixed_batch(cfg.model.vocab_size, B, T, seed=1 + micro), 1.0)
+            be.forward_backward(_fixed_batch(cfg.model.config.vocab_size, B, T, seed=1 + micro), 1.0)
         be.optimizer_step(1e-3)
     events = sorted((e for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
@@ -373,7 +374,7 @@ def case(over, B, T):
     for step in range(4):
         mx.reset_peak_memory()
         for micro in range(int(cfg.train.grad_accum)):
-            be.forward_backward(_fixed_batch(cfg.model.vocab_size, B, T, seed=step * 10 + micro), 1.0)
+            be.forward_backward(_fixed_batch(cfg.model.config.vocab_size, B, T, seed=step * 10 + micro), 1.0)
         be.optimizer_step(1e-3)
         peak = max(peak, mx.get_peak_memory() - base)
     return [planner.plan(resolve(cfg), seq_len=T, recommend=False)["peak_allocated_bytes"], peak]

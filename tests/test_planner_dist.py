@@ -179,9 +179,9 @@ m, out = json.loads(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(Qwen2Config(
-    hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"], num_attention_heads=m["num_heads"],
-    num_key_value_heads=m["num_kv_heads"], intermediate_size=m["intermediate_size"], vocab_size=m["vocab_size"],
-    tie_word_embeddings=m["tie_embeddings"]))
+    hidden_size=m["hidden_size"], num_hidden_layers=m["num_hidden_layers"], num_attention_heads=m["num_attention_heads"],
+    num_key_value_heads=m["num_key_value_heads"], intermediate_size=m["intermediate_size"], vocab_size=m["vocab_size"],
+    tie_word_embeddings=m["tie_word_embeddings"]))
 for layer in model.model.layers:
     fully_shard(layer)  # a unit per decoder layer, then the root, as the runtime wraps them
 fully_shard(model)
@@ -211,9 +211,9 @@ def test_fsdp_shards_match_torch_fully_shard(tmp_path: Path) -> None:
     over = ("backend=cuda", "backend.device=cuda", "method=full", "precision=32-true", "backend.strategy=fsdp",
             "backend.num_devices=3")
     p = _plan(tmp_path, *over)
-    m = make_cfg(tmp_path, *over).model
-    model = {k: m[k] for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                               "vocab_size", "tie_embeddings")}
+    m = make_cfg(tmp_path, *over).model.config
+    model = {k: m[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                               "intermediate_size", "vocab_size", "tie_word_embeddings")}
     worker = tmp_path / "fsdp_worker.py"
     worker.write_text(_FSDP_WORKER)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",

@@ -169,8 +169,8 @@ def test_metamathqa_runs_planned_to_the_published_parameter(tmp_path: Path, run:
 def test_qlora_load_host_peak_within_10_percent(tmp_path: Path) -> None:
     """A real 4-bit load on this CPU (bitsandbytes NF4, the run's own CudaBackend.setup): the
     process's peak RSS through the load against the plan's host figure for the load."""
-    args = ["backend=cuda", "backend.device=cpu", "method=qlora", "model.hidden_size=1024", "model.num_layers=8",
-            "model.num_heads=16", "model.num_kv_heads=4", "model.intermediate_size=4096"]
+    args = ["backend=cuda", "backend.device=cpu", "method=qlora", "model.config.hidden_size=1024", "model.config.num_hidden_layers=8",
+            "model.config.num_attention_heads=16", "model.config.num_key_value_heads=4", "model.config.intermediate_size=4096"]
     script = textwrap.dedent(f"""
         import json, sys
         from finetune.config import compose

@@ -23,14 +23,14 @@ from test_chunked_loss import assert_grads_equal
 
 from finetune.config import Config, ModelConfig
 from finetune.resolver import resolve
-from finetune.tiny import build_tiny
+from finetune.tiny import build_tiny, preset_config
 
 V = 2048
 
 
 def vocab(tie: bool) -> ModelConfig:
     m = ModelConfig()
-    m.vocab_size, m.tie_embeddings = V, tie
+    m.config = {**dict(preset_config("tiny") or ()), "vocab_size": V, "tie_word_embeddings": tie}
     return m
 
 

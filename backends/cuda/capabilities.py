@@ -1,7 +1,7 @@
 """What the cuda backend runs, without importing torch: the one list the config, the planner
 and the runtime check against (tests/test_capabilities.py walks it against the runtime).
 
-Adding an optimizer: its name here, its constructor in ``runtime._build_optimizer``, its state
+Adding an optimizer: its name here, its constructor in ``optimizers.OPTIMIZER_BUILDERS``, its state
 bytes in ``memory.optimizer_state_bytes``, a YAML in conf/optim/, and a test.
 """
 
@@ -19,7 +19,7 @@ CAPABILITIES = Capabilities(
     nvml=True,  # CUDA devices have a driver-level view (NVML) beside the allocator
     cache_limit=False,  # torch's caching allocator has no cap on cached blocks to set
     strategies=("ddp", "fsdp"),  # under torchrun: replicated (gradient all-reduce) or FSDP2 fully_shard
-    chunked_loss_with_compile=False,  # the compiled loss traces the whole logits (runtime._compile_loss)
+    chunked_loss_with_compile=False,  # the compiled loss traces the whole logits (loss.compile_loss)
     # no [1, 1, T, T] mask under sdpa: a packed row runs per sample (varlen.py); eager builds one,
     # small beside its [B, H, T, T] scores
     packed_block_mask=False,

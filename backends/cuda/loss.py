@@ -40,10 +40,13 @@ import importlib.util
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from finetune.errors import UserError
 
 AutocastFactory = Callable[[], AbstractContextManager]
 _HEAD_CHECKED: weakref.WeakSet = weakref.WeakSet()  # models whose logits are exactly head(hidden)
@@ -385,3 +388,48 @@ def _liger_loss_sum(head: torch.nn.Linear, flat: torch.Tensor, targets: torch.Te
                                                     bias=bias, ignore_index=-100, reduction="sum")
     loss = loss[0] if isinstance(loss, tuple) else loss  # (loss, z_loss) in some releases
     return loss.float()
+
+
+# ---- train.compile ---------------------------------------------------------------------------
+
+def compile_loss(device: torch.device, chunk: int, strategy: str | None) -> Callable:
+    """``token_loss_sum`` through ``torch.compile`` (inductor: the model's forward, the fp32
+    cross-entropy and, through AOTAutograd, their backward), or UserError naming what is
+    missing where inductor cannot build kernels: a C++ compiler on the CPU, Triton on CUDA.
+    Shapes vary per micro-batch: torch compiles the first length static, and on the second
+    length a dynamic-shape graph that the later ones reuse."""
+    import importlib.util
+    import sysconfig
+
+    if strategy == "fsdp":
+        raise UserError("train.compile is not supported with backend.strategy=fsdp here (FSDP2's hooks around "
+                        "a compiled loss are untested); use train.compile=false or backend.strategy=ddp")
+    if chunk:
+        raise UserError("train.compile with train.loss_chunk > 0 is not supported on backend=cuda (the chunked "
+                        "loss picks rows on the host and runs its own autograd function); set one of them off")
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise UserError("train.compile on a CUDA device needs Triton (inductor's GPU kernels): "
+                        "pip install triton, or set train.compile=false")
+    if device.type == "cpu":
+        import torch._inductor.config as inductor_config
+        from torch._inductor import cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler:
+            raise UserError(f"train.compile on the CPU needs a C++ compiler for inductor's kernels and none of "
+                            f"{[c for c in inductor_config.cpp.cxx if c]} was found; install g++ (apt-get install "
+                            "g++) or point CXX at one, or set train.compile=false") from None
+        include = Path(sysconfig.get_paths()["include"]) / "Python.h"
+        if not include.is_file():
+            raise UserError(f"train.compile on the CPU builds kernels against Python's headers, and {include} is "
+                            "missing; install them (apt-get install python3-dev) or set train.compile=false")
+    return torch.compile(token_loss_sum)
+
+
+def is_compile_failure(err: Exception) -> bool:
+    """Whether ``err`` is torch.compile failing to build (not the step failing to run)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return isinstance(err, BackendCompilerFailed) or type(err).__module__.startswith("torch._inductor")

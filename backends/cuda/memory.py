@@ -242,7 +242,7 @@ def optimizer_state_bytes(optim: str, shape: tuple[int, ...], dtype_bytes: int, 
 
 
 def adam_fused(s: Setup) -> bool:
-    """Whether the runtime steps Adam/AdamW with torch's fused kernel (backends/cuda/runtime.py
+    """Whether the runtime steps Adam/AdamW with torch's fused kernel (backends/cuda/optimizers.py
     ``_fused``): ``optim.fused``, on plain tensors on the CPU or a GPU; FSDP's DTensor shards keep
     torch's default (foreach)."""
     return s.fused and not (s.strategy == "fsdp" and s.world_size > 1)

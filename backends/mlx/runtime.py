@@ -37,10 +37,9 @@ from finetune.errors import UserError
 from finetune import precision as precision_mod
 from finetune.backends.mlx.generate import generate
 from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_model_config
-from finetune.model_source import stored_dtype, stored_quantization
 from finetune.records import Census
 from finetune.planner.describe import EXPERTS, FAMILIES, check_targets, lora_keys
-from finetune.planner.model import model_desc
+from finetune.planner.model import model_handle
 from finetune.prompting import Prompt
 from finetune.spec import OptimSpec, RunSpec
 
@@ -175,6 +174,7 @@ class MlxBackend:
         if spec.backend.resolved != self.name:  # the resolver checked its choices against that backend
             raise ValueError(f"a spec resolved for backend={spec.backend.resolved} was handed to backend={self.name}")
         self.spec, self.model_dir, self.method = spec, Path(model_dir), spec.method.name
+        self.handle = model_handle(spec, model_dir)  # the run's model, described once (RunSpec.model_handle)
         mn = spec.optim.max_grad_norm
         self._max_norm = None if mn is None else float(mn)  # read once, not every step
         self.seed = spec.train.seed
@@ -190,7 +190,7 @@ class MlxBackend:
         trust = spec.model.trust_remote_code  # the tokenizer's own code runs only when set
         # transformers-5 keys (rope_parameters, ...) in mlx-lm's words; refuses before any weights
         hf_keys = mlx_model_config(model_dir, seq_len=spec.train.seq_len)
-        self.desc = desc = model_desc(spec.model, model_dir)  # what the planner priced; _adapt reads it too
+        self.desc = desc = self.handle.desc  # what the planner priced; _adapt reads it too
         try:
             model, self.tokenizer, self.model_config = load(str(model_dir), return_config=True, model_config=hf_keys,
                                                             tokenizer_config={"trust_remote_code": trust},
@@ -230,14 +230,14 @@ class MlxBackend:
             self.model.set_dtype(mx.float32)
         elif prec == "auto" and method == "full":
             # the planner's rule (finetune/precision.py): an fp16 checkpoint trains in bf16
-            if precision_mod.resolve("mlx", prec, method, stored_dtype(spec.model, model_dir)[0]).weights == "bfloat16":
+            if precision_mod.resolve("mlx", prec, method, self.handle.stored_dtype[0]).weights == "bfloat16":
                 self.model.set_dtype(mx.bfloat16)
         self._block_classes = [type(layer) for layer in self.model.layers]
 
     def _quantize(self, spec: RunSpec, model_dir: Path) -> None:
         """A pre-quantized checkpoint stays as stored; method=qlora quantizes the base here."""
         self.quant: dict[str, int] | None = None
-        stored_q = stored_quantization(spec.model, model_dir)
+        stored_q = self.handle.quantization
         self.pre_quantized = stored_q is not None
         if stored_q:
             # A pre-quantized checkpoint (mlx_lm.convert -q, the mlx-community repos):

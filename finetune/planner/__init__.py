@@ -46,7 +46,7 @@ from finetune.budget import parse_budget
 from finetune.modeldesc import ModelDesc
 from finetune.planner.describe import describe
 from finetune.planner.fit import FitResult, fit_to_budget, plan
-from finetune.planner.model import SCHEMA_VERSION, inventory, model_desc, resolve
+from finetune.planner.model import SCHEMA_VERSION, describe_model, inventory, resolve
 from finetune.planner.price import (
     _split_layers,  # noqa: F401  (tests check the split directly)
     activations,
@@ -60,7 +60,7 @@ __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_
            "run_plan", "trainable_params",
            # the pieces, for tests and scripts that price parts of a plan
            "BNB_QMAPS_BYTES", "CUDA_CONTEXT_BYTES", "DDP_BUCKET_BYTES", "GIB", "MIB", "SCHEMA_VERSION", "ModelDesc", "Setup", "Tensor",
-           "activations", "bnb4_bytes", "describe", "model_desc", "inventory", "memory_model", "mlx_quant_bytes",
+           "activations", "bnb4_bytes", "describe", "describe_model", "inventory", "memory_model", "mlx_quant_bytes",
            "optimizer_state_bytes", "resolve"]
 
 

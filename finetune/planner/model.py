@@ -7,13 +7,15 @@ its memory model, ``finetune/backends/<name>/memory.py``, which ``memory_model``
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from finetune import precision as prec_mod
 from finetune.backends import capabilities, memory_model
 from finetune.errors import UserError
-from finetune.model_source import checkpoint_elements, is_multimodal, model_config, stored_dtype, stored_quantization
-from finetune.modeldesc import ModelDesc
+from finetune.model_source import checkpoint_elements, is_multimodal, read_model_config, stored_dtype, stored_quantization
+from finetune.modeldesc import ModelDesc, ModelHandle
 from finetune.planner.describe import _EAGER_ONLY, HEAD, describe, lora_keys, reconcile
 from finetune.planspec import DTYPE_BYTES, GIB, MIB, Setup, Tensor  # noqa: F401  (re-exported: the planner's names)
 from finetune.spec import ModelSpec, RunSpec
@@ -27,23 +29,60 @@ GRAD_ACTIVATION_OVERLAP = 0.5
 
 # ---- the model ---------------------------------------------------------------------------------
 
-def model_desc(model: ModelSpec, model_dir: Any = None) -> ModelDesc:
-    """The description of the model ``model`` names: from ``model_dir`` (a loaded model's
-    directory), a local ``model.path``, the hub's cached config of a hub id, or the preset's
-    released config facts (finetune.model_source.model_config)."""
-    return _describe(model, model_dir)[0]
+def describe_model(model: ModelSpec, model_dir: Any = None) -> ModelHandle:
+    """The model's handle: ``describe`` of its config.json (``read_model_config``), the dtype
+    and quantization it stores, and, for a family not described exactly, held against its
+    checkpoint's safetensors headers where this machine has them (``reconcile``; a multimodal
+    checkpoint's language model alone; not a quantized checkpoint, whose packed tensors count
+    otherwise, nor a what-if of overridden facts, which no checkpoint holds). A run builds it
+    once (the resolver), and locates it at the model's directory (``locate_model``)."""
+    got = read_model_config(model, model_dir)
+    hf = got.config
+    arch = describe(hf, got.where)
+    if got.overridden:
+        facts = ", ".join("model.config." + o for o in got.overridden)
+        note = (f"planned with {facts} over the checkpoint's config.json: a what-if (a run trains the checkpoint "
+                "as it is, and refuses it)")
+        arch = replace(arch, notes=(*arch.notes, note))
+    handle = ModelHandle(desc=arch, config=hf, config_path=str(got.path) if got.path is not None else None,
+                         stored_dtype=stored_dtype(model, model_dir, local=got.local),
+                         quantization=stored_quantization(model, model_dir, local=got.local),
+                         overridden=got.overridden,
+                         directory=str(model_dir) if model_dir is not None else None)
+    return _reconciled(handle, model, model_dir)
 
 
-def _describe(model: ModelSpec, model_dir: Any = None) -> tuple[ModelDesc, dict[str, Any]]:
-    """``describe`` of the model's config.json, and that config; a family not described is held
-    against its checkpoint's safetensors headers where this machine has them (``reconcile``; a
-    multimodal checkpoint's language model alone; not a quantized checkpoint, whose packed
-    tensors count otherwise)."""
-    hf, source = model_config(model, model_dir)
-    arch = describe(hf, source)
-    if arch.described or "quantization" in hf or "quantization_config" in hf:
-        return arch, hf
-    return reconcile(arch, checkpoint_elements(model, model_dir, text_only=is_multimodal(hf))), hf
+def _reconciled(handle: ModelHandle, model: ModelSpec, model_dir: Any) -> ModelHandle:
+    """``handle`` held against its checkpoint's tensors where it needs it and they were not read yet."""
+    hf, arch = handle.config, handle.desc
+    if arch.described or handle.elements is not None or handle.overridden \
+            or "quantization" in hf or "quantization_config" in hf:
+        return handle
+    found = checkpoint_elements(model, model_dir, text_only=is_multimodal(hf))
+    return replace(handle, desc=reconcile(arch, found), elements=found) if found is not None else handle
+
+
+def locate_model(handle: ModelHandle | None, model: ModelSpec, model_dir: Any) -> ModelHandle:
+    """The run's handle at the model's directory ``model_dir`` (downloaded, or the tiny model
+    built): the same description where that directory's config.json is the one described
+    (its tensors read now where a family not described exactly needs them), else described
+    anew from that directory (a config.json the first description could not read: a preset's
+    facts stood in for a hub checkpoint not yet downloaded)."""
+    cj = Path(str(model_dir)) / "config.json"
+    if handle is not None and handle.config_path is not None and Path(handle.config_path).resolve() == cj.resolve():
+        if handle.directory is not None and Path(handle.directory).resolve() == Path(str(model_dir)).resolve():
+            return handle
+        return _reconciled(replace(handle, directory=str(model_dir)), model, model_dir)
+    return describe_model(model, model_dir)
+
+
+def model_handle(spec: RunSpec, model_dir: Any = None) -> ModelHandle:
+    """The run's model handle (``RunSpec.model_handle``, located at ``model_dir`` where given),
+    or, for a spec the resolver could not describe, one described now."""
+    handle = spec.model_handle
+    if model_dir is None:
+        return handle if handle is not None else describe_model(spec.model)
+    return locate_model(handle, spec.model, model_dir)
 
 
 # ---- the resolved setup -----------------------------------------------------------------------
@@ -147,15 +186,16 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
     too: ``pair_span``, ``row_targets`` (the most targets of a packed micro-batch) and
     ``longest`` (the longest sample), see ``_packed_setup``. Raises UserError for a
     combination the backend would refuse (finetune.resolver runs this once as a check)."""
-    arch, hf = _describe(spec.model)
+    handle = model_handle(spec)
+    arch, hf = handle.desc, handle.config
     backend = state.backend if state is not None else spec.backend.resolved
     m, o, t = spec.method, spec.optim, spec.train
     method, optim, precision = m.name, o.name, spec.precision.name
     if method not in ("lora", "dora", "qlora", "full"):
         raise UserError(f"method={method} is not valid; choose one of: lora, dora, qlora, full")
     notes: list[str] = []
-    stored, dtype_source = stored_dtype(spec.model)
-    pre_quant = stored_quantization(spec.model)
+    stored, dtype_source = handle.stored_dtype
+    pre_quant = handle.quantization
     mm = memory_model(backend)
     mm.pre_quantized(spec, pre_quant)
     device, n_devices, dev_notes = mm.resolve_device(spec, spec.mode, method)
