@@ -28,11 +28,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from finetune.budget import DeviceMemory
-from finetune.modeldesc import Linear, ModelDesc
-from finetune.planspec import Setup, Tensor
+from finetune.model.types import Linear, ModelDesc
+from finetune.model.inventory import Setup, Tensor
 from finetune.prompting import Prompt
 from finetune.spec import RunSpec
-from finetune.records import Census, PlanData
+from finetune.records import Census, MemoryReading, PlanData
 
 PhaseHook = Callable[[str], None]
 """Called by a backend inside forward_backward with "forward" (after the forward pass, before
@@ -415,7 +415,7 @@ class Backend(Protocol):
         """Restore what save_state wrote (after setup())."""
         ...
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemoryReading:
         """Allocator figures in bytes, None where unmeasurable. Keys: allocated, reserved,
         peak_allocated, peak_reserved (since the last reset_peak), device_total, and any
         backend-specific extras (cuda: inactive_split, alloc_retries, num_ooms, per-device
@@ -477,8 +477,8 @@ class MemoryModel(Protocol):
     """A backend's memory model (``finetune/backends/<name>/memory.py``, a module; the registry's
     ``memory_model(name)`` loads it): what its framework holds for each tensor, optimizer state,
     activation and device, torch/mlx-free so ``mode=plan`` stays light. The planner
-    (``finetune/planner``) prices the model description (``finetune.modeldesc``) and the
-    resolved ``Setup`` (``finetune.planspec``) with exactly these names; every figure is an int
+    (``finetune/planner``) prices the model description (``finetune.model.types``) and the
+    resolved ``Setup`` (``finetune.model.inventory``) with exactly these names; every figure is an int
     of bytes."""
 
     # what the plan shows as the attention implementation (None: the config's

@@ -72,7 +72,7 @@ def _backend(args: argparse.Namespace):
 
     from finetune.config import Config
     from finetune.resolver import resolve
-    from finetune.tiny import build_tiny, preset_config
+    from finetune.model.tiny import build_tiny, preset_config
 
     cfg = Config(run_dir="unused")
     cfg.model.config = {**dict(preset_config("tiny") or ()), "vocab_size": args.vocab}

@@ -7,7 +7,7 @@
 
 The model: a random Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP
 4864, vocabulary 151,936 so the logits are real-size, tied embeddings) built here by
-finetune.tiny's builder (numpy weights, a byte-level BPE trained on the built-in data: its own
+finetune.model.tiny's builder (numpy weights, a byte-level BPE trained on the built-in data: its own
 vocabulary is a few hundred tokens, every id below 151,936), then stored in bf16 with a
 config.json that says so, so ``precision=auto`` trains bf16 weights. No download.
 
@@ -239,11 +239,11 @@ class Clock:
 # ---- the model -------------------------------------------------------------------------------------
 
 def build_model(arch: list[str]) -> Path:
-    """The random Qwen2 of this shape in bf16: finetune.tiny's build (fp32 numpy weights, BPE
+    """The random Qwen2 of this shape in bf16: finetune.model.tiny's build (fp32 numpy weights, BPE
     tokenizer), converted once to bf16 weights with ``dtype: bfloat16`` in config.json."""
     from finetune.config import compose
     from finetune.io import atomic_dir
-    from finetune.tiny import build_tiny, cache_root
+    from finetune.model.tiny import build_tiny, cache_root
 
     src = build_tiny(compose("/tmp/unused", *MODEL, *arch).model)
     dst = cache_root() / f"gpu-bench-bf16-{src.name.removeprefix('tiny-qwen2-')}"
@@ -446,9 +446,9 @@ def summarize_chunk(a: argparse.Namespace, res: dict[int, dict[str, Any]], say: 
     say("")
     say(f"chunked loss at micro-batch {b}, train.loss_chunk={a.loss_chunk} vs 0, medians (targets, issue 14: "
         "peak down by at least the logits' share, at most 5% slower)")
-    readers = [f for f in ("backends/cuda/runtime.py", "finetune/loop.py") if "loss_chunk" in (REPO / f).read_text()]
+    readers = [f for f in ("backends/cuda/runtime.py", "finetune/run/loop.py") if "loss_chunk" in (REPO / f).read_text()]
     if not readers:
-        say("  note: neither backends/cuda/runtime.py nor finetune/loop.py mentions loss_chunk in this tree: "
+        say("  note: neither backends/cuda/runtime.py nor finetune/run/loop.py mentions loss_chunk in this tree: "
             "both sides likely run the same loss")
     logits = None
     if "data" in r:

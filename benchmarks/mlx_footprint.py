@@ -64,7 +64,7 @@ def make_data(work: Path, n: int) -> Path:
 def tiny_dir() -> Path:
     sys.path.insert(0, str(REPO))
     from finetune.config import compose
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     return resolve_model_dir(compose("/tmp/unused").model)
 

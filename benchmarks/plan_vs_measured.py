@@ -45,7 +45,7 @@ def measure(overrides: list[str]) -> tuple[int, int]:
     from conftest import make_cfg
 
     from finetune import planner
-    from finetune.loop import train
+    from finetune.run.loop import train
     from finetune.resolver import resolve
 
     with tempfile.TemporaryDirectory() as d:

@@ -65,7 +65,7 @@ def main() -> None:
     from finetune.config import compose
     from finetune.data import tokenize
     from finetune.data.batches import collate
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     model_dir = resolve_model_dir(compose("/tmp/unused", *MODELS[a.model]).model)
     tok = AutoTokenizer.from_pretrained(model_dir)

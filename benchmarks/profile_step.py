@@ -90,7 +90,7 @@ def header(argv: list[str]) -> list[str]:
 
 # ---- part 1: the sampling profile -------------------------------------------------------------
 def _loop_body_lines() -> tuple[int, int]:
-    """Lines of ``for step in ...`` inside Trainer.train (finetune/loop.py): a sample whose
+    """Lines of ``for step in ...`` inside Trainer.train (finetune/run/loop.py): a sample whose
     Trainer.train frame is on one of them is inside a step, else start-up or run end."""
     src = (REPO / "finetune" / "loop.py").read_text()
     for node in ast.walk(ast.parse(src)):
@@ -98,7 +98,7 @@ def _loop_body_lines() -> tuple[int, int]:
                 isinstance(n, ast.For) for n in node.body):
             loop = next(n for n in node.body if isinstance(n, ast.For))
             return loop.lineno, loop.end_lineno or loop.lineno
-    raise SystemExit("profile: Trainer.train's step loop not found in finetune/loop.py")
+    raise SystemExit("profile: Trainer.train's step loop not found in finetune/run/loop.py")
 
 
 def _frame(text: str) -> tuple[str, str, int]:
@@ -140,11 +140,11 @@ def classify(frames: list[tuple[str, str, int]]) -> str:
         return "ours|planner calibration (step 1)"
     if any(p.startswith("finetune/accounting/") for p in paths):
         return "ours|accountant (memory samples, census)"
-    if any(p in ("finetune/runlog.py", "finetune/loggers.py") for p in paths):
+    if any(p in ("finetune/run/log.py", "finetune/loggers.py") for p in paths):
         return "ours|run log (metrics.jsonl, progress)"
-    if any(p == "finetune/governor.py" for p in paths):
+    if any(p == "finetune/run/governor.py" for p in paths):
         return "ours|governor"
-    if any(p.startswith("finetune/data/") or p in ("finetune/tokcache.py", "backends/base.py") for p in paths) or has("rank_slice"):
+    if any(p.startswith("finetune/data/") or p in ("finetune/data/cache.py", "backends/base.py") for p in paths) or has("rank_slice"):
         return "data|batch assembly (finetune/data/, Batch.split)"
     if has("MlxBackend._arrays"):
         return "data|host to device (arrays)"
@@ -189,7 +189,7 @@ def classify(frames: list[tuple[str, str, int]]) -> str:
 
 
 def _phase_outside(frames: list[tuple[str, str, int]]) -> str:
-    """What a sample outside the step loop was doing: the call below finetune.loop.train (or
+    """What a sample outside the step loop was doing: the call below finetune.run.loop.train (or
     below Trainer.train, before or after its loop), else the imports and the CLI around it."""
     names = [f for f, _, _ in frames]
     if not any(names):
@@ -200,7 +200,7 @@ def _phase_outside(frames: list[tuple[str, str, int]]) -> str:
         i = names.index("Trainer.train")
         return f"run start/end: {names[i + 1] if i + 1 < len(names) else 'Trainer.train'}"
     for i, (f, p, _) in enumerate(frames):
-        if f == "train" and p == "finetune/loop.py":
+        if f == "train" and p == "finetune/run/loop.py":
             return f"run setup: {names[i + 1] if i + 1 < len(names) else 'train'}"
     if any(f.startswith("_find_and_load") for f in names):
         return "imports (before the run)"
@@ -239,7 +239,7 @@ def analyse(raw: Path, rate: int, steps: int, top: int) -> list[str]:
         stack, _, count = line.rpartition(" ")
         n = int(count)
         frames = [_frame(f) for f in stack.split(";")]
-        at = [i for i, (f, p, _) in enumerate(frames) if f == "Trainer.train" and p == "finetune/loop.py"]
+        at = [i for i, (f, p, _) in enumerate(frames) if f == "Trainer.train" and p == "finetune/run/loop.py"]
         i = at[0] if at else None
         if i is None or not lo <= frames[i][2] <= hi:
             if i is None:
@@ -292,7 +292,7 @@ def phases_worker(backend: str, steps: int) -> dict[str, Any]:
 
     from finetune import data as data_mod
     from finetune.config import Config
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
     from finetune.resolver import resolve
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))

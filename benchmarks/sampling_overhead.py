@@ -57,7 +57,7 @@ def interleaved(backend: str, steps: int) -> dict:
     from finetune import data as data_mod
     from finetune.accounting import Accountant
     from finetune.config import Config
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
     from finetune.resolver import resolve
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))

@@ -28,7 +28,7 @@ tracemalloc between steps 500 and 2,000, 3.7 KB/step of Python objects in the ti
 ~180 B/step in the Accountant's per-step counter (unbounded; fixed since), with MLX's active
 memory flat (0.47 MB) and its cache at its 32 MiB limit from step 100; the rest was the free
 heap's swing (RSS minus heap_free, the timeline trimmed, rose 0.3 MiB in 1,800 steps). At its
-bound the timeline holds 20,000 samples: 37-50 MiB at the 1.9-2.6 KB a sample measured here. --leak-bytes N turns on the test-only switch FINETUNE_FAULT_LEAK_BYTES (finetune/faults.py
+bound the timeline holds 20,000 samples: 37-50 MiB at the 1.9-2.6 KB a sample measured here. --leak-bytes N turns on the test-only switch FINETUNE_FAULT_LEAK_BYTES (finetune/run/faults.py
 keeps an N-byte array alive per step), which must be flagged with about N bytes/step. RSS is
 read by this script from /proc after each step's optimizer sample (the run's own metrics
 repeat a reading between fresh ones). Writes benchmarks/results/soak_<backend>.txt. Measures,
@@ -109,11 +109,11 @@ def deep_bytes(root: Any) -> int:
 
 @contextlib.contextmanager
 def watched(rows: list[dict[str, Any]], heap_free: Any, weigh_at: set[int]) -> Iterator[None]:
-    """Run ``finetune.loop.train`` as it is, with one reading after each optimizer sample: the
+    """Run ``finetune.run.loop.train`` as it is, with one reading after each optimizer sample: the
     loop's Trainer is swapped for a subclass whose setup() wraps its Accountant's sample()
     (the loop has no per-step observer; this keeps its connect, run log and cleanup as they
     are). At the steps in ``weigh_at`` the timeline's bytes are measured too."""
-    from finetune import loop
+    from finetune.run import loop
 
     plain = loop.Trainer
 
@@ -146,7 +146,7 @@ def watched(rows: list[dict[str, Any]], heap_free: Any, weigh_at: set[int]) -> I
 
 def soak(backend: str, steps: int, leak_bytes: int) -> dict[str, Any]:
     from finetune.config import compose
-    from finetune.loop import train
+    from finetune.run.loop import train
     from finetune.resolver import resolve
 
     if leak_bytes:

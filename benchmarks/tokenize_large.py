@@ -67,7 +67,7 @@ def child(mode: str, data: Path, cache: Path, seq_len: int) -> None:
     from transformers import AutoTokenizer
 
     from finetune.config import compose
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     cfg = compose("/tmp/unused", "data=jsonl", f"data.path={data}", f"data.cache_dir={cache}",
                   f"data.cache={'false' if mode == 'memory' else 'true'}", f"train.seq_len={seq_len}",

@@ -386,7 +386,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from finetune.config import compose
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     arch = MODELS[a.model]
     model = resolve_model_dir(compose("/tmp/unused", *arch).model)

@@ -2,13 +2,13 @@
 that does not exist), refuses a config that does not compose (Hydra's Compose API: no run dir
 made), and hands the command to Hydra. Hydra's job, ``_task``, masks secrets in the files Hydra
 saved, resolves the config into a RunSpec (finetune.resolver) and runs the mode:
-finetune.loop.train, the planner, generate, or a sweep's job. The rest is Hydra's own settings
+finetune.run.loop.train, the planner, generate, or a sweep's job. The rest is Hydra's own settings
 (conf/config.yaml): its callbacks make and lock the run dir before Hydra writes into it
-(finetune.rundir) and finish a sweep; its job logging writes no log file. A refused command
+(finetune.run.directory) and finish a sweep; its job logging writes no log file. A refused command
 is one line, exit 2, and leaves no run dir behind, or an existing one as it was.
 
 Imports stay light here (hydra, omegaconf): ``finetune --help`` never imports torch or mlx, nor
-does ``mode=plan`` unless it reads the data's lengths with a tokenizer (finetune.plandata).
+does ``mode=plan`` unless it reads the data's lengths with a tokenizer (finetune.data.lengths).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from finetune.config import (
 )
 from finetune.errors import UserError, debug, refuse
 from finetune.generate import generate
-from finetune.loop import train
+from finetune.run.loop import train
 from finetune.planner import run_plan
 from finetune.records import Plan
 from finetune.redact import redact_hydra_files
 from finetune.resolver import resolve
-from finetune.rundir import RunDirGuard, put_back, several_ranks
-from finetune.supervisor import argv_value, supervise
+from finetune.run.directory import RunDirGuard, put_back, several_ranks
+from finetune.run.supervisor import argv_value, supervise
 
-# what tests and sweeps call here; the run dir's guard belongs to the command line (finetune.rundir)
+# what tests and sweeps call here; the run dir's guard belongs to the command line (finetune.run.directory)
 __all__ = ["RunDirGuard", "check_group_choices", "group_values", "main", "run", "sweep_job"]
 
 CONFIG_MODULE = "finetune.conf"
@@ -129,7 +129,7 @@ def check_composes(argv: list[str]) -> None:
 
 def _task(cfg: Any) -> Any:
     """The job Hydra runs, once its files are in the run dir: secrets masked in them, then the
-    mode; a refused command puts the run dir back as it was (finetune.rundir) and says why."""
+    mode; a refused command puts the run dir back as it was (finetune.run.directory) and says why."""
     try:
         # .hydra/*.yaml: no token or key a user passed or planted
         tree = OmegaConf.to_container(cfg, resolve=False)

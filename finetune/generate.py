@@ -21,7 +21,7 @@ tokens (EOS, the chat template's end of turn) and print none of them.
 
 As in training: ``model.trust_remote_code`` (off by default) goes to every loader, and the
 model's weights load from safetensors only unless ``model.allow_pickle=true`` (a pickle runs
-code when loaded; finetune/model_source.py ``check_weights`` refuses it in one line first).
+code when loaded; finetune/model/source.py ``check_weights`` refuses it in one line first).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from finetune.backends.runtimes import get_backend
 from finetune.export.adapters import MLX_CONFIG, detect_format, find_adapter_dir
 from finetune.export.conversion import convert
 from finetune.errors import UserError
-from finetune.model_source import check_weights, resolve_model_dir
+from finetune.model.source import check_weights, resolve_model_dir
 from finetune.prompting import Prompt, has_chat_template, read_record, wrap
 from finetune.spec import RunSpec
 

@@ -1,7 +1,7 @@
 """Loggers beside metrics.jsonl: csv, tensorboard, wandb, mlflow.
 
 Each option of the ``logger`` config group (``finetune logger=[tensorboard,mlflow]``) names
-one class here; its YAML's keys arrive as ``settings``. The run log (finetune/runlog.py) owns
+one class here; its YAML's keys arrive as ``settings``. The run log (finetune/run/log.py) owns
 them: it builds them before any weight is loaded (a missing package stops the run there, in
 one line naming the extra), opens them when the loop knows its first step, hands each one
 every step record and event, and closes them at the end or on an error.

@@ -29,7 +29,7 @@ class Dtypes:
 
 def resolve(backend: str, precision: str, method: str, stored: str) -> Dtypes:
     """Dtypes a run of ``backend`` with ``precision`` and ``method`` holds, for a checkpoint
-    stored in ``stored`` (see ``finetune.model_source.stored_dtype``)."""
+    stored in ``stored`` (see ``finetune.model.source.stored_dtype``)."""
     weights, autocast = capabilities(backend).precisions[precision]
     note = None
     if weights is None:

@@ -74,6 +74,50 @@ class DeviceRow(TypedDict, total=False):
     non_allocator_unexplained: int | None
 
 
+class DeviceReading(TypedDict, total=False):
+    """One device's allocator counters as a backend reads them (``MemoryReading.devices``)."""
+    index: int
+    allocated: int | None
+    reserved: int | None
+    peak_allocated: int | None
+    peak_reserved: int | None
+    inactive_split: int | None
+    alloc_retries: int | None
+    num_ooms: int | None
+    device_total: int | None
+    cuda_context: int | None
+    pci_bus_id: str | None
+    uuid: str | None
+
+
+class MemoryReading(TypedDict, total=False):
+    """What ``Backend.memory()`` returns and the accountant folds into a sample: the allocator's
+    figures in bytes (None where unmeasurable), the same names on every backend. ``peak_*`` are
+    since the last ``reset_peak``. Backend extras keep their own names: cuda's per-device rows
+    and counters, mlx's active/cache/peak and its limits."""
+    allocated: int | None
+    reserved: int | None
+    peak_allocated: int | None
+    peak_reserved: int | None
+    device_total: int | None
+    cuda_context: int | None
+    devices: list[DeviceReading] | None
+    # cuda (torch's caching allocator), summed over the devices
+    inactive_split: int | None
+    alloc_retries: int | None
+    num_ooms: int | None
+    # mlx
+    mlx_active: int | None
+    mlx_cache: int | None
+    mlx_peak: int | None
+    mlx_memory_limit: int | None
+    mlx_cache_limit: int | None
+    mlx_wired_limit: int | None
+    mlx_recommended_working_set: int | None
+    # a reading that failed (the sample says what failed; training goes on)
+    memory_error: str
+
+
 class Sample(TypedDict, total=False):
     """One memory sample of the Accountant's timeline (one metrics.jsonl line is drawn from it);
     finetune/accounting/accountant.py's docstring says what each figure means. A backend's
@@ -207,7 +251,7 @@ class PlanCore(PlanTotals):
 
 
 class PlanData(TypedDict, total=False):
-    """What only mode=plan adds, where it could read the data (finetune.plandata): the samples'
+    """What only mode=plan adds, where it could read the data (finetune.data.lengths): the samples'
     lengths, the tokens planned, and the train.seq_len plan kept as the upper bound; and what a
     backend's device limits beyond the budget (its memory model's ``device_checks``)."""
     data: dict[str, Any]

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 from finetune.io import atomic_write_text
-from finetune.safetensors_io import header_bytes
+from finetune.model.safetensors_io import header_bytes
 
 MASK = "***"
 # ``(^|_)token($|_)`` so hf_token matches and max_new_tokens / tokens_per_sec do not

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from finetune.accounting.report import save_png, unit_for
+from finetune.accounting.render import save_png, unit_for
 from finetune.config import GROUPS
 from finetune.io import atomic_write_text
 from finetune.redact import redact_overrides

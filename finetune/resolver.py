@@ -41,8 +41,8 @@ from finetune.config import (
     schema_keys,
 )
 from finetune.errors import UserError
-from finetune.model_source import config_overrides, read_model_config
-from finetune.planner.model import describe_model, resolve as resolve_setup
+from finetune.model.source import config_overrides, read_model_config
+from finetune.planner.setup import describe_model, resolve as resolve_setup
 from finetune.spec import RunSpec, World
 
 # -- the config's checks: choices, the backend's capabilities, ranges, unknown keys ------------
@@ -270,7 +270,7 @@ def _not_for_a_run(spec: RunSpec, overridden: tuple[str, ...]) -> UserError:
 
 def _check_model_choices(spec: RunSpec) -> None:
     """The refusals that need the model description and the backend's memory model: the
-    planner's own resolution of the setup (``finetune.planner.model.resolve``). Training goes
+    planner's own resolution of the setup (``finetune.planner.setup.resolve``). Training goes
     ahead on a model the planner cannot read (its governor then acts on measurements only)."""
     try:
         resolve_setup(spec)

@@ -82,7 +82,7 @@ MODES = {
                 "no run dir",
 }
 
-from finetune.modeldesc import ModelHandle
+from finetune.model.types import ModelHandle
 
 
 @dataclass(frozen=True)
@@ -381,7 +381,7 @@ class RunSpec:
     # the composed config as a plain dict (interpolations resolved): what loggers record as the
     # run's hyperparameters; never read for a setting
     record: dict[str, Any] = derived("the composed config, as recorded with the run", factory=dict)
-    # the model described once (mode=plan and mode=train; finetune.planner.model.describe_model),
+    # the model described once (mode=plan and mode=train; finetune.planner.setup.describe_model),
     # located at its directory once the run has one; None where nothing described it
     model_handle: ModelHandle | None = derived("the model described once, where the run described it")
 

@@ -20,7 +20,7 @@ SWEEPS = {"sweep_memory_2": "sweep2", "sweep_memory_12": "sweep12"}
 
 
 def main(out: Path = REPO / "docs") -> list[Path]:
-    from finetune.accounting.report import device_title, draw_plot, save_png
+    from finetune.accounting.render import device_title, draw_plot, save_png
     from finetune.report import draw_chart
 
     out.mkdir(parents=True, exist_ok=True)

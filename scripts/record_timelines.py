@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 scripts/record_timelines.py two_rank   # two ranks over gloo
     python scripts/record_timelines.py sweep2 sweep12 h200              # real sweeps (~4 min); the GPU one rebuilt
 
-Each job runs through ``finetune.loop.train`` as a user's would; the samples, the budget, the
+Each job runs through ``finetune.run.loop.train`` as a user's would; the samples, the budget, the
 governor's events and memory.phase_every that ``memory.png`` is drawn from are written to
 ``tests/data/timelines/<name>.json`` at the moment the run draws its chart. The GPU timeline
 cannot be recorded on a machine without one: ``h200.json`` is rebuilt from the end-of-run figures
@@ -36,7 +36,7 @@ def record(name: str, overrides: list[str]) -> None:
     from conftest import make_cfg
 
     from finetune.accounting.accountant import Accountant
-    from finetune.loop import train
+    from finetune.run.loop import train
     from finetune.resolver import resolve
 
     original = Accountant.write_plot

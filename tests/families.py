@@ -64,7 +64,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
                   "MoE, 4 experts, top-2, a shared expert with a sigmoid gate, q/k/v biases"),
 }
 
-# Families finetune does not describe exactly (finetune/planner/describe.py FAMILIES): a dense
+# Families finetune does not describe exactly (finetune/model/describe.py FAMILIES): a dense
 # Llama-like one priced from its sizes (cohere: LayerNorm without bias, a parallel block, logits
 # scaled after the head), a plain-MLP one with q/k/v names (phi-2), and the layouts it must refuse
 # in one line (GPT-NeoX's fused query_key_value, GPT-2's n_embd sizes, an MoE it cannot price).
@@ -104,7 +104,7 @@ def _build_once(folder: str, make: Any, seed: int) -> Path:
     renamed into place whole (another process may have built it first)."""
     import torch
 
-    from finetune.tiny import _write_tokenizer
+    from finetune.model.tiny import _write_tokenizer
 
     final = cache_root() / folder
     if (final / "config.json").is_file():

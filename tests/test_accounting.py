@@ -401,7 +401,7 @@ class CudaLikeBackend(NumpyBackend):
     def memory(self) -> dict[str, Any]:
         m = super().memory()
         dev = {"index": 0, "allocated": m["allocated"], "reserved": m["reserved"], "peak_allocated": m["peak_allocated"],
-               "peak_reserved": m["peak_reserved"], "total": 80 * GiB}
+               "peak_reserved": m["peak_reserved"], "device_total": 80 * GiB}
         return {**m, "device_total": 80 * GiB, "devices": [dev], "cuda_context": 500 * MiB, "inactive_split": 0,
                 "alloc_retries": 0, "num_ooms": 0}
 
@@ -559,7 +559,7 @@ def _setup(kind: str, method: str = "full") -> tuple[Any, Any, Any]:
 
     from finetune.config import Config, ModelConfig
     from finetune.resolver import resolve
-    from finetune.tiny import build_tiny
+    from finetune.model.tiny import build_tiny
 
     model_dir = build_tiny(ModelConfig())
     cfg = OmegaConf.structured(Config(run_dir="unused"))

@@ -23,7 +23,7 @@ from finetune.backends.cuda.runtime import CudaBackend
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.synthetic import generate
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -24,7 +24,7 @@ from finetune.config import Config, ModelConfig
 from finetune.errors import UserError
 from finetune.resolver import resolve
 from finetune.synthetic import generate
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 pytestmark = pytest.mark.mlx
 

@@ -46,7 +46,7 @@ def inputs(tmp_path_factory):
     (d / "long_prompt.jsonl").write_text("".join(json.dumps({"prompt": "word " * 200, "completion": "end"}) + "\n"
                                                  for _ in range(8)))
     (d / "bad.json").write_text('{"text": "ok"}\n{"text": \n')
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     tiny = resolve_model_dir(compose(d / "x").model)
     no_weights = d / "no_weights"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.accounting.report import device_title, draw_plot, render_summary_table, render_table
+from finetune.accounting.render import device_title, draw_plot, render_summary_table, render_table
 
 TIMELINES = Path(__file__).resolve().parent / "data" / "timelines"
 

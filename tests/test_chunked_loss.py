@@ -30,7 +30,7 @@ from finetune.backends.base import Batch
 
 from finetune.config import Config, ModelConfig
 from finetune.resolver import resolve
-from finetune.tiny import build_tiny, preset_config
+from finetune.model.tiny import build_tiny, preset_config
 
 V = 8192
 B, T = 4, 129

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.resolver import resolve
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 STEPS = 4
 

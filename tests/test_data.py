@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from finetune import data as data_mod
 from finetune.config import ModelConfig
 from finetune.errors import UserError
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from conftest import GSM8K, REPO, make_spec, needs_torch
 from transformers import AutoTokenizer
 
 from finetune import data as data_mod
-from finetune import tokcache
+from finetune.data import cache as tokcache
 from finetune.config import ModelConfig
 from finetune.errors import UserError
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 RECORDS = [{"prompt": f"Question: {n} + {n}?\nAnswer: ", "completion": f"{2 * n} apples."} for n in range(60)]
 
@@ -101,7 +101,7 @@ def test_the_cache_matches_tokenizing_in_memory_on_gsm8k(tmp_path, tok, gsm8k, c
 @needs_torch
 def test_losses_equal_with_a_reused_cache_and_without_one(tmp_path, tok, capfd):
     """One tiny real run reading a reused entry, one with data.cache=false: the same losses."""
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     data = _jsonl(tmp_path / "train.jsonl", RECORDS)
     run = ("backend=cuda", "train.steps=3", "train.eval_every=0", "train.warmup_steps=0", "memory.sample_every=0")

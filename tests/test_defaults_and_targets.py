@@ -13,7 +13,7 @@ import pytest
 from conftest import make_cfg, make_spec, needs_mlx, needs_torch
 
 from finetune import planner
-from finetune.model_source import stored_dtype
+from finetune.model.source import stored_dtype
 from finetune.resolver import resolve
 
 GiB = 1 << 30
@@ -87,7 +87,7 @@ def test_plan_cli_prints_the_target_table(tmp_path: Path) -> None:
 
 @needs_torch
 def test_tiny_trains_in_fp32_by_default_on_cuda_backend(tmp_path: Path) -> None:
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     s = train(resolve(make_cfg(tmp_path / "run", "backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress=false")))
     assert s["precision"] == "auto" and s["dtype"] == "float32"
@@ -102,7 +102,7 @@ def quantized_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mlx_lm")
     from mlx_lm import convert
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     src = resolve_model_dir(make_cfg(tmp_path_factory.mktemp("c"), "model=tiny").model)
     out = tmp_path_factory.mktemp("q") / "tiny-4bit"
@@ -112,7 +112,7 @@ def quantized_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @needs_mlx
 def test_prequantized_checkpoint_trains_lora_and_plans_its_bytes(quantized_tiny: Path, tmp_path: Path) -> None:
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     cfg = json.loads((quantized_tiny / "config.json").read_text())
     assert cfg["quantization"]["bits"] == 4 and cfg["quantization"]["group_size"] == 64
@@ -144,7 +144,7 @@ def test_prequantized_checkpoint_is_refused_by_cuda_in_one_line(quantized_tiny: 
 def test_mlx_cache_limit_follows_the_measured_step(tmp_path: Path) -> None:
     import mlx.core as mx
 
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     # a cache limit other than the one the step asks for, so that setting it is a change (a
     # limit set to the size it already has is no event: tests/test_first_hour.py)

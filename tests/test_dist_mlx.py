@@ -28,7 +28,7 @@ from finetune.backends.base import Comm
 from finetune.backends.mlx.distributed import launcher_backend
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import ModelConfig
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 from conftest import REPO, finetune_cmd, make_cfg
 
@@ -197,8 +197,8 @@ def test_two_ranks_train_as_one_process(model_dir: Path, tmp_path: Path, monkeyp
     rank) trains the samples of one process with micro-batch 2 and grad_accum 4 to the same
     losses and grad norms; summary.json lists both ranks; a checkpoint both ranks resume from
     gives the same last step. The one-process reference trains in this process."""
-    from finetune import checkpoints
-    from finetune.loop import train
+    from finetune.run import files as checkpoints
+    from finetune.run.loop import train
     from finetune.resolver import resolve
 
     one, two = tmp_path / "one", tmp_path / "two"

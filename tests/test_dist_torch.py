@@ -51,7 +51,7 @@ def _run(run_dir: Path, *overrides: str, ranks: int = 2, script: str | None = No
 def _one_process(run_dir: Path, *overrides: str) -> None:
     """The one-process reference, trained in this process: what is compared is its losses and
     adapter, not the process around it (a CLI subprocess would add ~7 s of imports)."""
-    from finetune.loop import train
+    from finetune.run.loop import train
     from finetune.resolver import resolve
 
     train(resolve(make_cfg(run_dir, *COMMON, *overrides)))

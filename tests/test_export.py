@@ -40,7 +40,7 @@ def trained_run(root: Path, name: str) -> Path:
     in one session through pytest's basetemp)."""
     run = root / name
     if not (run / "summary.json").is_file():
-        from finetune.loop import train
+        from finetune.run.loop import train
 
         backend, method, extra = RUNS[name]
         train(resolve(make_cfg(run, f"backend={backend}", f"method={method}", "train.steps=3", "optim.lr=1e-2",
@@ -56,7 +56,7 @@ def runs_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def base(runs_root) -> Path:
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     return resolve_model_dir(make_cfg(runs_root / "unused").model)
 
@@ -120,7 +120,7 @@ def test_mlx_adapter_exported_to_peft_gives_mlx_lms_logits(name, runs_root, base
         assert sorted(cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
     else:
         assert cfg["layers_to_transform"] is None
-    from finetune.safetensors_io import read_safetensors
+    from finetune.model.safetensors_io import read_safetensors
 
     _, meta = read_safetensors(tmp_path / "peft" / "adapter_model.safetensors")
     made = json.loads(meta["finetune_export"])
@@ -148,7 +148,7 @@ def test_peft_adapter_exported_to_mlx_gives_peft_logits(name, runs_root, base, b
 def test_round_trip_is_bit_exact(runs_root, tmp_path):
     """mlx -> peft -> mlx and peft -> mlx -> peft give back every tensor bit for bit."""
     from finetune.export import convert
-    from finetune.safetensors_io import read_safetensors
+    from finetune.model.safetensors_io import read_safetensors
 
     for name, there, back, weights in (("mlx-dora", "peft", "mlx", "adapters.safetensors"),
                                        ("cuda-lora", "mlx", "peft", "adapter_model.safetensors")):
@@ -233,7 +233,7 @@ def test_unconvertible_peft_adapter_is_refused_in_one_line(change, words, runs_r
 def test_layers_that_are_not_the_top_ones_are_refused_for_mlx(runs_root, tmp_path):
     """PEFT adapts any list of layers; mlx-lm only the top num_layers: layer 0 of 2 alone does
     not convert to mlx (and does convert to PEFT, where it came from)."""
-    from finetune.safetensors_io import read_safetensors, write_safetensors
+    from finetune.model.safetensors_io import read_safetensors, write_safetensors
 
     src = _edited_peft(runs_root, tmp_path, layers_to_transform=[0])
     tensors, meta = read_safetensors(src / "adapter_model.safetensors")

@@ -72,7 +72,7 @@ def trained(root: Path, name: str, backend: str, keys: str) -> tuple[Path, dict[
     per session."""
     key = (name, backend, keys)
     if key not in _RUNS:
-        from finetune.loop import train
+        from finetune.run.loop import train
 
         run = root / f"{name}-{backend}-{keys}"
         try:
@@ -252,7 +252,7 @@ def test_unknown_key_is_refused_with_the_models_own_names(name: str, root: Path)
 def test_expert_adapters_are_refused_by_the_exporter(root: Path, tmp_path: Path) -> None:
     """PEFT holds an expert adapter as [E*r, in] per stacked parameter (gate_up fused), mlx-lm as
     [E, r, in] per gate/up/down: the exporter says so in one line instead of guessing."""
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     for backend, to in (("cuda", "mlx"), ("mlx", "peft")):
         run = root / f"mixtral-{backend}-experts"
@@ -269,7 +269,7 @@ def test_router_adapter_is_refused_by_the_exporter(root: Path, tmp_path: Path) -
     """An mlx-lm adapter on Mixtral's router (``block_sparse_moe.gate``, a linear layer in mlx-lm
     and the name transformers saves its weight under) has no PEFT module to land on: in
     transformers 5 ``mlp.gate`` is a router, not a linear layer. Refused in one line."""
-    from finetune.safetensors_io import Tensor, read_safetensors, write_safetensors
+    from finetune.model.safetensors_io import Tensor, read_safetensors, write_safetensors
 
     run, out = trained(root, "mixtral", "mlx", "all-linear")
     assert not isinstance(out, UserError), out

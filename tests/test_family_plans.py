@@ -120,7 +120,7 @@ def test_auto_attention_is_transformers_own_choice():
     from families import FAMILIES, family_config
     from transformers import AutoModelForCausalLM
 
-    from finetune.planner.describe import describe
+    from finetune.model.describe import describe
 
     for name in FAMILIES:
         cfg = family_config(name)
@@ -206,7 +206,7 @@ def test_a_lora_on_the_head_is_counted_as_peft_builds_it(tmp_path):
     """method.lora.keys=[q_proj,lm_head] on cuda: PEFT adapts the (tied) output head too, and the
     plan counts its r x (hidden + vocab) adapter; mlx-lm cannot, and says so in one line."""
     from finetune.backends.cuda.runtime import CudaBackend
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     cfg = make_cfg(tmp_path, "backend=cuda", "backend.device=cpu", "method.lora.keys=[q_proj,lm_head]")
     be = CudaBackend()
@@ -264,7 +264,7 @@ def test_local_global_layers_without_layer_types_follow_the_config_class(model_t
     pytest.importorskip("transformers")
     from transformers import AutoConfig
 
-    from finetune.planner.describe import describe
+    from finetune.model.describe import describe
 
     built = AutoConfig.for_model(model_type, num_hidden_layers=8, sliding_window=16).to_dict()
     want = [t == "sliding_attention" for t in built.pop("layer_types")]

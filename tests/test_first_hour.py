@@ -18,7 +18,7 @@ from conftest import HAS_MLX, HAS_TORCH, REPO, finetune_cmd, needs_mlx
 from finetune import planner
 from finetune.config import compose
 from finetune.planner.fit import LEVER_COSTS
-from finetune.planspec import GIB
+from finetune.model.inventory import GIB
 from finetune.resolver import resolve
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),

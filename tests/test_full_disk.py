@@ -2,7 +2,7 @@
 
 The disk fills on a real small filesystem (a 4 MiB tmpfs, mountable as root; skipped, saying
 why, elsewhere) at a chosen moment: the run pauses between two of its writes through a test-only
-switch (FINETUNE_FAULT_PAUSE_AFTER, finetune/faults.py) while the test fills the disk. Each
+switch (FINETUNE_FAULT_PAUSE_AFTER, finetune/run/faults.py) while the test fills the disk. Each
 interrupted run then resumes to the losses of an uninterrupted one."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
 
-from finetune import checkpoints
+from finetune.run import files as checkpoints
 from finetune.errors import UserError
-from finetune.loop import train
+from finetune.run.loop import train
 from finetune.resolver import resolve
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=0", "optim.lr=1e-2", "train.eval_every=0",

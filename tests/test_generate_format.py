@@ -33,7 +33,7 @@ STEPS = 300
 
 def _train(run: Path, backend: str, data: Path) -> Path:
     import torch
-    from finetune.loop import train
+    from finetune.run.loop import train
     from finetune.resolver import resolve
 
     # one intra-op thread, as the other tests' subprocesses (OMP_NUM_THREADS=1): on two cores that
@@ -162,7 +162,7 @@ def test_a_bad_chat_template_value_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_tok(tmp_path_factory):
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
     from transformers import AutoTokenizer
 
     d = resolve_model_dir(make_cfg(tmp_path_factory.mktemp("unused")).model)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import cuda_backend_with_oom, make_cfg, needs_mlx, needs_torch
 
-import finetune.loop as loop_mod
+import finetune.run.loop as loop_mod
 from finetune.errors import UserError
-from finetune.governor import smaller_divisor
-from finetune.loop import train
+from finetune.run.governor import smaller_divisor
+from finetune.run.loop import train
 from finetune.resolver import resolve
 
 COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=6", "train.warmup_steps=1")
@@ -139,7 +139,7 @@ def test_swap_pressure_and_fragmentation_reactions_on_recorded_samples(cfg_facto
     fragmentation, as samples: each is acted on once per fresh reading, by an event that keeps
     the effective batch; a sample repeating a stale reading (system_fresh False) is not acted
     on again."""
-    from finetune.governor import Governor
+    from finetune.run.governor import Governor
 
     MiB = 1 << 20
     events = []

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
-import finetune.loop as loop_mod
+import finetune.run.loop as loop_mod
 import finetune.planner.fit as fit_mod
 from finetune import planner
-from finetune.loop import Trainer, train
+from finetune.run.loop import Trainer, train
 from finetune.resolver import resolve
 
 CHUNK = 16
@@ -67,7 +67,7 @@ def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory,
     from transformers import AutoTokenizer
 
     from finetune.data import build
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(probe.spec.model, seed=0)))
     stats = build(probe.spec, tok)[1]
@@ -91,7 +91,7 @@ def test_a_budget_only_the_chunked_loss_meets_keeps_the_micro_batch(cfg_factory,
     state = json.loads((tmp_path / "fit" / "checkpoints" / "step_0000003" / "trainer_state.json").read_text())
     assert state["loss_chunk"] == CHUNK
     # the event in words: memory.png's marker, the swap sentence's account, the sweep report's count
-    from finetune.accounting.report import _event_label
+    from finetune.accounting.render import _event_label
     from finetune.accounting.rules import _governor_said
     from finetune.report import rows
 
@@ -110,7 +110,7 @@ def test_a_compiled_loss_is_never_chunked_by_the_governor(cfg_factory, tmp_path)
     the planner never chooses it), in words."""
     from finetune.backends.cuda.runtime import CudaBackend
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     cfg = cfg_factory(*COMMON, "train.compile=true")
     be = CudaBackend()
@@ -132,7 +132,7 @@ def test_mlx_lever_chunks_the_next_steps_loss_and_refuses_an_unknown_transform(c
     from transformers import AutoTokenizer
 
     from finetune.data import build
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     spec = resolve(cfg_factory("backend=mlx", *COMMON[1:]))
     model_dir = resolve_model_dir(spec.model, seed=0)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 
-import finetune.loop as loop_mod
+import finetune.run.loop as loop_mod
 from finetune.errors import UserError
-from finetune.governor import (
+from finetune.run.governor import (
     FRAGMENTED_FRACTION,
     FRAGMENTED_MIN_BYTES,
     PSI_SOME_AVG10,
@@ -25,7 +25,7 @@ from finetune.governor import (
     Governor,
     smaller_divisor,
 )
-from finetune.loop import Trainer, train
+from finetune.run.loop import Trainer, train
 from finetune.resolver import resolve
 
 COMMON = ("train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=5", "train.warmup_steps=1")

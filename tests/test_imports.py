@@ -5,7 +5,7 @@ a cycle.
 The graph is read from the source (AST), not from a running interpreter, so an import inside a
 function body counts as much as one at the top: module-level and function-level ``import`` /
 ``from ... import``, ``importlib.import_module("...")`` with a literal (an f-string's ``{...}``
-matches any one name), and the parent packages an import runs (``from finetune.planner.describe
+matches any one name), and the parent packages an import runs (``from finetune.planner.fit
 import X`` runs ``finetune/planner/__init__.py`` first).
 """
 

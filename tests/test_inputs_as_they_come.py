@@ -26,7 +26,7 @@ import pytest
 from conftest import _NO_GSM8K, GSM8K, IN_CI, finetune_cmd, needs_torch
 
 from finetune import data as data_mod
-from finetune import tokcache
+from finetune.data import cache as tokcache
 from finetune.config import compose
 
 LINES = 64  # GSM8K records per input: enough for the default batch and a validation split
@@ -70,7 +70,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "shape27.jsonl").write_bytes(b"".join(lines[:26]) + b'{"instruction": "x", "output": "y"}\n'
                                       + b"".join(lines[26:]))
     (d / "data.gz").write_bytes(gzip.compress(crlf))
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     tiny = resolve_model_dir(compose(d / "x").model)
     shutil.copytree(tiny, d / "cut_model")
@@ -181,7 +181,7 @@ def test_a_fifo_is_read_once_and_never_cached(inputs: Path, tmp_path: Path) -> N
     cache entry keyed on a path whose bytes the next reader cannot see again."""
     from transformers import AutoTokenizer
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -206,7 +206,7 @@ def test_a_5mb_record_keeps_its_first_tokens_and_costs_only_its_cap(tmp_path: Pa
     uncapped text, in a small part of the time."""
     from transformers import AutoTokenizer
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(compose(tmp_path / "x").model)))
     seq_len = 256
@@ -257,7 +257,7 @@ def test_the_next_run_removes_temporaries_of_dead_writers_only(tmp_path: Path, m
     no pid of this host is named), and keeps a live writer's however old, and what is not ours."""
     from transformers import AutoTokenizer
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(compose(tmp_path / "x").model)))
     now = time.time()

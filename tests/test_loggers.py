@@ -221,7 +221,7 @@ def test_resume_keeps_each_logger_one_point_per_step(tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     run = tmp_path / "r"
     args = ["backend=mlx", "train.steps=4", "train.save_every=2", "train.eval_every=0", "train.warmup_steps=1",

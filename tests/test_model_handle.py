@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import UserError
-from finetune.model_source import local_model_dir
+from finetune.model.source import local_model_dir
 from finetune.planner import plan
-from finetune.tiny import BUILDER_VERSION, _cache_key, tiny_config
+from finetune.model.tiny import BUILDER_VERSION, _cache_key, tiny_config
 from conftest import REPO, finetune_cmd, make_spec, needs_mlx, needs_torch
 
 RELEASED = REPO / "tests" / "data" / "released"
@@ -38,7 +38,7 @@ def _calls(prof: Path, name: str, file_end: str) -> int:
 
 @pytest.mark.parametrize("backend", [pytest.param("cuda", marks=needs_torch), pytest.param("mlx", marks=needs_mlx)])
 def test_a_run_describes_its_model_once(tmp_path: Path, backend: str) -> None:
-    """A default run (two steps) under cProfile: describe() of finetune/planner/describe.py runs
+    """A default run (two steps) under cProfile: describe() of finetune/model/describe.py runs
     once, and our config.json reader once (it was 8 describes: the resolver, each governor
     check, each plan, the loop, the runtime, the checkpointer, calibration)."""
     prof, run = tmp_path / "run.prof", tmp_path / "run"
@@ -47,8 +47,8 @@ def test_a_run_describes_its_model_once(tmp_path: Path, backend: str) -> None:
                        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run / "summary.json").is_file()
-    assert _calls(prof, "describe", "finetune/planner/describe.py") == 1
-    assert _calls(prof, "read_model_config", "finetune/model_source.py") == 1
+    assert _calls(prof, "describe", "finetune/model/describe.py") == 1
+    assert _calls(prof, "read_model_config", "finetune/model/source.py") == 1
 
 
 def test_a_hub_preset_plans_the_layers_it_is_given(tmp_path: Path) -> None:
@@ -141,7 +141,7 @@ def test_the_tiny_model_is_planned_and_built_from_its_facts(tmp_path: Path) -> N
     with safe_open(str(d / "model.safetensors"), "np") as f:
         names = set(f.keys())
     assert "model.layers.2.mlp.up_proj.weight" in names and "model.layers.3.mlp.up_proj.weight" not in names
-    from finetune.planner.model import locate_model
+    from finetune.planner.setup import locate_model
 
     handle = spec.model_handle
     assert handle is not None and Path(str(handle.config_path)).parent == d

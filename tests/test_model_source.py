@@ -15,7 +15,7 @@ import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
 
 from finetune.errors import UserError
-from finetune.model_source import local_config, model_config, stored_dtype
+from finetune.model.source import local_config, model_config, stored_dtype
 
 RELEASED = Path(__file__).resolve().parent / "data" / "released"
 SHA = "b968826d9c46dd6066d109eabc6255188de91218"  # a commit sha as the hub writes it (40 hex digits)
@@ -169,7 +169,7 @@ def test_a_preset_plans_from_its_released_facts_offline(tmp_path: Path, offline_
 
 
 def test_a_preset_without_a_path_and_tiny(tmp_path: Path) -> None:
-    from finetune.tiny import tiny_config
+    from finetune.model.tiny import tiny_config
 
     tiny = make_cfg(tmp_path / "r").model
     assert model_config(tiny) == (tiny_config(tiny), "preset tiny (the config.json build_tiny writes)")

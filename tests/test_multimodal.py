@@ -46,7 +46,7 @@ def _cfg(kind: str, run_dir: Path, backend: str, *extra: str) -> Any:
 @pytest.fixture(scope="module")
 def runs(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
     """Each backend's all-linear LoRA run on the multimodal checkpoint: (run dir, summary)."""
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     root = tmp_path_factory.mktemp(f"multimodal-{kind}")
     return {b: (root / b, train(resolve(_cfg(kind, root / b, b)))) for b in ("cuda", "mlx")}
@@ -106,7 +106,7 @@ def test_the_loss_is_the_multimodal_models_own(kind: str, tmp_path: Path) -> Non
 
 def _torch_logits(kind: str, adapter: Path | None) -> np.ndarray:
     import torch
-    from finetune.model_source import load_causal_lm
+    from finetune.model.source import load_causal_lm
 
     model = load_causal_lm(build_multimodal(kind), dtype=torch.float32)
     if adapter is not None:
@@ -141,7 +141,7 @@ def _export(*args: Any) -> None:
 @pytest.mark.parametrize("trained_on, to", [("cuda", "mlx"), ("mlx", "peft")])
 def test_adapters_cross_backends(kind: str, trained_on: str, to: str, runs: dict[str, tuple[Path, dict[str, Any]]],
                                  tmp_path: Path) -> None:
-    from finetune.safetensors_io import read_safetensors
+    from finetune.model.safetensors_io import read_safetensors
 
     run = runs[trained_on][0]
     _export("--to", to, run / "adapter", tmp_path / to)
@@ -162,7 +162,7 @@ def test_full_and_merged_saves_load_back_as_what_was_trained(kind: str, runs: di
     loads back whole, with the trained weights; an mlx full fine-tune saves mlx-lm's wrapper."""
     import torch
     import transformers
-    from finetune.loop import train
+    from finetune.run.loop import train
     from transformers import AutoModelForCausalLM
 
     def reload(d: Path) -> np.ndarray:
@@ -191,7 +191,7 @@ def test_a_language_model_transformers_cannot_load_alone_is_refused_on_cuda(tmp_
 
     from finetune.cli import run
     from finetune.errors import UserError
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     with pytest.raises(UserError) as e:
         run(_cfg("qwen2_5_vl", tmp_path / "cuda", "cuda"))

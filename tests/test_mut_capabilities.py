@@ -12,7 +12,7 @@ import pytest
 
 from finetune.accounting import Accountant
 from finetune.config import compose
-from finetune.governor import Governor
+from finetune.run.governor import Governor
 from finetune.resolver import resolve
 
 GiB = 1 << 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.checkpoints import clear_results, results_in
+from finetune.run.files import clear_results, results_in
 
 
 def _run_dir(tmp_path: Path) -> Path:

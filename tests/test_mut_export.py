@@ -15,7 +15,7 @@ import pytest
 from conftest import make_cfg
 from finetune.errors import UserError
 from finetune.export import convert, merge
-from finetune.safetensors_io import Tensor, read_safetensors, write_safetensors
+from finetune.model.safetensors_io import Tensor, read_safetensors, write_safetensors
 
 HIDDEN, KV_OUT = 64, 32  # the tiny model: hidden 64, 4 heads of 16, 2 kv heads (v_proj is [32, 64])
 OUT = {"self_attn.q_proj": HIDDEN, "self_attn.v_proj": KV_OUT}
@@ -23,7 +23,7 @@ OUT = {"self_attn.q_proj": HIDDEN, "self_attn.v_proj": KV_OUT}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     return resolve_model_dir(make_cfg(tmp_path_factory.mktemp("unused")).model)
 

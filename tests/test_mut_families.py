@@ -21,7 +21,7 @@ def test_moe_layers_with_sparse_steps_are_transformers_own(model_type: str, extr
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.planner.describe import describe
+    from finetune.model.describe import describe
 
     cfg = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
                                num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=32,

@@ -17,7 +17,7 @@ PROMPT = "Jo has 4 coins. How many coins does Jo have?"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     return resolve_model_dir(make_cfg(tmp_path_factory.mktemp("unused")).model)
 

@@ -10,7 +10,7 @@ import pytest
 
 from finetune.config import compose
 from finetune.errors import UserError
-from finetune.governor import Governor
+from finetune.run.governor import Governor
 from finetune.resolver import resolve
 
 

@@ -52,8 +52,8 @@ def test_mlx_reads_the_blocks_linear_layers_and_nothing_else(tmp_path: Path) -> 
 def test_a_multimodal_checkpoint_missing_a_language_weight_is_refused_naming_it(tmp_path: Path) -> None:
     """Two text weights gone from the file: not random weights silently, one line naming how
     many and the first (sorted) of them."""
-    from finetune.safetensors_io import read_safetensors, write_safetensors
-    from finetune.model_source import load_causal_lm
+    from finetune.model.safetensors_io import read_safetensors, write_safetensors
+    from finetune.model.source import load_causal_lm
 
     src = build_multimodal("gemma3")
     dst = tmp_path / "mm"

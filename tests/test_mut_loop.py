@@ -10,7 +10,7 @@ from finetune.backends.base import Comm
 
 from finetune.config import compose
 from finetune.errors import UserError
-from finetune.loop import Trainer
+from finetune.run.loop import Trainer
 from finetune.resolver import resolve
 
 
@@ -64,7 +64,7 @@ def two_steps(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     import json
 
     pytest.importorskip("torch")
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     tmp = tmp_path_factory.mktemp("two_steps")
     same = tmp / "same.jsonl"
@@ -104,9 +104,9 @@ def test_a_second_sigterm_exits_at_once_with_143() -> None:
     import time
 
     try:
-        from finetune.faults import StopOnSignal
+        from finetune.run.faults import StopOnSignal
     except ImportError:  # before it moved out of the loop
-        from finetune.loop import _StopOnSignal as StopOnSignal
+        from finetune.run.loop import _StopOnSignal as StopOnSignal
 
     before = signal.getsignal(signal.SIGTERM)
     stop = StopOnSignal()
@@ -148,7 +148,7 @@ class _Joins:  # a backend as connect() sees it: it joins the launcher's ranks
 @pytest.mark.parametrize(("rank", "log"), [(0, "RunLog"), (1, "RankRunLog")])
 def test_rank_0_alone_writes_the_run_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int,
                                          log: str) -> None:
-    import finetune.loop as loop_mod
+    import finetune.run.loop as loop_mod
 
     dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
     tr = Trainer(resolve(compose(dirs[rank], "backend=cuda", "train.progress=false")))

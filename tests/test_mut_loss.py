@@ -15,7 +15,7 @@ def _mlx_backend(method: str):
     from finetune.backends.mlx.runtime import MlxBackend
     from finetune.config import Config, ModelConfig
     from finetune.resolver import resolve
-    from finetune.tiny import build_tiny
+    from finetune.model.tiny import build_tiny
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.structured(Config(run_dir="unused"))

@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 
 from finetune.config import compose
 from finetune.errors import UserError
-from finetune.model_source import check_weights
-from finetune.safetensors_io import damage as safetensors_damage
+from finetune.model.source import check_weights
+from finetune.model.safetensors_io import damage as safetensors_damage
 
 
 def test_missing_shards_named_first_with_the_count(tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def _http_error(cls, status: int, message: str):
 def test_each_hub_failure_online_is_worded_for_its_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants, errors
 
-    from finetune import model_source
+    from finetune.model import source as model_source
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     said = {cls.__name__: model_source._hub_failure(_http_error(cls, status, "refused"), "v2")

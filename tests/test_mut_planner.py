@@ -93,7 +93,7 @@ def test_ddp_with_little_activation_peaks_at_the_gradient_sum(tmp_path: Path) ->
 
 
 def test_plan_error_is_predicted_minus_measured_in_bytes() -> None:
-    from finetune.planner.report import plan_error
+    from finetune.planner.present import plan_error
 
     b = {"weights": 100, "trainable_weights": 10, "grads": 10, "optimizer_state": 20, "optimizer_state_paged": 0}
     census = {"frozen_weights": 60, "trainable_weights": 10, "quant_buffers": 0, "grads": 12, "optimizer_state": 20,
@@ -159,7 +159,7 @@ _SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "
 
 
 def _linears(model_type: str, **extra) -> list[tuple[str, int, int, int]]:
-    from finetune.planner.describe import describe
+    from finetune.model.describe import describe
 
     d = describe({**_SMALL, "model_type": model_type, **extra}, "config.json")
     return [(lin.key, lin.in_f, lin.out_f, lin.experts) for lin in d.blocks[0].linears]
@@ -176,7 +176,7 @@ def test_phi3_fuses_q_k_v_into_one_projection() -> None:
 
 
 def test_a_gemma_1_block_has_the_two_llama_norms_not_gemma_2s_four() -> None:
-    from finetune.planner.describe import describe
+    from finetune.model.describe import describe
 
     d = describe({**_SMALL, "model_type": "gemma"}, "config.json")
     assert [o[0] for o in d.blocks[0].others if o[2] == "norm"] == ["input_layernorm.weight",
@@ -184,7 +184,7 @@ def test_a_gemma_1_block_has_the_two_llama_norms_not_gemma_2s_four() -> None:
 
 
 def test_gemma2_without_layer_types_windows_every_other_layer_from_the_first() -> None:
-    from finetune.planner.describe import describe
+    from finetune.model.describe import describe
 
     d = describe({**_SMALL, "num_hidden_layers": 4, "model_type": "gemma2", "sliding_window": 8, "head_dim": 16},
                  "config.json")

@@ -45,12 +45,12 @@ def test_help_opens_with_what_the_command_does(capsys: pytest.CaptureFixture[str
     assert "finetune-report DIR``: one run or a whole sweep side by side." in capsys.readouterr().out
 
 
-# -- memory.png and the memory table of a finished run (finetune/accounting/report.py) --------
+# -- memory.png and the memory table of a finished run (finetune/accounting/render.py) --------
 GiB_ = 1 << 30
 
 
 def test_units_of_the_memory_charts() -> None:
-    from finetune.accounting.report import unit_for
+    from finetune.accounting.render import unit_for
 
     assert unit_for(3 * GiB_) == (float(GiB_), "GiB")
     assert unit_for(5 << 20) == (float(1 << 20), "MiB")
@@ -62,7 +62,7 @@ def _drawn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, samples: list, budge
     """memory.png's figure, caught as matplotlib saves it."""
     from matplotlib.figure import Figure
 
-    from finetune.accounting.report import write_plot
+    from finetune.accounting.render import write_plot
 
     caught = []
     save = Figure.savefig
@@ -91,7 +91,7 @@ def test_memory_png_draws_the_budget_at_its_height_and_labels_its_units(monkeypa
 
 
 def test_the_memory_table_of_a_finished_run_has_a_row_per_device_and_overall() -> None:
-    from finetune.accounting.report import render_summary_table
+    from finetune.accounting.render import render_summary_table
 
     mem = {"last": {"memory_step": 5, "memory_phase": "optimizer", "allocated_bytes": 2 * GiB_,
                     "reserved_bytes": 3 * GiB_, "device_used_bytes": 4 * GiB_, "rss_bytes": GiB_},

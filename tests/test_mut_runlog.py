@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.runlog import RunLog, append_event
+from finetune.run.log import RunLog, append_event
 
 EV = {"step": 0, "trigger": "budget", "action": "lower_micro_batch", "before": {"batch_size": 8},
       "after": {"batch_size": 4}}
@@ -42,7 +42,7 @@ def test_the_supervisors_event_is_one_line_and_no_progress_bar(tmp_path: Path,
 def test_a_torn_last_line_is_dropped_on_resume_and_a_damaged_middle_line_is_an_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from finetune.errors import UserError
-    from finetune.runlog import read_lines
+    from finetune.run.log import read_lines
 
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')

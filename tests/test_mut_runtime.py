@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny() -> Path:
     from finetune.config import ModelConfig
-    from finetune.tiny import build_tiny
+    from finetune.model.tiny import build_tiny
 
     return build_tiny(ModelConfig())
 

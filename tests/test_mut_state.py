@@ -7,7 +7,7 @@ from pathlib import Path
 
 from finetune.config import compose
 from finetune.resolver import resolve
-from finetune.state import RunState
+from finetune.run.state import RunState
 
 
 def test_the_effective_batch_is_micro_batch_times_accumulation(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.supervisor import argv_value, supervise
+from finetune.run.supervisor import argv_value, supervise
 
 
 def test_argv_value_finds_the_first_key_equals_value() -> None:

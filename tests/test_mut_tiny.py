@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from finetune.tiny import preset_config, tiny_config
+from finetune.model.tiny import preset_config, tiny_config
 
 ARCH = dict(preset_config("tiny") or ())
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from finetune import tokcache
-from finetune.tokcache import Damaged, TokenWriter
+from finetune.data import cache as tokcache
+from finetune.data.cache import Damaged, TokenWriter
 
 KEY = {"data": "x.jsonl", "seq_len": 16}
 IDS = np.array([5, 6, 7, 8, 9, 10, 11], np.uint16)

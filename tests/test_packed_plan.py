@@ -37,7 +37,7 @@ from test_packing import (  # noqa: F401
 )
 
 from finetune import data as data_mod
-from finetune.model_source import resolve_model_dir
+from finetune.model.source import resolve_model_dir
 from finetune.planner import plan
 
 TOKENS = 2048

@@ -30,13 +30,13 @@ import pytest
 from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
 from finetune.backends.base import Batch, pack
 
-from finetune import loop as loop_mod
+from finetune.run import loop as loop_mod
 from finetune.config import Config, ModelConfig
 from finetune.data import Tokenized
 from finetune.data.batches import fit_to_micro, packed_widths
-from finetune.loop import train
+from finetune.run.loop import train
 from finetune.resolver import resolve
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 LENGTHS = (57, 40, 23, 9)  # real tokens per sample: 129 in all
 
@@ -270,7 +270,7 @@ from finetune.backends.base import Batch, pack
 from finetune.backends.mlx.runtime import MlxBackend
 from finetune.config import compose
 from finetune.data.batches import packed_pair_span, packed_widths
-from finetune.model_source import resolve_model_dir
+from finetune.model.source import resolve_model_dir
 from finetune.resolver import resolve
 from finetune import planner
 cfg = compose({str(tmp_path_factory.mktemp("peaks"))!r}, "backend=mlx", "train.packing=true",

@@ -23,7 +23,7 @@ from finetune import data as data_mod
 from finetune.backends.base import padded_length
 from finetune.config import ModelConfig
 from finetune.planner import plan
-from finetune.tiny import build_tiny
+from finetune.model.tiny import build_tiny
 
 
 def _run_plan(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[dict, str]:

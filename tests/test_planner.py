@@ -229,7 +229,7 @@ def test_plan_equals_backend_census_after_a_step(backend, tmp_path):
     the census to the byte (plan_error reports 0 relative error)."""
     if backend == "cuda" and not HAS_TORCH or backend == "mlx" and not HAS_MLX:
         pytest.skip(f"{backend} framework not installed")
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     if backend == "cuda":
         from finetune.backends.cuda.runtime import CudaBackend as Backend
@@ -291,7 +291,7 @@ def test_torch_saved_tensors_match_activation_model(over, tmp_path):
     import torch
 
     from finetune.backends.cuda.runtime import CudaBackend
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     B, T = 3, 40
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
@@ -317,7 +317,7 @@ def test_torch_step_peak_matches_allocator_events(over, tmp_path):
     from torch.profiler import ProfilerActivity, profile
 
     from finetune.backends.cuda.runtime import CudaBackend
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     B, T = 4, 128
     cfg = _cfg(tmp_path, "backend=cuda", f"train.batch_size={B}", *over)
@@ -359,7 +359,7 @@ import mlx_lm.models.qwen2, mlx_lm.tuner.dora, mlx_lm.tuner.utils, mlx_lm.utils,
 from test_planner import _cfg, _fixed_batch
 from pathlib import Path
 from finetune.backends.mlx.runtime import MlxBackend
-from finetune.model_source import resolve_model_dir
+from finetune.model.source import resolve_model_dir
 from finetune.resolver import resolve
 from finetune import planner
 gc.collect()

@@ -19,7 +19,7 @@ from conftest import REPO, make_cfg, make_spec, needs_torch
 from finetune import planner
 from finetune.errors import UserError
 from finetune.planner import DDP_BUCKET_BYTES
-from finetune.planner.model import DTYPE_BYTES, GRAD_ACTIVATION_OVERLAP
+from finetune.planner.setup import DTYPE_BYTES, GRAD_ACTIVATION_OVERLAP
 
 GiB = 2**30
 SEVEN_B = ("mode=plan", "model=llama2-7b", "method=full", "backend=cuda")

@@ -6,7 +6,7 @@ import csv
 
 from conftest import needs_torch
 
-from finetune.loop import train
+from finetune.run.loop import train
 from finetune.report import main
 from finetune.resolver import resolve
 

@@ -17,8 +17,8 @@ from finetune.backends.cuda import trace
 from finetune.backends.cuda.alloc_config import parse_alloc_conf
 from finetune.backends import memory_model
 from finetune.planner import plan
-from finetune.model_source import local_model_dir
-from finetune.planner.model import inventory, resolve
+from finetune.model.source import local_model_dir
+from finetune.planner.setup import inventory, resolve
 from conftest import HAS_TORCH, REPO, finetune_cmd, make_spec
 
 H200 = json.loads((REPO / "tests" / "data" / "measured" / "h200_gpu_check.json").read_text())
@@ -175,7 +175,7 @@ def test_qlora_load_host_peak_within_10_percent(tmp_path: Path) -> None:
         import json, sys
         from finetune.config import compose
         from finetune.resolver import resolve
-        from finetune.model_source import local_model_dir
+        from finetune.model.source import local_model_dir
         from finetune.backends.runtimes import get_backend
         spec = resolve(compose({str(tmp_path / 'run')!r}, *{args!r}))
         b = get_backend("cuda")

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from conftest import finetune_cmd, make_cfg, make_spec, needs_torch
 
-from finetune import checkpoints
+from finetune.run import files as checkpoints
 from finetune.errors import UserError
 from finetune.io import lock_dir
-from finetune.loop import data_identity, train
+from finetune.run.loop import data_identity, train
 from finetune.resolver import resolve
 
 ARGS = ("backend=cuda", "train.schedule=constant", "train.warmup_steps=0", "optim.lr=1e-2", "train.eval_every=0",

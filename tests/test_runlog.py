@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from finetune import checkpoints
+from finetune.run import files as checkpoints
 from finetune.cli import check_group_choices, group_values
 from finetune.errors import UserError
 from finetune.io import atomic_dir, atomic_write_json
 from finetune.loggers import Logger, scalars, summary_scalars
-from finetune.runlog import RunLog, append_event
+from finetune.run.log import RunLog, append_event
 
 
 def _lines(run: Path) -> list[dict[str, Any]]:
@@ -194,7 +194,7 @@ def test_checkpoints_latest_is_by_step_number_and_skips_incomplete_ones(tmp_path
 def test_supervisor_restarts_from_the_latest_checkpoint_at_a_smaller_micro_batch(tmp_path):
     from omegaconf import OmegaConf
 
-    from finetune.supervisor import restart_event
+    from finetune.run.supervisor import restart_event
 
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(OmegaConf.create({"train": {"batch_size": 4, "grad_accum": 2}}), tmp_path / ".hydra" / "config.yaml")

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from conftest import make_spec
 
-from finetune.loop import lr_at
+from finetune.run.loop import lr_at
 
 
 @functools.cache

@@ -70,7 +70,7 @@ REMOTE_CODE = {  # a custom architecture: Qwen2 under another name, whose code l
 def tiny_base(tmp_path_factory) -> Path:
     from conftest import make_cfg
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     return resolve_model_dir(make_cfg(tmp_path_factory.mktemp("unused") / "run").model)
 

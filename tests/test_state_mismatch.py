@@ -7,7 +7,7 @@ import pytest
 
 from finetune.config import compose
 from finetune.errors import UserError
-from finetune.model_source import resolve_model_dir
+from finetune.model.source import resolve_model_dir
 from finetune.resolver import resolve
 
 from conftest import needs_torch

@@ -23,7 +23,7 @@ from test_chunked_loss import assert_grads_equal
 
 from finetune.config import Config, ModelConfig
 from finetune.resolver import resolve
-from finetune.tiny import build_tiny, preset_config
+from finetune.model.tiny import build_tiny, preset_config
 
 V = 2048
 

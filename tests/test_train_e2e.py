@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import HAS_TORCH, finetune_cmd, needs_mlx, needs_torch
 
-from finetune.loop import train
+from finetune.run.loop import train
 from finetune.resolver import resolve
 
 FAST = ("train.steps=30", "train.eval_every=15", "train.progress=false", "data.num_samples=400",

@@ -33,7 +33,7 @@ def test_records_define_each_category_once() -> None:
     """The census categories, the plan's and the tokenizer files each have one definition."""
     from finetune import records
     from finetune.accounting import ALLOCATOR_HELD, CENSUS_KEYS
-    from finetune.model_source import TOKENIZER_FILES
+    from finetune.model.source import TOKENIZER_FILES
 
     assert CENSUS_KEYS is records.CENSUS_KEYS and ALLOCATOR_HELD is records.ALLOCATOR_HELD
     assert set(ALLOCATOR_HELD) == set(CENSUS_KEYS) - {"optimizer_state_paged"}
@@ -46,6 +46,6 @@ def test_records_define_each_category_once() -> None:
                              for line in p.read_text().splitlines())]
                for name in ("CENSUS_KEYS", "ALLOCATOR_HELD", "TOKENIZER_FILES", "PLAN_KEYS", "RANK_KEYS")}
     assert defined == {"CENSUS_KEYS": ["finetune/records.py"], "ALLOCATOR_HELD": ["finetune/records.py"],
-                       "TOKENIZER_FILES": ["finetune/model_source.py"], "PLAN_KEYS": ["finetune/records.py"],
+                       "TOKENIZER_FILES": ["finetune/model/source.py"], "PLAN_KEYS": ["finetune/records.py"],
                        "RANK_KEYS": ["finetune/records.py"]}
     assert "tokenizer.json" in TOKENIZER_FILES

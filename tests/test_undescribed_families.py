@@ -59,7 +59,7 @@ def _rows() -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("name", ["cohere", "phi"])
 def test_undescribed_family_trains_and_says_the_plan_is_approximate(name: str, backend: str, tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    from finetune.loop import train
+    from finetune.run.loop import train
 
     with caplog.at_level(logging.WARNING, logger="finetune"):
         out = train(resolve(_cfg(tmp_path / "run", name, backend)))
@@ -202,7 +202,7 @@ def test_a_multimodal_checkpoints_language_model_is_priced_from_its_own_tensors(
     run loads (load_causal_lm), the vision tower's weights not among them."""
     from families import build_multimodal
 
-    from finetune.model_source import load_causal_lm
+    from finetune.model.source import load_causal_lm
 
     d = build_multimodal("qwen3_5")
     p = _plan(tmp_path / "run", d)

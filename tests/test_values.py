@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from finetune import data as data_mod
 from finetune import planner
-from finetune.loop import train
+from finetune.run.loop import train
 from finetune.resolver import resolve
 
 STEPS, WARMUP, LR = 6, 2, 1e-2
@@ -47,7 +47,7 @@ def _run(tmp_path_factory: Any, backend: str) -> dict[str, Any]:
     summary = train(resolve(cfg))
     from transformers import AutoTokenizer
 
-    from finetune.model_source import resolve_model_dir
+    from finetune.model.source import resolve_model_dir
 
     model_dir = resolve_model_dir(cfg.model)
     src, stats = data_mod.build(resolve(cfg), AutoTokenizer.from_pretrained(str(model_dir)))

@@ -14,7 +14,7 @@ import torch
 from finetune.backends.base import Comm
 
 from finetune.errors import UserError
-from finetune.model_source import TOKENIZER_FILES
+from finetune.model.source import TOKENIZER_FILES
 from finetune.spec import RunSpec
 
 

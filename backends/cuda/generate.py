@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from finetune.errors import UserError
 from finetune.export.basemodel import check_remote_code
-from finetune.model_source import load_causal_lm
+from finetune.model.source import load_causal_lm
 from finetune.prompting import Prompt, end_token_ids
 
 

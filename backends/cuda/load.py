@@ -17,7 +17,7 @@ from finetune.backends.cuda.memory import packed_path, resolved_alloc_conf
 
 from finetune.accounting.probes import NvmlProbe
 from finetune.errors import UserError
-from finetune.planner.describe import EXPERTS, check_targets, lora_keys
+from finetune.model.describe import EXPERTS, check_targets, lora_keys
 from finetune.spec import MethodSpec, RunSpec
 
 log = logging.getLogger("finetune")

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.modeldesc import (
+from finetune.model.types import (
     STAGE_ATTN_IN,
     STAGE_ATTN_OUT,
     STAGE_MLP_IN,
@@ -26,7 +26,7 @@ from finetune.modeldesc import (
     Linear,
     ModelDesc,
 )
-from finetune.planspec import MIB, Setup, Tensor
+from finetune.model.inventory import MIB, Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
 from finetune.backends.cuda import trace

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import torch
 
-from finetune.records import CENSUS_KEYS, Census, CensusKey
+from finetune.records import CENSUS_KEYS, Census, CensusKey, DeviceReading, MemoryReading
 
 
 def quant_tensors(qs: Any) -> list[torch.Tensor]:
@@ -41,15 +41,17 @@ class CudaReadings:
             self._indices = sorted({p.device.index or 0 for p in self.model.parameters() if p.device.type == "cuda"})
         return self._indices
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> MemoryReading:
         """Allocator figures (bytes) per CUDA device the model uses, plus their sums. Sums of
         per-device peaks bound the simultaneous peak from above. All None on CPU."""
         keys = ("allocated", "reserved", "peak_allocated", "peak_reserved", "inactive_split",
                 "alloc_retries", "num_ooms")
         indices = self._cuda_indices()
         if not indices:
-            return {**dict.fromkeys(keys), "device_total": None, "devices": None}
-        devices = []
+            return MemoryReading(allocated=None, reserved=None, peak_allocated=None, peak_reserved=None,
+                                 inactive_split=None, alloc_retries=None, num_ooms=None, device_total=None,
+                                 devices=None)
+        devices: list[DeviceReading] = []
         if self._totals is None:
             self._totals = {i: int(torch.cuda.get_device_properties(i).total_memory) for i in indices}
         for i in indices:
@@ -58,7 +60,7 @@ class CudaReadings:
             s = torch.cuda.memory_stats_as_nested_dict(i)
             alloc, res, split = (s.get(k, {}).get("all", {}) for k in
                                  ("allocated_bytes", "reserved_bytes", "inactive_split_bytes"))
-            devices.append({
+            devices.append(DeviceReading(**{
                 "index": i,
                 "allocated": int(alloc.get("current", 0)),
                 "reserved": int(res.get("current", 0)),
@@ -67,13 +69,13 @@ class CudaReadings:
                 "inactive_split": int(split.get("current", 0)),
                 "alloc_retries": int(s.get("num_alloc_retries", 0)),
                 "num_ooms": int(s.get("num_ooms", 0)),
-                "total": self._totals[i],
+                "device_total": self._totals[i],
                 "cuda_context": self._contexts.get(i),  # measured at setup, see measure_cuda_contexts
-            })
-        out: dict[str, Any] = {k: sum(d[k] for d in devices) for k in keys}
-        out["device_total"] = sum(d["total"] for d in devices)
-        ctx = [d["cuda_context"] for d in devices]
-        out["cuda_context"] = None if None in ctx else sum(ctx)
+            }))
+        out = cast(MemoryReading, {k: sum(cast(int, d.get(k)) for d in devices) for k in keys})
+        out["device_total"] = sum(self._totals[i] for i in indices)
+        ctx = [d.get("cuda_context") for d in devices]
+        out["cuda_context"] = None if None in ctx else sum(cast(list[int], ctx))
         out["devices"] = devices
         return out
 

@@ -54,8 +54,8 @@ from finetune.backends.cuda.readings import CudaReadings
 from finetune import precision as precision_mod
 from finetune.accounting.probes import lean_host_heap
 from finetune.errors import UserError
-from finetune.model_source import load_causal_lm
-from finetune.planner.model import attention, model_handle
+from finetune.model.source import load_causal_lm
+from finetune.planner.setup import attention, model_handle
 from finetune.prompting import Prompt
 from finetune.spec import RunSpec
 

@@ -25,8 +25,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.modeldesc import ModelDesc
-from finetune.planspec import Setup, Tensor
+from finetune.model.types import ModelDesc
+from finetune.model.inventory import Setup, Tensor
 from finetune.backends.cuda.allocator import AllocConf, CachingAllocator
 
 # torch/csrc/cuda/CublasHandlePool.cpp (getChosenWorkspaceSize): the cuBLAS workspace torch

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeGuard
 from finetune.errors import UserError
-from finetune.model_source import is_multimodal, text_config
+from finetune.model.source import is_multimodal, text_config
 
 # what mlx-lm's multimodal wrappers (gemma3, mistral3, ...) call their language model: the
 # runtime trains that model, and an adapter of a multimodal base names its modules under it

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from finetune.errors import UserError
-from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
-from finetune.planspec import Setup, Tensor
+from finetune.model.types import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
+from finetune.model.inventory import Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
 from finetune.backends.mlx import metal

@@ -37,9 +37,9 @@ from finetune.errors import UserError
 from finetune import precision as precision_mod
 from finetune.backends.mlx.generate import generate
 from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_model_config
-from finetune.records import Census
-from finetune.planner.describe import EXPERTS, FAMILIES, check_targets, lora_keys
-from finetune.planner.model import model_handle
+from finetune.records import Census, MemoryReading
+from finetune.model.describe import EXPERTS, FAMILIES, check_targets, lora_keys
+from finetune.planner.setup import model_handle
 from finetune.prompting import Prompt
 from finetune.spec import OptimSpec, RunSpec
 
@@ -604,7 +604,7 @@ class MlxBackend:
         mx.eval(self.model.parameters(), self.optimizer.state)
 
     # ---- memory ------------------------------------------------------------------------
-    def memory(self) -> dict[str, int | None]:
+    def memory(self) -> MemoryReading:
         if self._limits is None:
             # The limits change only through set_memory_limits, which keeps this current; read
             # once. There is no getter for the cache limit: swap in a harmless value and put the
@@ -619,9 +619,9 @@ class MlxBackend:
                 "mlx_wired_limit": self._wired_limit,  # None off Metal: nothing is wired on CPU
                 "mlx_recommended_working_set": info.get("max_recommended_working_set_size"),
             }
-        return {**self.peaks(), **self._limits}
+        return MemoryReading(**self.peaks(), **self._limits)  # type: ignore[typeddict-item]
 
-    def peaks(self) -> dict[str, int | None]:
+    def peaks(self) -> MemoryReading:
         """The allocator counters of memory(), without the limits and device facts: what the
         accountant folds into the run peak before reset_peak."""
         active, cache, peak = mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory()

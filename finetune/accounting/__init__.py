@@ -6,7 +6,7 @@ census (Backend.census); this package reads the process, the system and NVML its
 
 from finetune.accounting.accountant import ALLOCATOR_HELD, CENSUS_KEYS, Accountant, metrics_fields
 from finetune.accounting.gather import gather, gather_timeline
-from finetune.accounting.report import (
+from finetune.accounting.render import (
     render_gather_table,
     render_summary_table,
     render_table,

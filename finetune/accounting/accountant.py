@@ -49,9 +49,9 @@ from finetune.accounting.cost import SamplingCost
 from finetune.accounting.probes import NON_ALLOCATOR_PARTS, NvmlProbe, SystemProbe, reconcile_nvml
 from finetune.accounting.rules import explain as explain_samples
 from finetune.units import fmt_bytes, fmt_delta
-from finetune.accounting.report import device_title, render_table, write_plot
+from finetune.accounting.render import device_title, render_table, write_plot
 from finetune.backends import capabilities
-from finetune.records import ACTIVATIONS_AND_OTHER, ALLOCATOR_HELD, CENSUS_KEYS, Census, Sample  # noqa: F401  (CENSUS_KEYS: re-exported)
+from finetune.records import ACTIVATIONS_AND_OTHER, ALLOCATOR_HELD, CENSUS_KEYS, Census, MemoryReading, Sample  # noqa: F401  (CENSUS_KEYS: re-exported)
 
 _MEMORY_STD = {"allocated", "reserved", "peak_allocated", "peak_reserved", "device_total", "devices",
                "cuda_context"}
@@ -169,7 +169,7 @@ class Accountant:
         self._base_census: Any = None
         self._base_metrics: dict[str, Any] | None = None
         self._derived: dict[str, Any] | None = None
-        self._mem_none: dict[str, Any] = {}
+        self._mem_none = MemoryReading()
         # what the run tells the rules beside the samples: the governor's actions
         # ("adaptations", the same list summary.json keeps), "adapt", "budget_set"
         self.run_facts: dict[str, Any] = {}
@@ -196,7 +196,7 @@ class Accountant:
             else:
                 # peaks() where the backend has it: two counters instead of every memory figure
                 peaks = getattr(self.backend, "peaks", None)
-                mem = peaks() if peaks is not None else (self.backend.memory() or {})
+                mem: MemoryReading = peaks() if peaks is not None else (self.backend.memory() or MemoryReading())
                 t1 = time.perf_counter()
                 self._fold_peaks(mem, step - 1, "before_step_" + str(step))
                 t2 = time.perf_counter()
@@ -366,14 +366,14 @@ class Accountant:
         self.thinned += len(self._timeline) - len(kept) - len(recent)
         self._timeline = kept + recent
 
-    def _memory(self, step: int) -> dict[str, Any]:
+    def _memory(self, step: int) -> MemoryReading:
         if self._no_allocator:
             return self._mem_none
         t0 = time.perf_counter()
         try:
-            mem = self.backend.memory() or {}
+            mem = self.backend.memory() or MemoryReading()
         except Exception as e:  # a report must not stop training: this sample says what failed
-            mem = {"memory_error": f"{type(e).__name__}: {e}"}
+            mem = MemoryReading(memory_error=f"{type(e).__name__}: {e}")
         self.cost.backend_seconds += time.perf_counter() - t0
         silent = all(mem.get(k) is None for k in ("allocated", "reserved", "peak_allocated")) and not mem.get("devices")
         if not silent:
@@ -391,7 +391,7 @@ class Accountant:
         """Retake the census at the next sample (call after changing the model or optimizer)."""
         self._census_cache.clear()
 
-    def _fold_peaks(self, mem: dict[str, Any], step: int, phase: str) -> None:
+    def _fold_peaks(self, mem: MemoryReading, step: int, phase: str) -> None:
         for name, pname in (("allocated", "peak_allocated"), ("reserved", "peak_reserved")):
             cand = _max(_int(mem.get(pname)), _int(mem.get(name)))
             cur = self._run_peak[name]
@@ -416,7 +416,7 @@ class Accountant:
         self._census_cache[phase] = got
         return got
 
-    def _devices(self, s: dict[str, Any], mem: dict[str, Any], census: dict[str, Any], fresh: bool) -> None:
+    def _devices(self, s: dict[str, Any], mem: MemoryReading, census: dict[str, Any], fresh: bool) -> None:
         """Per-device rows with NVML beside the allocator, and their process-wide sums. NVML is
         read when ``fresh`` (the sample's process/system readings are due) or on a device's
         first sample; otherwise its last reading is carried."""
@@ -449,8 +449,6 @@ class Accountant:
             r: dict[str, Any] = {"index": idx}
             for k in ("allocated", "reserved", "peak_allocated", "peak_reserved", "device_total", "cuda_context"):
                 r[k] = _int(d.get(k))
-            if r["device_total"] is None:
-                r["device_total"] = _int(d.get("total"))  # the cuda backend's per-device name
             if r["cuda_context"] is None and len(rows_in) == 1:
                 r["cuda_context"] = _int(mem.get("cuda_context"))
             r["paged_optimizer_state"] = paged if len(rows_in) == 1 else None
@@ -561,7 +559,7 @@ class Accountant:
         if self._no_allocator:
             return
         try:
-            self._fold_peaks(self.backend.memory() or {}, self.samples[-1]["step"] if self.samples else 0,
+            self._fold_peaks(self.backend.memory() or MemoryReading(), self.samples[-1]["step"] if self.samples else 0,
                              "after_last_sample")
         except Exception:
             pass

@@ -20,7 +20,7 @@ samples it trains on or in what order.
 
 Records stream from the source ``TOKENIZE_CHUNK`` at a time, so a file of any length tokenizes
 in the memory of one chunk; the tokens go straight into an entry of the token cache
-(finetune/tokcache.py: flat memory-mapped arrays, keyed by the data, the tokenizer and every
+(finetune/data/cache.py: flat memory-mapped arrays, keyed by the data, the tokenizer and every
 setting that changes tokens), which the next run and every sweep job reuse (``prepare``).
 
 The package, one job a module, each importing only those before it: ``formats`` reads records

@@ -16,7 +16,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-from finetune import tokcache
+from finetune.data import cache as tokcache
 from finetune.errors import UserError
 from finetune.spec import DataSpec
 from finetune.synthetic import generate

@@ -1,5 +1,5 @@
 """Records -> token ids with a loss mask (``Tokenized``), in memory (``tokenize``) or through
-the token cache (``prepare``: finetune/tokcache.py, flat memory-mapped arrays keyed by the data,
+the token cache (``prepare``: finetune/data/cache.py, flat memory-mapped arrays keyed by the data,
 the tokenizer and every setting that changes tokens, which the next run and every sweep job
 reuse).
 
@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from finetune import synthetic, tokcache
+from finetune import synthetic
+from finetune.data import cache as tokcache
 from finetune.data.formats import (_BOM, READERS, _hf_dataset, _hf_records, _jsonl_path, _jsonl_records, _unreadable,
                                    check_record, compression, is_pipe, iter_records, record_format)
 from finetune.errors import UserError
 from finetune.prompting import QA_PROMPT
 from finetune.spec import DataSpec, RunSpec
-from finetune.tiny import cache_root
-from finetune.tokcache import Damaged, Ragged, TokenWriter
+from finetune.model.tiny import cache_root
+from finetune.data.cache import Damaged, Ragged, TokenWriter
 
 log = logging.getLogger("finetune")
 
@@ -223,7 +224,7 @@ def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, ma
     return _tokenized(*writer.finish_in_memory(), stats)
 
 
-# -- the token cache (finetune/tokcache.py) -------------------------------------------------------
+# -- the token cache (finetune/data/cache.py) -------------------------------------------------------
 
 def _code_fingerprint(name: str) -> str:
     """A hash of the code that decides which records are read and what tokens they become: an

@@ -28,13 +28,13 @@ DoRA's magnitude has one meaning on both sides: the norm of each output row of t
 weight ``W + scale * B @ A`` ([out, in], norm over ``in``; mlx ``norm(w, axis=1)``, PEFT
 ``norm(w, dim=1)``), so it is copied as is. Converting reorders and transposes tensors and never
 does arithmetic on them (``lora_alpha = scale * r``), so every value, bf16 included, crosses
-bit for bit. Reading and writing is the project's own safetensors code (finetune/safetensors_io.py,
+bit for bit. Reading and writing is the project's own safetensors code (finetune/model/safetensors_io.py,
 numpy, which has no bf16), so ``--to`` imports neither torch nor mlx; ``--merge`` uses
 transformers + PEFT, or mlx-lm for an MLX-quantized base.
 
 Safety, as training has it: every loader gets ``trust_remote_code`` (off unless
 ``--trust-remote-code``), and base weights load from safetensors only unless ``--allow-pickle``
-(a pickle runs code when loaded; see finetune/model_source.py ``check_weights``). No token or key
+(a pickle runs code when loaded; see finetune/model/source.py ``check_weights``). No token or key
 (an HF/W&B/MLflow environment variable's value, a value under a secret-named key of the adapter's
 or the base's config) reaches a file this writes: each output is scrubbed in its temporary
 directory (finetune/redact.py) and checked before it is renamed into place.

@@ -12,7 +12,7 @@ from typing import Any
 
 from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX
 from finetune.errors import UserError
-from finetune.safetensors_io import Tensor, read_safetensors
+from finetune.model.safetensors_io import Tensor, read_safetensors
 
 MLX_WEIGHTS, MLX_CONFIG = "adapters.safetensors", "adapter_config.json"
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"

@@ -11,9 +11,9 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.export.adapters import LAYER, MLX_CONFIG, Adapter, read_json
-from finetune.model_source import PICKLE_SUFFIXES, TEXT_KEY_MAPPING, hf_download, is_multimodal
-from finetune.planner.describe import FAMILIES, describe
-from finetune.safetensors_io import header, tensors_of
+from finetune.model.source import PICKLE_SUFFIXES, TEXT_KEY_MAPPING, hf_download, is_multimodal
+from finetune.model.describe import FAMILIES, describe
+from finetune.model.safetensors_io import header, tensors_of
 
 
 @dataclass
@@ -154,7 +154,7 @@ def check_remote_code(model_dir: Path, trust_remote_code: bool, fix: str) -> Non
 
 def _block_linears(base: Base) -> tuple[str, dict[str, str]] | None:
     """(model_type, {path inside a block: kind}) of the linear layers transformers builds in a
-    block of ``base`` (finetune/planner/describe.py, from its config.json), or None for a family
+    block of ``base`` (finetune/model/describe.py, from its config.json), or None for a family
     the description does not know exactly. The names on disk are not always the modules'
     names: transformers 5 saves Mixtral's router as ``block_sparse_moe.gate`` (the name mlx-lm
     loads) while its module is ``mlp.gate``, a router that is no linear layer for PEFT."""

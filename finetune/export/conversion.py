@@ -16,7 +16,7 @@ from finetune.export.basemodel import Base, check_against_base, resolve_base
 from finetune.io import atomic_dir, disk_errors
 from finetune.prompting import RECORD_FILE
 from finetune.redact import config_secrets, env_secrets, redact_dir, redact_tree, secrets_in_dir
-from finetune.safetensors_io import Tensor, write_safetensors
+from finetune.model.safetensors_io import Tensor, write_safetensors
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version

@@ -17,8 +17,8 @@ from finetune.export.adapters import read_adapter, read_json
 from finetune.export.basemodel import Base, check_against_base, check_remote_code, quantized_bits, resolve_base
 from finetune.export.conversion import WRITERS, check_dst, keep_record, provenance, scrub
 from finetune.io import atomic_dir, disk_errors
-from finetune.model_source import TOKENIZER_FILES, load_causal_lm
-from finetune.safetensors_io import dtype_bytes, header, tensors_of
+from finetune.model.source import TOKENIZER_FILES, load_causal_lm
+from finetune.model.safetensors_io import dtype_bytes, header, tensors_of
 
 # what a merged model's directory copies from its base beside the weights (model_source's
 # TOKENIZER_FILES, and the base's sampling defaults)

@@ -22,8 +22,8 @@ function, versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50,
 The package, each module on top of the next: ``report`` (table, plan.json, plan_error), ``fit``
 (``plan`` and fitting a budget, levers), ``price`` (bytes per category, device and phase),
 ``model`` (the setup resolved, the inventory), ``describe`` (the model description from
-config.json). The types a memory model reads too sit below the backends: ``finetune.modeldesc``,
-``finetune.planspec``. What a
+config.json). The types a memory model reads too sit below the backends: ``finetune.model.types``,
+``finetune.model.inventory``. What a
 framework holds is not here: each backend's memory model (``finetune/backends/<name>/memory.py``,
 torch/mlx-free) prices its weights, optimizer state, activations and overheads, so adding an
 optimizer or a precision to one backend touches that backend's folder only.
@@ -43,18 +43,18 @@ from finetune.backends.cuda.memory import (  # the backends' own constants and p
 )
 from finetune.backends.mlx.memory import mlx_quant_bytes
 from finetune.budget import parse_budget
-from finetune.modeldesc import ModelDesc
-from finetune.planner.describe import describe
+from finetune.model.types import ModelDesc
+from finetune.model.describe import describe
 from finetune.planner.fit import FitResult, fit_to_budget, plan
-from finetune.planner.model import SCHEMA_VERSION, describe_model, inventory, resolve
+from finetune.planner.setup import SCHEMA_VERSION, describe_model, inventory, resolve
 from finetune.planner.price import (
     _split_layers,  # noqa: F401  (tests check the split directly)
     activations,
     params_total,
     trainable_params,
 )
-from finetune.planner.report import format_run_plan_error, format_table, plan_error, run_plan, run_plan_error
-from finetune.planspec import GIB, MIB, Setup, Tensor
+from finetune.planner.present import format_run_plan_error, format_table, plan_error, run_plan, run_plan_error
+from finetune.model.inventory import GIB, MIB, Setup, Tensor
 
 __all__ = ["FitResult", "fit_to_budget", "format_table", "params_total", "parse_budget", "plan", "plan_error", "run_plan_error", "format_run_plan_error",
            "run_plan", "trainable_params",

@@ -15,12 +15,12 @@ from finetune.backends import capabilities, device_memory, memory_model
 from finetune import budget as budget_mod
 from finetune.budget import parse_budget
 from finetune.errors import UserError
-from finetune.modeldesc import ModelDesc
-from finetune.planner.model import SCHEMA_VERSION, Setup, resolve
+from finetune.model.types import ModelDesc
+from finetune.planner.setup import SCHEMA_VERSION, Setup, resolve
 from finetune.planner.price import _core
 from finetune.records import Plan, PlanCore
 from finetune.spec import ModelSpec, RunSpec
-from finetune.state import RunState
+from finetune.run.state import RunState
 
 
 # the chunk the levers suggest: 1,024 tokens x a 152k vocabulary is 0.6 GB of fp32 logits per
@@ -594,7 +594,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
             longest (truncated) sample for a tighter plan.
         budget_bytes: the budget to judge ``fits`` against; default ``memory.budget`` or the device.
         recommend: also search the largest micro-batch and levers that fit.
-        state: the run's live state (finetune.state.RunState), where a run is under way.
+        state: the run's live state (finetune.run.state.RunState), where a run is under way.
         head_fraction: the most of a micro-batch's positions that are targets, from the data
             (the output head runs on targets only); None: every position.
         pair_span: packed, the most (query, key) pairs per position of a packed micro-batch,

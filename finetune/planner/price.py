@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, cast
 
 from finetune.backends import capabilities, memory_model
-from finetune.modeldesc import ModelDesc
-from finetune.planner.model import GRAD_ACTIVATION_OVERLAP, inventory, resolve
-from finetune.planspec import Setup, Tensor
+from finetune.model.types import ModelDesc
+from finetune.planner.setup import GRAD_ACTIVATION_OVERLAP, inventory, resolve
+from finetune.model.inventory import Setup, Tensor
 from finetune.records import PLAN_KEYS, RANK_KEYS, PlanBytes, PlanCore, PlanDevice, PlanTotals
 from finetune.spec import RunSpec
 

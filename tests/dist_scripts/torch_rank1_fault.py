@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from finetune import loop
+from finetune.run import loop
 from finetune.backends.cuda.runtime import CudaBackend
 
 

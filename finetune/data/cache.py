@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from finetune.io import _fsync_dir, as_umask, fsync_tree
-from finetune.model_source import TOKENIZER_FILES
-from finetune.tiny import cache_root
+from finetune.model.source import TOKENIZER_FILES
+from finetune.model.tiny import cache_root
 
 CACHE_FORMAT = 1  # bump when the layout of an entry changes
 HEADER_BYTES = 128  # an .npy v1.0 header for a 1-D array of any length up to 10**20 (numpy pads to 64)

@@ -14,10 +14,10 @@ from typing import Any
 from finetune import precision as prec_mod
 from finetune.backends import capabilities, memory_model
 from finetune.errors import UserError
-from finetune.model_source import checkpoint_elements, is_multimodal, read_model_config, stored_dtype, stored_quantization
-from finetune.modeldesc import ModelDesc, ModelHandle
-from finetune.planner.describe import _EAGER_ONLY, HEAD, describe, lora_keys, reconcile
-from finetune.planspec import DTYPE_BYTES, GIB, MIB, Setup, Tensor  # noqa: F401  (re-exported: the planner's names)
+from finetune.model.source import checkpoint_elements, is_multimodal, read_model_config, stored_dtype, stored_quantization
+from finetune.model.types import ModelDesc, ModelHandle
+from finetune.model.describe import _EAGER_ONLY, HEAD, describe, lora_keys, reconcile
+from finetune.model.inventory import DTYPE_BYTES, GIB, MIB, Setup, Tensor  # noqa: F401  (re-exported: the planner's names)
 from finetune.spec import ModelSpec, RunSpec
 
 SCHEMA_VERSION = 1
@@ -179,7 +179,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
             head_fraction: float | None = None, pair_span: float | None = None,
             row_targets: int | None = None, longest: int | None = None) -> tuple[ModelDesc, Setup]:
     """Resolve the spec (and the machine, for the GPU count) into an architecture and a setup.
-    ``state`` (a finetune.state.RunState) overrides the backend, micro-batch, accumulation,
+    ``state`` (a finetune.run.state.RunState) overrides the backend, micro-batch, accumulation,
     checkpointing and loss chunk with the run's live values. ``head_fraction``: the share of a
     micro-batch's positions that are targets at most, from the data (``finetune.data.build``
     ``head_fraction``); None: every position, the bound without data. Packed, from the data
@@ -243,7 +243,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
 def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
     """Every parameter the backend would create, with what trains and how it is stored.
 
-    Follows the model description (finetune/planner/describe.py: every weight of the
+    Follows the model description (finetune/model/describe.py: every weight of the
     checkpoint's blocks, experts and routers included), plus the adapters: PEFT
     LoraLayer.update_layer (lora_A [r, in], lora_B [out, r], no bias; DoRA:
     lora_magnitude_vector [out]) and mlx-lm tuner/lora.py LoRALinear (lora_a [in, r], lora_b

@@ -1,6 +1,6 @@
 """The model description: every weight of a checkpoint with its shape and kind, read from the
 checkpoint's own ``config.json`` (a local directory, the hub's cached config for a hub id, or a
-preset holding a released config's facts; ``finetune.model_source.model_config``).
+preset holding a released config's facts; ``finetune.model.source.model_config``).
 
 One frozen ``ModelDesc`` is shared by the planner (the parameter inventory, activations), both
 runtimes and the config checks (which LoRA targets exist, what ``all-linear`` means). Nothing
@@ -20,8 +20,8 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from finetune.errors import UserError
-from finetune.model_source import text_config
-from finetune.modeldesc import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
+from finetune.model.source import text_config
+from finetune.model.types import STAGE_ATTN_IN, STAGE_ATTN_OUT, STAGE_MLP_IN, STAGE_MLP_OUT, Block, Linear, ModelDesc
 
 # ---- building it from config.json --------------------------------------------------------------
 
@@ -70,7 +70,7 @@ _EAGER_ONLY = {"gemma2": "soft-capped attention scores", "gpt_oss": "attention s
 
 def _text(hf: dict[str, Any]) -> dict[str, Any]:
     """A multimodal config's language model (``text_config``; its head tied as the whole model's
-    config says where it says so, finetune.model_source ``text_config``), else the config itself."""
+    config says where it says so, finetune.model.source ``text_config``), else the config itself."""
     if "hidden_size" not in hf and isinstance(hf.get("text_config"), dict):
         return text_config(hf)
     return hf
@@ -313,7 +313,7 @@ UNDESCRIBED_WEIGHTS = "model.weights_not_in_layout"  # the top-level entry carry
 def reconcile(desc: ModelDesc, found: tuple[int, str] | None) -> ModelDesc:
     """A family priced as a Llama-style decoder, held against what its checkpoint holds (``found``:
     the elements of its safetensors files' tensors and where they were read,
-    ``finetune.model_source.checkpoint_elements``). Weights the layout leaves out (per-layer
+    ``finetune.model.source.checkpoint_elements``). Weights the layout leaves out (per-layer
     embeddings, a hybrid's linear-attention projections, extra norms) are priced as one more
     top-level weight of the load dtype, so the plan's weights, and under full fine-tuning its
     gradients and optimizer state, are the checkpoint's own; a layout that lists more than the

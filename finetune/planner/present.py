@@ -6,8 +6,8 @@ from typing import Any
 
 from finetune.io import atomic_write_json
 from finetune.planner.fit import plan
-from finetune.plandata import data_lengths
-from finetune.planspec import GIB
+from finetune.data.lengths import data_lengths
+from finetune.model.inventory import GIB
 from finetune.records import PLAN_KEYS, RANK_KEYS, WEIGHT_KEYS, Census, Plan, Sample
 from finetune.spec import RunSpec
 from finetune.backends import capabilities, memory_model
@@ -319,7 +319,7 @@ def run_plan(spec: RunSpec) -> Plan:
     """mode=plan: compute the plan, write ``paths.run_dir/plan.json`` atomically (temp file +
     rename), print the table, return the plan.
 
-    Where the data can be read as the run reads it (finetune.plandata), the plan prices the
+    Where the data can be read as the run reads it (finetune.data.lengths), the plan prices the
     widest micro-batch the run will really see, with the samples' length distribution and the
     ``train.seq_len`` plan as the upper bound in ``data``; else it plans ``train.seq_len`` and
     a note says why the data was not read."""

@@ -22,22 +22,22 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 
-from finetune import checkpoints
+from finetune.run import files as checkpoints
 from finetune.backends import OutOfMemory, resolve_backend_name
 from finetune.backends.base import Batch, Comm, pack, pack_figures
 from finetune.backends.runtimes import get_backend
-from finetune.checkpointing import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
+from finetune.run.checkpoint import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
 from finetune.data.batches import rank_slice
 from finetune.errors import UserError
-from finetune.faults import Faults, StopOnSignal
+from finetune.run.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors
 from finetune.redact import redact_tree
-from finetune.runlog import RankRunLog, RunLog, RunLogWriteError
+from finetune.run.log import RankRunLog, RunLog, RunLogWriteError
 from finetune import data as data_mod, planner, prompting
 from finetune.accounting import Accountant, ranks
-from finetune.governor import Governor
-from finetune.model_source import check_weights, resolve_model_dir
-from finetune.planner.model import locate_model
+from finetune.run.governor import Governor
+from finetune.model.source import check_weights, resolve_model_dir
+from finetune.planner.setup import locate_model
 from finetune.records import Plan, Sample
 from finetune.spec import RunSpec, World
 from finetune.units import fmt_bytes
@@ -93,8 +93,8 @@ def done_line(summary: Mapping[str, Any]) -> str:
 
 class Trainer:
     """Owns one run: its collaborators (setup), the step loop and the run's end. Checkpoints go
-    through a Checkpointer (finetune/checkpointing.py), the run dir's files through
-    finetune/checkpoints.py, signals and test-only faults through finetune/faults.py."""
+    through a Checkpointer (finetune/run/checkpoint.py), the run dir's files through
+    finetune/run/files.py, signals and test-only faults through finetune/run/faults.py."""
 
     def __init__(self, spec: RunSpec):
         self.spec = spec  # resolved and checked (finetune.resolver) before anything is written; joined in connect()
@@ -193,11 +193,15 @@ class Trainer:
         # run left in reference cycles are collected now, not in the middle of this one.
         gc.collect()
         self.backend.reset_peak()
-        self.info = self.backend.setup(self.spec, self.model_dir)
-        if self.governor.grad_checkpointing and not self.spec.train.grad_checkpointing:
-            self.backend.set_grad_checkpointing(True)
+        # the backend is built as the governor's state says (checkpointing it turned on to fit
+        # the budget included), never flipped once built
+        state = self.governor.state
+        built = replace(self.spec, train=replace(self.spec.train, grad_checkpointing=state.grad_checkpointing))
+        self.info = self.backend.setup(built, self.model_dir)
         self.governor.attach(self.backend)
-        self.governor.apply_loss_chunk()  # a chunked loss the plan chose to fit the budget
+        # a chunked loss the plan chose to fit the budget: a lever on the built model, whose
+        # output head must be checked first (where it cannot chunk, the run goes on whole)
+        self.governor.apply_loss_chunk()
         mem = self.spec.memory
         self.acct = Accountant(self.backend, sample_every=mem.sample_every, rank=self.comm.rank,
                                phase_every=mem.phase_every)

@@ -22,7 +22,7 @@ from finetune.budget import parse_budget
 from finetune.errors import UserError
 from finetune.planner import fit  # fit.LOSS_CHUNK_LEVER read at each use (tests set it)
 from finetune.spec import RunSpec
-from finetune.state import RunState
+from finetune.run.state import RunState
 
 log = logging.getLogger("finetune")
 

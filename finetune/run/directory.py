@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from finetune import checkpoints
+from finetune.run import files as checkpoints
 from finetune.config import config_error_line
 from finetune.errors import UserError, refuse
 

@@ -1,6 +1,6 @@
 """Checkpoint discovery and the run dir's files, in one place, without a model: where a run's
 checkpoints live, which is the latest, which to prune; making, claiming and cleaning a run dir.
-The checkpointer (finetune/checkpointing.py) saves and resumes through these; the CLI and the
+The checkpointer (finetune/run/checkpoint.py) saves and resumes through these; the CLI and the
 supervisor read them before anything loads.
 
 A checkpoint is ``<run_dir>/checkpoints/step_<7 digits>/`` holding ``backend/`` and

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from finetune.checkpoints import latest_state
-from finetune.governor import smaller_divisor
-from finetune.runlog import append_event
+from finetune.run.files import latest_state
+from finetune.run.governor import smaller_divisor
+from finetune.run.log import append_event
 
 MAX_RESTARTS = 3
 ABORT = 134  # 128 + SIGABRT, as a shell reports an abort

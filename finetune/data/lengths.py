@@ -23,7 +23,7 @@ import numpy as np
 
 from finetune import data as data_mod
 from finetune.backends.base import padded_length
-from finetune.model_source import TOKENIZER_FILES, local_model_dir
+from finetune.model.source import TOKENIZER_FILES, local_model_dir
 from finetune.spec import RunSpec
 
 
@@ -62,7 +62,7 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
     Raises:
         UserError: the data itself cannot be read (the run would stop the same way).
     """
-    model_dir = local_model_dir(spec.model, seed=0)  # the run's own (finetune.loop: resolve_model_dir(seed=0))
+    model_dir = local_model_dir(spec.model, seed=0)  # the run's own (finetune.run.loop: resolve_model_dir(seed=0))
     if not isinstance(model_dir, Path):
         return None, model_dir
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):

@@ -1,6 +1,6 @@
 """Saving and resuming one run's checkpoints, on one rank or several.
 
-``finetune.checkpoints`` finds checkpoints and owns the run dir's files without a model (the
+``finetune.run.files`` finds checkpoints and owns the run dir's files without a model (the
 CLI and the supervisor read it before anything loads); this module writes and reads them with
 the run's collaborators: the backend's state, the governor's levers, the ranks' agreement on
 whether a save worked, and the identity a resume must share with the run that saved.
@@ -20,15 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from finetune import checkpoints
+from finetune.run import files as checkpoints
 from finetune.backends.base import Comm
 from finetune.errors import UserError
-from finetune.faults import Faults
+from finetune.run.faults import Faults
 from finetune.io import atomic_dir, atomic_write_json, disk_errors, finalize_dir
-from finetune.runlog import RunLogWriteError
+from finetune.run.log import RunLogWriteError
 from finetune.io import fsync_tree
-from finetune.planner.describe import lora_keys
-from finetune.planner.model import model_handle
+from finetune.model.describe import lora_keys
+from finetune.planner.setup import model_handle
 from finetune.spec import DataSpec, RunSpec
 
 log = logging.getLogger("finetune")

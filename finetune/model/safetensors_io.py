@@ -4,7 +4,7 @@ dtypes, and whole files of tensors read and written with numpy (no torch, no mlx
 The format (safetensors/src/tensor.rs): an 8-byte little-endian header length, a JSON header
 ``{name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}``, then the raw
 little-endian tensor bytes, each tensor's ``data_offsets`` counted from the end of the header.
-The model's checks (finetune/model_source.py: a damaged download, the checkpoint's element
+The model's checks (finetune/model/source.py: a damaged download, the checkpoint's element
 count), finetune-export (adapters read and written, a base's shapes) and the secret scan of
 an export (finetune/redact.py) all read it here.
 """

@@ -286,7 +286,7 @@ def _quiet_close(lg: Any, status: str) -> None:
 class RankRunLog(RunLog):
     """The run log of a rank other than 0 in a run of several processes: rank 0 writes
     metrics.jsonl, the progress bar and the loggers for all of them, so this one keeps
-    nothing (every rank's memory reaches rank 0 at the end of the run, see finetune/loop.py)."""
+    nothing (every rank's memory reaches rank 0 at the end of the run, see finetune/run/loop.py)."""
 
     def __init__(self, run_dir: str | Path):
         super().__init__(run_dir, None, None)

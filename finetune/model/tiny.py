@@ -53,7 +53,7 @@ _COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_v
 def preset_config(name: str) -> tuple[tuple[str, Any], ...] | None:
     """The ``config:`` block of preset ``name`` (conf/model/NAME.yaml) as the YAML states it,
     interpolations resolved, as (key, value) pairs; None where the preset has none. The tiny
-    model is built from its own; ``finetune.model_source`` tells a user's facts from a preset's."""
+    model is built from its own; ``finetune.model.source`` tells a user's facts from a preset's."""
     from importlib import resources
 
     from omegaconf import DictConfig, OmegaConf

@@ -1,6 +1,6 @@
 """What the planner prices and a backend's memory model reads: the resolved setup of a run
 (``Setup``) and one parameter as the backend would hold it (``Tensor``). Low in the house, beside
-the model description (``finetune.modeldesc``), so the memory models
+the model description (``finetune.model.types``), so the memory models
 (``finetune/backends/<name>/memory.py``) read these without importing the planner that prices
 with them. The run's settings come in as a ``finetune.spec.RunSpec``: no config node is read here.
 """
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.modeldesc import ModelDesc, first_stage
+from finetune.model.types import ModelDesc, first_stage
 
 GIB = 2**30
 MIB = 2**20

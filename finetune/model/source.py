@@ -7,10 +7,11 @@ import logging
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
-from finetune import quiet, safetensors_io
+from finetune import quiet
+from finetune.model import safetensors_io
 from finetune.errors import UserError
 from finetune.spec import ModelSpec
-from finetune.tiny import build_tiny, preset_config, tiny_config, tiny_dir
+from finetune.model.tiny import build_tiny, preset_config, tiny_config, tiny_dir
 
 # What training needs from a hub repository; skips other formats (pytorch_model.bin twins,
 # gguf, onnx) that would multiply the download.
@@ -101,7 +102,7 @@ def local_model_dir(model: ModelSpec, *, seed: int, hub_cache: bool = True) -> P
 # vision tower, ``text_config`` in config.json) keeps its language model's weights, in the names
 # transformers saves (the hub's; ``model.language_model.`` as some versions save) -> the names of
 # the text-only class its ``text_config`` builds. Only the language model is loaded and trained:
-# the vision tower is never read (what the plan prices, finetune/planner/describe.py ``_text``).
+# the vision tower is never read (what the plan prices, finetune/model/describe.py ``_text``).
 TEXT_KEY_MAPPING = {r"^(?:model\.)?language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
                     r"^(?:model\.)?language_model\.lm_head\.": "lm_head."}
 

@@ -1,5 +1,5 @@
 """The model description's types: every weight of a checkpoint with its shape, kind and stage
-(``ModelDesc``, ``Block``, ``Linear``). ``finetune.planner.describe`` builds one from a
+(``ModelDesc``, ``Block``, ``Linear``). ``finetune.model.describe`` builds one from a
 checkpoint's ``config.json``; the planner, both runtimes, both memory models and the config checks
 read it. It sits low in the house (it imports nothing of the project's) so a backend's memory model
 can read it without importing the planner that prices with that memory model.
@@ -163,7 +163,7 @@ class ModelDesc:
 
 @dataclass(frozen=True)
 class ModelHandle:
-    """The model of one run, described once (``finetune.planner.model.describe_model``) and
+    """The model of one run, described once (``finetune.planner.setup.describe_model``) and
     handed to the planner, the governor, both runtimes, the checkpointer and calibration on the
     run spec (``RunSpec.model_handle``): nobody reads config.json again.
 
@@ -179,7 +179,7 @@ class ModelHandle:
     stored_dtype: tuple[str, str]  # the dtype the checkpoint stores, and where that was read
     quantization: dict[str, Any] | None  # an MLX pre-quantized checkpoint's block, or None
     # the checkpoint's tensors (their elements, and where read) where its safetensors headers
-    # were read: only for a family not described exactly (finetune.planner.describe.reconcile)
+    # were read: only for a family not described exactly (finetune.model.describe.reconcile)
     elements: tuple[int, str] | None = None
     # model.config facts set over a hub checkpoint's config.json: the plan is a what-if, and a
     # run (which trains the checkpoint as it is) refuses it
