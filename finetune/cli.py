@@ -85,7 +85,7 @@ def sweep_job(cfg: Any, tree: Any = None) -> sweep.Job:
     """What the sweep reads of a multirun job's composed config (finetune.sweep.run_job);
     ``tree``: the config as a container, where the caller has it already."""
     tree = OmegaConf.to_container(cfg, resolve=False) if tree is None else tree
-    return sweep.Job(run_dir=Path(str(cfg.run_dir)), mode=str(cfg.mode), objective=cfg.objective,
+    return sweep.Job(run_dir=Path(str(cfg.run_dir)), mode=str(cfg.mode), objective=cfg.search_objective,
                      isolate_jobs=bool(cfg.isolate_jobs), fail_fast=bool(cfg.fail_fast),
                      tree={str(k): v for k, v in tree.items()} if isinstance(tree, dict) else {}, spec=lambda: resolve(cfg), run=lambda: run(cfg))
 

@@ -218,6 +218,8 @@ MOVED_KEYS = {f"model.{old}": f"model.config.{new}" for old, new in (
     ("intermediate_size", "intermediate_size"), ("vocab_size", "vocab_size"),
     ("tie_embeddings", "tie_word_embeddings"), ("attn_bias", "attention_bias"), ("mlp_bias", "mlp_bias"),
     ("max_position", "max_position_embeddings"), ("rope_theta", "rope_theta"), ("rms_norm_eps", "rms_norm_eps"))}
+# the sweep's top-level key of old: `objective` now names the training objective's group (sft, dpo, ...)
+MOVED_KEYS["objective"] = "search_objective"
 
 def range_text(dotted: str) -> str | None:
     """The valid values of numeric key ``dotted`` as a user reads them (">= 1", "in [0, 1)"),

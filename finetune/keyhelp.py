@@ -122,7 +122,7 @@ def options(path: str) -> tuple[str, ...]:
     group = path.removesuffix(".name")
     if path.endswith(".name") and group in GROUPS and group != "model":  # a model's name is any name
         return tuple(group_options(group))
-    if path == "objective":
+    if path == "search_objective":
         return (*OBJECTIVES, "null")
     if k is not None and _bool_type(k.type):
         return ("true", "false")

@@ -324,8 +324,8 @@ class SweepSpec:
     fail_fast: bool = key(False, "multirun: stop the sweep at the first failed job; false: record it (failed.json) "
                           "and go on")
     # a job whose plan exceeds memory.budget is pruned before loading anything
-    objective: str | None = key(None, "multirun with Optuna: what a job returns (maximized or minimized); null: "
-                                "its summary")
+    search_objective: str | None = key(None, "multirun with Optuna: what a job returns (maximized or minimized); null: "
+                                       "its summary")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ process: ``python -m finetune <the job's overrides> hydra.run.dir=<the job's dir
 submitit started (its own process already) is not nested again; ``isolate_jobs=false`` runs
 jobs in-process (faster, peaks not comparable).
 
-Pruning: with ``objective`` set (an Optuna search), a job whose plan does not fit
+Pruning: with ``search_objective`` set (an Optuna search), a job whose plan does not fit
 ``memory.budget`` is not run at all: it writes ``pruned.json`` (the planned peak, the budget)
 and returns the worst objective value, so the sweeper never picks it and no weight is loaded.
 

@@ -67,7 +67,7 @@ def test_values_shown_are_the_resolvers_tables() -> None:
     assert set(keyhelp.options("optim.name")) >= {"adamw", "adamw_8bit", "sgd"}
     assert all(keyhelp.options(p) for p in BACKEND_KEYS)
     assert keyhelp.options("train.packing") == ("true", "false")
-    assert keyhelp.options("objective")[-1] == "null" and keyhelp.options("model.path") == ()
+    assert keyhelp.options("search_objective")[-1] == "null" and keyhelp.options("model.path") == ()
 
 
 def _help(*overrides: str) -> str:

@@ -60,8 +60,8 @@ def test_defaults_are_the_schemas(tmp_path: Path) -> None:
     assert dataclasses.asdict(lora) == {k: _plain(v) for k, v in dataclasses.asdict(m.lora).items()}
     assert (spec.method.name, spec.method.quant.bits, spec.method.quant.type, spec.method.quant.group_size,
             spec.method.quant.double_quant) == (m.name, m.quant_bits, m.quant_type, m.quant_group_size, m.double_quant)
-    assert (spec.sweep.isolate_jobs, spec.sweep.fail_fast, spec.sweep.objective) == (
-        want.isolate_jobs, want.fail_fast, want.objective)
+    assert (spec.sweep.isolate_jobs, spec.sweep.fail_fast, spec.sweep.search_objective) == (
+        want.isolate_jobs, want.fail_fast, want.search_objective)
     assert spec.paths.run_dir == tmp_path and spec.loggers == {} and spec.extra == {}
     assert spec.world == World(0, 1, None, None)
 
