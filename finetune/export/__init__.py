@@ -3,6 +3,9 @@
     finetune-export --to peft SRC DST      # mlx-lm adapter (or a backend=mlx run) -> PEFT
     finetune-export --to mlx SRC DST       # PEFT adapter (or a backend=cuda run) -> mlx-lm
     finetune-export --merge SRC DST        # adapter + base -> one HF-format model directory
+    finetune-export --to gguf SRC DST.gguf [--quant f16|bf16|q8_0|q4_0]
+                                           # adapter + base, or a merged model -> one GGUF file for
+                                           # llama.cpp / Ollama, and DST.Modelfile beside it
 
 SRC is an adapter directory in either format (ours or the peers' own: mlx-lm's
 ``adapters.safetensors`` + ``adapter_config.json``, PEFT's ``adapter_config.json`` +
@@ -41,7 +44,9 @@ directory (finetune/redact.py) and checked before it is renamed into place.
 
 The package, one job a module: ``adapters`` reads an adapter in either format, ``basemodel``
 reads its base and checks the adapter against it, ``conversion`` writes the other format
-(``--to``), ``merging`` fuses it into its base (``--merge``); this module is the command line.
+(``--to``), ``merging`` fuses it into its base (``--merge``), ``gguf_file`` writes a merged model
+as GGUF (``--to gguf``) and ``modelfile`` the Ollama Modelfile beside it; this module is the
+command line.
 """
 
 from __future__ import annotations
@@ -51,9 +56,10 @@ import sys
 
 from finetune.errors import UserError
 from finetune.export.conversion import WRITERS, convert
+from finetune.export.gguf_file import QUANTS, export_gguf
 from finetune.export.merging import merge
 
-__all__ = ["convert", "main", "merge"]
+__all__ = ["convert", "export_gguf", "main", "merge"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,14 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         "its base.", epilog="e.g. finetune-export --to peft outputs/RUN peft-adapter/;  "
         "finetune-export --merge outputs/RUN merged/")
     how = ap.add_mutually_exclusive_group(required=True)
-    how.add_argument("--to", choices=sorted(WRITERS), help="write the adapter in this format")
+    how.add_argument("--to", choices=[*sorted(WRITERS), "gguf"],
+                     help="write the adapter in this format; gguf: the model (adapter merged into its base, or a "
+                     "merged model directory) as one .gguf file with an Ollama Modelfile beside it")
     how.add_argument("--merge", action="store_true", help="fuse the adapter into its base: an HF model directory")
     ap.add_argument("src", help="adapter directory (PEFT or mlx-lm) or a finetune run directory")
-    ap.add_argument("dst", help="output directory (written whole or not at all)")
+    ap.add_argument("dst", help="output directory, or with --to gguf a .gguf file (written whole or not at all)")
     ap.add_argument("--base", default=None, help="base model directory or hub id (default: the adapter's own config)")
     ap.add_argument("--dequantize", action="store_true",
                     help="--merge onto an MLX-quantized base: write it dequantized (in the dtype of its "
                     "scales, usually 16-bit), which costs disk; without it the cost is printed")
+    ap.add_argument("--quant", choices=QUANTS, default="f16",
+                    help="--to gguf: the weights' type (default f16; norms and biases stay f32 as llama.cpp keeps them)")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="--merge: let the base's own Python code run (custom architectures); only for a source you "
@@ -83,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.merge:
             out = merge(a.src, a.dst, base=a.base, dequantize=a.dequantize, overwrite=a.overwrite,
                         trust_remote_code=a.trust_remote_code, allow_pickle=a.allow_pickle)
+        elif a.to == "gguf":
+            out = export_gguf(a.src, a.dst, quant=a.quant, base=a.base, dequantize=a.dequantize,
+                              overwrite=a.overwrite, trust_remote_code=a.trust_remote_code,
+                              allow_pickle=a.allow_pickle)
         else:
             out = convert(a.src, a.dst, a.to, base=a.base, overwrite=a.overwrite, allow_pickle=a.allow_pickle)
     except UserError as e:

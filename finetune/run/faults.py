@@ -33,6 +33,7 @@ class Faults:
         write: FINETUNE_FAULT_WRITE=NAME[,NAME...].
         pause_after: FINETUNE_FAULT_PAUSE_AFTER=STEP:FILE, (STEP, FILE) or None.
         leak_bytes: FINETUNE_FAULT_LEAK_BYTES=N (0: none).
+        export_pause: FINETUNE_FAULT_EXPORT_PAUSE=FILE, or None (finetune-export --to gguf).
     """
 
     abort: tuple[int, int] | None = None
@@ -41,6 +42,7 @@ class Faults:
     write: frozenset[str] = frozenset()
     pause_after: tuple[int, str] | None = None
     leak_bytes: int = 0
+    export_pause: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Faults:
@@ -53,7 +55,8 @@ class Faults:
                    save_pause=env.get("FINETUNE_FAULT_SAVE_PAUSE") or None,
                    write=frozenset((env.get("FINETUNE_FAULT_WRITE") or "").split(",")) - {""},
                    pause_after=(int(at), marker) if pause else None,
-                   leak_bytes=int(env.get("FINETUNE_FAULT_LEAK_BYTES") or 0))
+                   leak_bytes=int(env.get("FINETUNE_FAULT_LEAK_BYTES") or 0),
+                   export_pause=env.get("FINETUNE_FAULT_EXPORT_PAUSE") or None)
 
     def abort_at(self, step: int, micro: int) -> None:
         """Stand-in for an allocation failure that kills the process (MLX on Metal aborts;
@@ -93,6 +96,18 @@ class Faults:
             return
         marker = Path(self.pause_after[1])
         marker.write_text(str(step))
+        deadline = time.monotonic() + 120
+        while marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def pause_in_export(self) -> None:
+        """With ``export_pause``: once a GGUF export has passed its disk check and written its
+        header (its tensors not yet), create FILE and wait until the test deletes it (at most
+        120 s), so the test can fill the disk in the middle of the write."""
+        if self.export_pause is None:
+            return
+        marker = Path(self.export_pause)
+        marker.write_text("header written")
         deadline = time.monotonic() + 120
         while marker.exists() and time.monotonic() < deadline:
             time.sleep(0.01)

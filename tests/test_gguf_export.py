@@ -1,0 +1,265 @@
+"""finetune-export --to gguf (issue 35): a tiny Qwen2 (tied head, q/k/v biases) and a tiny Llama
+(untied head, q/k rows permuted for llama.cpp), each trained on both backends, exported to GGUF
+and loaded by a reader that is not ours: transformers' ``from_pretrained(..., gguf_file=...)``,
+which dequantizes through ``gguf``. Its logits are held to the merged model's, its tokenizer
+(read back from the GGUF's metadata) to the model's own ids for a chat-formatted sample; what
+cannot be exported is refused in one line, and a disk that fills in the middle of the write
+leaves no file.
+
+f16 is what llama.cpp's convert_hf_to_gguf.py writes: norms and biases F32, every other weight
+rounded to f16 (numpy's round-to-nearest, as convert does). The GGUF's logits equal those of the
+merged model with exactly that rounding (measured: 0.0 on all four runs), so the layout, the
+permutation and the metadata are exact; the rounding itself moves the fp32 tiny models' logits
+(Qwen2, whose weights are at a trained network's scale: ~2e-3; Llama at transformers' 0.02 init:
+less), and that gap is all rounding: the f32 GGUF equals the fp32 merge.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import HAS_MLX, HAS_TORCH, make_cfg
+
+from finetune.resolver import resolve
+
+pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
+gguf = pytest.importorskip("gguf")
+
+IDS = [3, 17, 45, 101, 7, 250, 12, 9, 300, 64, 5, 33]
+EXACT = 1e-5  # max abs logit difference where the weights are the same numbers (fp32 arithmetic only)
+# q8_0 against the fp32 merge: measured 0.0067-0.064 over the four runs (Llama 0.007-0.008, Qwen2,
+# whose weights are at a trained network's scale, 0.055-0.064); each 32-weight block keeps ~8 bits
+Q8_TOL = 0.1
+EFFECT = 1e-2  # the trained adapter moves the logits by at least this: the GGUF carries it
+FAST = ("train.steps=3", "train.warmup_steps=0", "train.eval_every=0", "train.progress=false",
+        "data.num_samples=64", "optim.lr=1e-2", "precision=32-true")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 plus 7?"},
+        {"role": "assistant", "content": "19"}]
+
+
+def tiny_llama() -> Path:
+    """A tiny Llama with plain RoPE (transformers' GGUF reader reads no RoPE scaling for llama;
+    tests/families.py's llama has Llama-3's), untied head, fp32; built once."""
+    from families import COMMON, _build_once
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **{**COMMON, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}})
+    return _build_once("llama-gguf-v1-s0", lambda: AutoModelForCausalLM.from_config(config), 0)
+
+
+def base_of(family: str) -> Path:
+    if family == "llama":
+        return tiny_llama()
+    from finetune.model.source import resolve_model_dir
+
+    return resolve_model_dir(make_cfg(Path("/nonexistent-run"), "model=tiny").model)
+
+
+_RUNS: dict[tuple[str, str], Path] = {}
+
+
+def trained(root: Path, family: str, backend: str) -> Path:
+    """A run dir of ``family`` trained 3 steps on ``backend`` (default LoRA keys), once per session."""
+    if (family, backend) not in _RUNS:
+        from finetune.run.loop import train
+
+        run = root / f"{family}-{backend}"
+        extra = (f"model.path={tiny_llama()}",) if family == "llama" else ()
+        train(resolve(make_cfg(run, f"backend={backend}", *FAST, *extra)))
+        _RUNS[(family, backend)] = run
+    return _RUNS[(family, backend)]
+
+
+@pytest.fixture(scope="session")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "gguf-runs"
+
+
+def logits(model_dir: Path, gguf_file: str | None = None, round_f16: bool = False) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), gguf_file=gguf_file, dtype=torch.float32).eval()
+    with torch.no_grad():
+        if round_f16:  # the merged model with its weights as convert_hf_to_gguf.py's f16 stores them
+            for p in model.parameters():
+                if p.ndim >= 2:
+                    p.copy_(p.half().float())
+        return model(torch.tensor([IDS])).logits[0].numpy()
+
+
+# ---- the GGUF in transformers: logits and tokenizer ------------------------------------------
+@pytest.mark.parametrize("family,backend", [("qwen2", "cuda"), ("qwen2", "mlx"), ("llama", "cuda"),
+                                            ("llama", "mlx")])
+def test_gguf_loads_in_transformers_with_the_merged_models_logits(family, backend, root, tmp_path):
+    from finetune.export import export_gguf, merge
+
+    run = trained(root, family, backend)
+    merged = merge(run, tmp_path / "merged")
+    want, rounded = logits(merged), logits(merged, round_f16=True)
+    effect = np.abs(want - logits(base_of(family))).max()
+    export_gguf(run, tmp_path / "m-f16.gguf", "f16")  # from the adapter: merged inside, as the CLI does
+    export_gguf(merged, tmp_path / "m-q8_0.gguf", "q8_0")  # from the merged checkpoint
+    f16, q8 = logits(tmp_path, "m-f16.gguf"), logits(tmp_path, "m-q8_0.gguf")
+    d_exact, d_f16, d_round = np.abs(f16 - rounded).max(), np.abs(f16 - want).max(), np.abs(rounded - want).max()
+    d_q8 = np.abs(q8 - want).max()
+    print(f"{family} {backend}: f16 GGUF vs merge with f16-rounded weights {d_exact:.3g}, vs fp32 merge {d_f16:.3g} "
+          f"(the rounding alone: {d_round:.3g}); q8_0 vs fp32 merge {d_q8:.3g}; adapter effect {effect:.3g}")
+    assert effect > EFFECT, effect
+    assert d_exact <= EXACT and abs(d_f16 - d_round) <= EXACT, (d_exact, d_f16, d_round)
+    assert d_q8 <= Q8_TOL, d_q8
+
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(str(merged))
+    back = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m-f16.gguf")
+    text = own.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert back.chat_template == own.chat_template
+    assert back(text)["input_ids"] == own(text)["input_ids"], text
+    assert back.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True) == own.apply_chat_template(
+        CHAT, tokenize=True, add_generation_prompt=True)
+
+    mf = (tmp_path / "m-f16.Modelfile").read_text()
+    assert "FROM ./m-f16.gguf\n" in mf and "<|im_start|>{{ .Role }}" in mf, mf
+    assert [ln for ln in mf.splitlines() if ln.startswith("PARAMETER stop")] == [
+        'PARAMETER stop "<|im_start|>"', 'PARAMETER stop "<|im_end|>"', 'PARAMETER stop "<|endoftext|>"']
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporaries left
+
+
+def test_f32_gguf_equals_the_fp32_merge(root, tmp_path):
+    """--quant f32 (convert_hf_to_gguf.py --outtype f32) stores the weights as they are: the
+    logits are the fp32 merge's, so the f16 gap above is f16's rounding and nothing else."""
+    from finetune.export import export_gguf, merge
+
+    run = trained(root, "qwen2", "cuda")
+    merged = merge(run, tmp_path / "merged")
+    export_gguf(merged, tmp_path / "m.gguf", "f32")
+    d = np.abs(logits(tmp_path, "m.gguf") - logits(merged)).max()
+    print(f"f32 GGUF vs fp32 merge: {d:.3g}")
+    assert d <= EXACT, d
+
+
+def test_chat_templates_become_ollamas_go_templates():
+    """ChatML and Llama-3 templates (rendered by transformers for a probe conversation) map to
+    Ollama's Go templates; a default system prompt becomes SYSTEM; anything else gets no TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    from finetune.export.modelfile import template_shape
+
+    tok = AutoTokenizer.from_pretrained(str(base_of("qwen2")))
+    assert template_shape(tok) == ("chatml", None)
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                         "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                         "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    assert template_shape(tok) == ("llama3", None)
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
+                         "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert template_shape(tok) == ("chatml", "You are helpful.")
+    tok.chat_template = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert template_shape(tok) == (None, None)
+
+
+# ---- refusals, and a full disk -------------------------------------------------------------
+def _one_line_refusal(capsys, argv: list[str], words: str) -> None:
+    from finetune import export
+
+    capsys.readouterr()
+    assert export.main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and words in err and "Traceback" not in err, err
+
+
+def test_what_gguf_cannot_say_is_refused_in_one_line(root, tmp_path, capsys):
+    from families import build_family
+
+    from finetune.model.safetensors_io import Tensor, read_safetensors, write_safetensors
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # a family gguf's map does not name as transformers names it (fused qkv_proj / gate_up_proj)
+    _one_line_refusal(capsys, ["--to", "gguf", str(build_family("phi3")), str(out / "p.gguf")], "family 'phi3'")
+    # an adapter on the experts of an MoE (PEFT's target_parameters on stacked experts), and an
+    # mlx-lm switch (per-expert) LoRA: the real adapters' layouts, as the trainers write them
+    peft_dir = tmp_path / "peft-experts"
+    peft_dir.mkdir()
+    (peft_dir / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": [], '
+        '"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}')
+    write_safetensors(peft_dir / "adapter_model.safetensors", {
+        "base_model.model.model.layers.0.mlp.experts.lora_A.weight": Tensor("F32", np.zeros((16, 64), np.float32))})
+    _one_line_refusal(capsys, ["--to", "gguf", str(peft_dir), str(out / "e.gguf"), "--base",
+                               str(build_family("mixtral"))], "experts")
+    mlx_dir = tmp_path / "mlx-experts"
+    mlx_dir.mkdir()
+    run = trained(root, "qwen2", "mlx")
+    (mlx_dir / "adapter_config.json").write_text((run / "adapter" / "adapter_config.json").read_text())
+    tensors, meta = read_safetensors(run / "adapter" / "adapters.safetensors")
+    write_safetensors(mlx_dir / "adapters.safetensors", {
+        "model.layers.1.mlp.switch_mlp.gate_proj.lora_a": Tensor("F32", np.zeros((4, 64, 8), np.float32)),
+        "model.layers.1.mlp.switch_mlp.gate_proj.lora_b": Tensor("F32", np.zeros((4, 8, 32), np.float32)),
+        **tensors}, meta)
+    _one_line_refusal(capsys, ["--to", "gguf", str(mlx_dir), str(out / "m.gguf")], "experts")
+    # not a .gguf name, an existing file, a quantized base without --dequantize
+    _one_line_refusal(capsys, ["--to", "gguf", str(run), str(out / "x.bin")], "must be a file name ending in .gguf")
+    (out / "taken.gguf").write_text("")
+    _one_line_refusal(capsys, ["--to", "gguf", str(run), str(out / "taken.gguf")], "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == ["taken.gguf"]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MiB tmpfs (a real filesystem that fills) at tmp_path/mnt; unmounted after the test."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=False,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here ({r.stderr.strip()[-200:]})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+
+
+def _fill(mnt: Path) -> None:
+    with open(mnt / "filler", "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\1" * size)
+            except OSError:
+                pass
+
+
+def test_a_full_disk_leaves_no_file(small_fs, tmp_path, capsys, monkeypatch):
+    """The disk fills after the export's disk check passed and its header is written (a test-only
+    pause, FINETUNE_FAULT_EXPORT_PAUSE): the tensors' writes meet a real ENOSPC, the command
+    fails in one line and leaves nothing; on the full disk the check refuses before writing."""
+    base, marker = base_of("qwen2"), tmp_path / "paused"
+    monkeypatch.setenv("FINETUNE_FAULT_EXPORT_PAUSE", str(marker))
+
+    def fill_when_paused() -> None:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _fill(small_fs)
+        marker.unlink()
+
+    filler = threading.Thread(target=fill_when_paused, daemon=True)
+    filler.start()
+    _one_line_refusal(capsys, ["--to", "gguf", str(base), str(small_fs / "m.gguf")], "No space left on device")
+    filler.join()
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+    monkeypatch.delenv("FINETUNE_FAULT_EXPORT_PAUSE")
+    _one_line_refusal(capsys, ["--to", "gguf", str(base), str(small_fs / "m.gguf")], "free on")
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
