@@ -180,33 +180,30 @@ def _one_line_refusal(capsys, argv: list[str], words: str) -> None:
 def test_what_gguf_cannot_say_is_refused_in_one_line(root, tmp_path, capsys):
     from families import build_family
 
-    from finetune.model.safetensors_io import Tensor, read_safetensors, write_safetensors
-
     out = tmp_path / "out"
     out.mkdir()
     # a family gguf's map does not name as transformers names it (fused qkv_proj / gate_up_proj)
     _one_line_refusal(capsys, ["--to", "gguf", str(build_family("phi3")), str(out / "p.gguf")], "family 'phi3'")
-    # an adapter on the experts of an MoE (PEFT's target_parameters on stacked experts), and an
-    # mlx-lm switch (per-expert) LoRA: the real adapters' layouts, as the trainers write them
+    # an adapter on the experts of an MoE: mlx-lm's switch LoRA, trained (1 step) on tiny Mixtral;
+    # PEFT's target_parameters on the stacked experts, as backend=cuda writes its config
+    # (training Mixtral's experts on cuda takes ~50 s on two shared cores: the config alone here)
+    from finetune.run.loop import train
+
+    moe = root / "mixtral-mlx-experts"
+    if not (moe / "adapter").is_dir():
+        train(resolve(make_cfg(moe, f"model.path={build_family('mixtral')}", "backend=mlx", "method.lora.keys=experts",
+                               "train.steps=1", "train.warmup_steps=0", "train.eval_every=0", "train.progress=false",
+                               "data.num_samples=24", "train.batch_size=2", "train.grad_accum=1",
+                               "train.seq_len=32", "precision=32-true")))
+    _one_line_refusal(capsys, ["--to", "gguf", str(moe), str(out / "m.gguf")], "experts of a mixture-of-experts")
     peft_dir = tmp_path / "peft-experts"
     peft_dir.mkdir()
     (peft_dir / "adapter_config.json").write_text(
         '{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": [], '
-        '"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}')
-    write_safetensors(peft_dir / "adapter_model.safetensors", {
-        "base_model.model.model.layers.0.mlp.experts.lora_A.weight": Tensor("F32", np.zeros((16, 64), np.float32))})
-    _one_line_refusal(capsys, ["--to", "gguf", str(peft_dir), str(out / "e.gguf"), "--base",
-                               str(build_family("mixtral"))], "experts")
-    mlx_dir = tmp_path / "mlx-experts"
-    mlx_dir.mkdir()
+        f'"base_model_name_or_path": "{build_family("mixtral")}", '
+        '"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]}')
+    _one_line_refusal(capsys, ["--to", "gguf", str(peft_dir), str(out / "e.gguf")], "experts of a mixture-of-experts")
     run = trained(root, "qwen2", "mlx")
-    (mlx_dir / "adapter_config.json").write_text((run / "adapter" / "adapter_config.json").read_text())
-    tensors, meta = read_safetensors(run / "adapter" / "adapters.safetensors")
-    write_safetensors(mlx_dir / "adapters.safetensors", {
-        "model.layers.1.mlp.switch_mlp.gate_proj.lora_a": Tensor("F32", np.zeros((4, 64, 8), np.float32)),
-        "model.layers.1.mlp.switch_mlp.gate_proj.lora_b": Tensor("F32", np.zeros((4, 8, 32), np.float32)),
-        **tensors}, meta)
-    _one_line_refusal(capsys, ["--to", "gguf", str(mlx_dir), str(out / "m.gguf")], "experts")
     # not a .gguf name, an existing file, a quantized base without --dequantize
     _one_line_refusal(capsys, ["--to", "gguf", str(run), str(out / "x.bin")], "must be a file name ending in .gguf")
     (out / "taken.gguf").write_text("")
@@ -263,3 +260,32 @@ def test_a_full_disk_leaves_no_file(small_fs, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("FINETUNE_FAULT_EXPORT_PAUSE")
     _one_line_refusal(capsys, ["--to", "gguf", str(base), str(small_fs / "m.gguf")], "free on")
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
+def test_a_mistral_checkpoint_and_an_mlx_quantized_one(tmp_path, capsys):
+    """Mistral goes out as llama.cpp's llama architecture (q/k permuted) and comes back with its
+    logits; an MLX-quantized model is refused without --dequantize and, with it, dequantized by
+    mlx-lm first: its GGUF gives what mlx-lm gives on the quantized model."""
+    import mlx.core as mx
+    from families import build_family
+    from mlx_lm import convert as mlx_convert
+    from mlx_lm.utils import load
+
+    from finetune.export import export_gguf
+
+    mistral = build_family("mistral")
+    export_gguf(mistral, tmp_path / "m.gguf", "f32")  # (general.name "mistral" exactly sends transformers to a gguf arch that gguf 0.19 lacks)
+    d = np.abs(logits(tmp_path, "m.gguf") - logits(mistral)).max()
+    print(f"mistral f32 GGUF vs the checkpoint: {d:.3g}")
+    assert d <= EXACT, d
+
+    q8 = tmp_path / "q8"
+    mlx_convert(str(base_of("qwen2")), str(q8), quantize=True, q_group_size=64, q_bits=8)
+    _one_line_refusal(capsys, ["--to", "gguf", str(q8), str(tmp_path / "q.gguf")], "--dequantize")
+    assert not (tmp_path / "q.gguf").exists()
+    export_gguf(q8, tmp_path / "q.gguf", "f32", dequantize=True)
+    model, _ = load(str(q8))
+    want = np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+    d = np.abs(logits(tmp_path, "q.gguf") - want).max()
+    print(f"MLX 8-bit model, dequantized to an f32 GGUF, vs mlx-lm on the quantized model: {d:.3g}")
+    assert d <= 1e-4, d  # fp32 arithmetic of two libraries (tests/test_export.py's TOL)

@@ -35,7 +35,13 @@ from typing import Any
 import numpy as np
 
 from finetune.errors import UserError
-from finetune.export.adapters import MLX_CONFIG, read_adapter
+from finetune.export.adapters import (
+    MLX_CONFIG,
+    MLX_WEIGHTS,
+    find_adapter_dir,
+    read_adapter,
+    read_json,
+)
 from finetune.export.basemodel import check_against_base, resolve_base
 from finetune.export.merging import dequantize_cost, merge
 from finetune.export.modelfile import modelfile
@@ -418,9 +424,26 @@ def export_gguf(src: str | Path, dst: str | Path, quant: str = "f16", base: str 
     return dst
 
 
+def refuse_expert_adapter(src: Path) -> None:
+    """UserError, in one line, for an adapter on the experts of a mixture-of-experts model: PEFT's
+    ``target_parameters`` on stacked experts, or mlx-lm's switch LoRA ([experts, r, in] per
+    projection). Read from the config and the safetensors header only, before anything is merged."""
+    d = find_adapter_dir(src)
+    config = read_json(d / MLX_CONFIG)
+    experts = [str(t) for t in config.get("target_parameters") or [] if "experts" in str(t)]
+    weights = d / MLX_WEIGHTS
+    if not experts and "peft_type" not in config and weights.is_file():
+        experts = [k for k, v in tensors_of(header(weights)[0]).items() if len(v.get("shape", ())) == 3]
+    if experts:
+        raise UserError(f"{d}: the adapter sits on the experts of a mixture-of-experts model ({experts[0]}); GGUF "
+                        "export merges adapters on the attention and dense-MLP projections only: retrain without the "
+                        "experts in method.lora.keys")
+
+
 def _from_adapter(src: Path, dst: Path, quant: str, base: str | None, dequantize: bool,
                   trust_remote_code: bool, allow_pickle: bool) -> Path:
-    ad = read_adapter(src)  # an adapter on the experts of an MoE is refused here, in one line
+    refuse_expert_adapter(src)
+    ad = read_adapter(src)
     b = resolve_base(base or ad.base, ad, flag=base is not None, allow_pickle=allow_pickle)
     family(b.config, b.path)
     check_against_base(ad, b)

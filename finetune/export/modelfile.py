@@ -85,8 +85,8 @@ def template_shape(tokenizer: Any) -> tuple[str | None, str | None]:
         return None, None
     if bare == go_render(shape, PROBE[1:]):
         return shape, None
-    head = (re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n", bare, re.S) if shape == "chatml"
-            else re.match(r"<\|start_header_id\|>system<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", bare, re.S))
+    head = (re.match(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n", bare, re.DOTALL) if shape == "chatml"
+            else re.match(r"<\|start_header_id\|>system<\|end_header_id\|>\n\n(.*?)<\|eot_id\|>", bare, re.DOTALL))
     if head and bare == go_render(shape, [{"role": "system", "content": head.group(1)}, *PROBE[1:]]):
         return shape, head.group(1)
     return None, None
