@@ -51,7 +51,8 @@ from finetune.run.faults import Faults
 
 # f32: every tensor as the checkpoint holds it in fp32 (convert_hf_to_gguf.py --outtype f32), the
 # exact one; f16 rounds each weight to 11 significant bits, which moves the tiny fp32 models'
-# logits by ~2e-3 (the same file llama.cpp's convert writes: see tests/test_gguf_export.py)
+# logits by 3e-4 (Llama) to 2.7e-3 (Qwen2): the same numbers llama.cpp's convert writes
+# (tests/test_gguf_export.py)
 QUANTS = ("f16", "bf16", "q8_0", "q4_0", "f32")
 
 # model_type -> (gguf architecture name, q/k rows permuted as llama.cpp's LlamaModel does). The
@@ -79,6 +80,8 @@ class Plan:
     src: str
     shape: tuple[int, ...]
     qtype: Any  # gguf.GGMLQuantizationType
+    dtype: str = "F32"  # safetensors' dtype of the source
+    offset: int = 0  # where the source's bytes start in ``file``
 
 
 def _gguf() -> Any:
@@ -148,22 +151,24 @@ def plan(model_dir: Path, arch: str, quant: str) -> list[Plan]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise UserError(f"{model_dir} holds no *.safetensors weights; give a merged model directory or an adapter")
-    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    shapes: dict[str, tuple[Path, tuple[int, ...], str, int]] = {}
     for f in files:
-        shapes.update({k: (f, tuple(v["shape"])) for k, v in tensors_of(header(f)[0]).items()})
+        head, start = header(f)
+        shapes.update({k: (f, tuple(v["shape"]), v["dtype"], start + v["data_offsets"][0])
+                       for k, v in tensors_of(head).items()})
     config = json.loads((model_dir / "config.json").read_text())
     tmap = gguf.get_tensor_name_map(_arch_enum(gguf, arch), int(config["num_hidden_layers"]))
     has_output = "lm_head.weight" in shapes
     out: list[Plan] = []
-    for src, (f, shape) in shapes.items():
+    for src, (f, shape, dtype, offset) in shapes.items():
         if src.endswith(".rotary_emb.inv_freq"):
             continue  # recomputed from rope_theta, as convert_hf_to_gguf.py drops it
         name = tmap.get_name(src, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UserError(f"{model_dir}: weight {src} has no name in gguf's {arch} tensor map; "
                             "convert it with llama.cpp's convert_hf_to_gguf.py")
-        head = name == "output.weight" or (name == "token_embd.weight" and not has_output)
-        out.append(Plan(name, f, src, shape, _qtype(gguf, name, shape, quant, head)))
+        is_head = name == "output.weight" or (name == "token_embd.weight" and not has_output)
+        out.append(Plan(name, f, src, shape, _qtype(gguf, name, shape, quant, is_head), dtype, offset))
     return out
 
 
@@ -173,16 +178,13 @@ def _arch_enum(gguf: Any, arch: str) -> Any:
 
 def _read(p: Plan) -> np.ndarray:
     """Tensor ``p.src`` of ``p.file`` as float32, read from a memory map (bf16 widened by its bits)."""
-    head, start = header(p.file)
-    h = head[p.src]
-    b, e = h["data_offsets"]
-    dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}.get(h["dtype"])
+    dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}.get(p.dtype)
     if dtype is None:
-        raise UserError(f"{p.file}: tensor {p.src} is {h['dtype']}; only F32, F16 and BF16 weights are exported "
+        raise UserError(f"{p.file}: tensor {p.src} is {p.dtype}; only F32, F16 and BF16 weights are exported "
                         "(an MLX-quantized model needs --dequantize)")
-    raw = np.memmap(p.file, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=start + b,
-                    shape=(max(1, (e - b) // np.dtype(dtype).itemsize),))[: math.prod(p.shape)]
-    if h["dtype"] == "BF16":
+    raw = np.memmap(p.file, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=p.offset,
+                    shape=(math.prod(p.shape),))
+    if p.dtype == "BF16":
         return (raw.astype(np.uint32) << 16).view(np.float32).reshape(p.shape)
     return np.asarray(raw, dtype=np.float32).reshape(p.shape)
 
@@ -232,27 +234,35 @@ def _pre_tokenizer(tok: dict[str, Any], where: Path) -> str:
                     f"{json.dumps(pre)[:80]}); convert it with llama.cpp's convert_hf_to_gguf.py")
 
 
-def add_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
-    """The tokenizer of ``model_dir`` into the writer ``w`` as convert_hf_to_gguf.py's
-    ``_set_vocab_gpt2`` writes it: every id up to ``vocab_size`` (an id the tokenizer lacks as
-    ``[PAD<id>]``, unused), each token's type (control for special added tokens), the merges,
-    the special ids and add-flags, and the chat template (``gguf.SpecialVocab``)."""
-    gguf = _gguf()
+def load_tokenizer(model_dir: Path) -> tuple[Any, str]:
+    """(the tokenizer transformers loads from ``model_dir``, llama.cpp's name of its
+    pre-tokenizer); UserError, in one line, for one GGUF export does not write: not a fast
+    byte-level BPE tokenizer, or one that splits text in a way llama.cpp does not name."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
         tok = json.loads(tokenizer.backend_tokenizer.to_str())
     except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"{model_dir}: no fast tokenizer loads ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
-                        "only byte-level BPE tokenizers are exported to GGUF") from None
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UserError(f"{model_dir}: no fast tokenizer loads ({first}); only byte-level BPE tokenizers are "
+                        "exported to GGUF") from None
     model = tok.get("model") or {}
     decoder = (tok.get("decoder") or {}).get("type")
     if model.get("type") != "BPE" or decoder != "ByteLevel":
         raise UserError(f"{model_dir}: a {model.get('type')} tokenizer with a {decoder} decoder; only byte-level BPE "
                         "tokenizers (Llama-3, Qwen2 and GPT-2 style) are exported to GGUF; convert it with "
                         "llama.cpp's convert_hf_to_gguf.py")
-    pre = _pre_tokenizer(tok, model_dir)
+    return tokenizer, _pre_tokenizer(tok, model_dir)
+
+
+def add_tokenizer(w: Any, model_dir: Path, vocab_size: int) -> None:
+    """The tokenizer of ``model_dir`` into the writer ``w`` as convert_hf_to_gguf.py's
+    ``_set_vocab_gpt2`` writes it: every id up to ``vocab_size`` (an id the tokenizer lacks as
+    ``[PAD<id>]``, unused), each token's type (control for special added tokens), the merges,
+    the special ids and add-flags, and the chat template (``gguf.SpecialVocab``)."""
+    gguf = _gguf()
+    tokenizer, pre = load_tokenizer(model_dir)
     vocab = tokenizer.get_vocab()
     if max(vocab.values()) >= vocab_size:
         raise UserError(f"{model_dir}: the tokenizer has id {max(vocab.values())} but the model's vocab_size is "
@@ -418,6 +428,7 @@ def export_gguf(src: str | Path, dst: str | Path, quant: str = "f16", base: str 
                         "adapter directory, a run directory or a merged model directory")
     config = json.loads((src / "config.json").read_text())
     family(config, src)
+    load_tokenizer(src)
     if isinstance(config.get("quantization"), dict):
         return _from_quantized(src, dst, quant, dequantize)
     _write(src, dst, quant)
@@ -447,14 +458,15 @@ def _from_adapter(src: Path, dst: Path, quant: str, base: str | None, dequantize
     b = resolve_base(base or ad.base, ad, flag=base is not None, allow_pickle=allow_pickle)
     family(b.config, b.path)
     check_against_base(ad, b)
+    load_tokenizer(b.path)  # a tokenizer GGUF cannot carry is refused before the merge
     merged_bytes = (dequantize_cost(b)[1] if b.quantization
                     else sum(f.stat().st_size for f in b.path.iterdir() if f.suffix in (".safetensors", ".bin")))
-    if not b.quantization:  # the GGUF's size from the base's headers, before any merge is written
+    if not b.quantization and not b.pickle_only:  # the GGUF's size from the base's headers, before any merge
         arch, _ = family(b.config, b.path)
         check_free(dst.parent, merged_bytes + gguf_bytes(plan(b.path, arch, quant), b.path),
                    f"exporting {src} to {dst.name} (merged model {merged_bytes:,} bytes, then the GGUF)")
-    else:  # the GGUF is at most the dequantized merge's size
-        check_free(dst.parent, 2 * merged_bytes, f"exporting {src} to {dst.name} (dequantized merge, then the GGUF)")
+    else:  # the GGUF is at most as large as the (dequantized, 16-bit) merge; twice at f32
+        check_free(dst.parent, merged_bytes * (3 if quant == "f32" else 2), f"exporting {src} to {dst.name} (the merge, then the GGUF)")
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dst.name}.", dir=dst.parent) as t:
         merged = Path(t) / "merged"
