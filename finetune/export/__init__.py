@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write {where} ({e.strerror or e}); nothing was written to {a.dst}: free space or "
               "choose another output directory", file=sys.stderr)
         return 2
-    print(f"wrote {out}", file=sys.stderr)
+    if a.to == "gguf":
+        side = out.with_suffix(".Modelfile")
+        print(f"wrote {out} ({out.stat().st_size:,} bytes, {a.quant}) and {side}; run it: ollama create NAME -f {side}",
+              file=sys.stderr)
+    else:
+        print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -529,4 +528,3 @@ def _write(model_dir: Path, dst: Path, quant: str, extra_disk: int = 0) -> None:
         if full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst)) from e
         raise
-    print(f"wrote {dst} ({dst.stat().st_size:,} bytes, {quant}) and {side.name}", file=sys.stderr)
