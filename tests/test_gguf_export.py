@@ -262,9 +262,9 @@ def test_a_full_disk_leaves_no_file(small_fs, tmp_path, capsys, monkeypatch):
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-def test_a_mistral_checkpoint_and_an_mlx_quantized_one(tmp_path, capsys):
-    """Mistral goes out as llama.cpp's llama architecture (q/k permuted) and comes back with its
-    logits; an MLX-quantized model is refused without --dequantize and, with it, dequantized by
+def test_mistral_qwen3_and_an_mlx_quantized_checkpoint(tmp_path, capsys):
+    """Mistral goes out as llama.cpp's llama architecture (q/k permuted) and Qwen3 as its qwen3
+    (q/k norms), each coming back with its checkpoint's logits; an MLX-quantized model is refused without --dequantize and, with it, dequantized by
     mlx-lm first: its GGUF gives what mlx-lm gives on the quantized model."""
     import mlx.core as mx
     from families import build_family
@@ -277,6 +277,20 @@ def test_a_mistral_checkpoint_and_an_mlx_quantized_one(tmp_path, capsys):
     export_gguf(mistral, tmp_path / "m.gguf", "f32")  # (general.name "mistral" exactly sends transformers to a gguf arch that gguf 0.19 lacks)
     d = np.abs(logits(tmp_path, "m.gguf") - logits(mistral)).max()
     print(f"mistral f32 GGUF vs the checkpoint: {d:.3g}")
+    assert d <= EXACT, d
+
+    # Qwen3 (q/k norms) at head_dim 128: transformers' GGUF reader reads no head_dim for qwen3
+    # (no attention.key_length in its map, unlike qwen3_moe) and takes Qwen3Config's 128; llama.cpp
+    # reads the key_length the file carries
+    from families import COMMON, _build_once
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", **{**COMMON, "head_dim": 128, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1000000.0}})
+    qwen3 = _build_once("qwen3-hd128-gguf-v1-s0", lambda: AutoModelForCausalLM.from_config(config), 0)
+    export_gguf(qwen3, tmp_path / "q3.gguf", "f32")
+    d = np.abs(logits(tmp_path, "q3.gguf") - logits(qwen3)).max()
+    print(f"qwen3 f32 GGUF vs the checkpoint: {d:.3g}")
     assert d <= EXACT, d
 
     q8 = tmp_path / "q8"

@@ -62,6 +62,7 @@ FAMILIES: dict[str, tuple[str, bool]] = {
     "llama": ("llama", True),
     "mistral": ("llama", True),
     "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),  # q/k norms: gguf's attn_q_norm / attn_k_norm, F32 as every norm
 }
 
 # the bytes a file's metadata may take beyond its tensors (the vocabulary and merges are counted
