@@ -65,9 +65,10 @@ __all__ = ["convert", "export_gguf", "main", "merge"]
 def main(argv: list[str] | None = None) -> int:
     """``finetune-export``: see the module docstring. Exit 0, or 2 with one ``error:`` line."""
     ap = argparse.ArgumentParser(
-        prog="finetune-export", description="Move a LoRA/DoRA adapter between PEFT and mlx-lm, or merge it into "
-        "its base.", epilog="e.g. finetune-export --to peft outputs/RUN peft-adapter/;  "
-        "finetune-export --merge outputs/RUN merged/")
+        prog="finetune-export", description="Move a LoRA/DoRA adapter between PEFT and mlx-lm, merge it into "
+        "its base, or write the merged model as GGUF (llama.cpp, Ollama).",
+        epilog="e.g. finetune-export --to peft outputs/RUN peft-adapter/;  "
+        "finetune-export --merge outputs/RUN merged/;  finetune-export --to gguf outputs/RUN model.gguf --quant q8_0")
     how = ap.add_mutually_exclusive_group(required=True)
     how.add_argument("--to", choices=[*sorted(WRITERS), "gguf"],
                      help="write the adapter in this format; gguf: the model (adapter merged into its base, or a "
