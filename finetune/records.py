@@ -279,6 +279,8 @@ class Plan(PlanCore, PlanData):
     grad_checkpointing: bool
     attn_implementation: str
     packing: dict[str, Any] | None
+    # train.activation_offload: {device_saving_bytes, host_bytes, transfer_bytes_per_step, ...}; None: off
+    activation_offload: dict[str, Any] | None
     device_total_bytes: int | None
     budget_bytes: int | None
     budget_source: str

@@ -414,7 +414,8 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                             "longest": longest}
     budget = int(budget_bytes)
     eff = s.effective_batch
-    base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
+    base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt,
+                                                                                   activation_offload=s.offload))
 
     def full_plan(batch: int, ckpt: bool) -> Plan:
         return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
@@ -572,6 +573,21 @@ def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     return out
 
 
+def _offload(s: Setup, core: PlanCore) -> dict[str, Any] | None:
+    """train.activation_offload as planned: per micro-batch what the hooks move to the host (and
+    back: the transfer volume, twice that a micro-batch), what the device saves (less the most
+    backward brings back at once) and the host memory it takes; per step the transfers of
+    every micro-batch, which is the throughput cost (bytes over the host link)."""
+    d = core["activations_detail"]
+    if not s.offload:
+        return None
+    moved = d.get("offloaded", 0)
+    return {"bytes_per_micro_batch": moved, "back_at_once_bytes": d.get("offload_back", 0),
+            "device_saving_bytes": moved - d.get("offload_back", 0), "host_bytes": moved,
+            "pinned": s.device == "cuda",
+            "transfer_bytes_per_micro_batch": 2 * moved, "transfer_bytes_per_step": 2 * moved * s.grad_accum}
+
+
 def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, Any] | None:
     """train.packing as planned: the tokens of the micro-batch priced, and the attention path
     that keeps samples apart (the same one the runtime takes)."""
@@ -650,6 +666,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
         "packing": _packing(spec, s, arch, state),
+        "activation_offload": _offload(s, core),
         **core,
         "device_total_bytes": device_total,
         "budget_bytes": budget,

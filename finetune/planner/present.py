@@ -137,6 +137,11 @@ def format_table(plan: Plan) -> str:
     lines.append(f"  {'peak allocated':32s}{_gib(plan['peak_allocated_bytes'])}  ({plan['peak_phase']})")
     lines.append(f"  {'peak (with overhead)':32s}{_gib(plan['peak_bytes'])}")
     lines += _phase_lines(plan)
+    off = plan.get("activation_offload")
+    if off:
+        lines.append(f"  {'activation offload':32s}{_gib(off['device_saving_bytes'])}  (device saving; host "
+                     f"{off['host_bytes'] / GIB:.2f} GiB{' pinned' if off['pinned'] else ''}; moved "
+                     f"{off['transfer_bytes_per_step'] / GIB:.2f} GiB a step, to the host and back)")
     if plan["devices"] > 1:
         budget = plan.get("budget_bytes")
         lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"

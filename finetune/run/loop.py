@@ -259,6 +259,9 @@ class Trainer:
             rec = {"step": step, "loss": loss, "lr": self._lr(step), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
                    "tokens_per_sec": ntok / dt if dt > 0 else None}
+            moved = self.backend.offloaded_bytes()  # train.activation_offload: the step's transfer volume
+            if moved is not None:
+                rec["offload_moved_bytes"] = moved
             if eval_every > 0 and (step % eval_every == 0 or step == steps):
                 val_loss = self.evaluate()
                 rec["val_loss"] = val_loss
