@@ -287,4 +287,7 @@ class Plan(PlanCore, PlanData):
     fits: bool | None
     host: dict[str, Any] | None  # a GPU plan: {ram_bytes, peak_anonymous_bytes, fits}; None where the device is the host
     recommendation: dict[str, Any] | None
+    # mode=plan's "what do I need": the fewest levers that fit the budget on these devices, with
+    # the host memory they take, or what would fit; None where the run fits as configured
+    needs: dict[str, Any] | None
     notes: list[str]

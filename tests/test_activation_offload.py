@@ -82,3 +82,46 @@ def test_mlx_refuses_activation_offload_in_one_line(tmp_path):
         make_spec(tmp_path, "backend=mlx", "train.activation_offload=true")
     msg = str(e.value)
     assert "\n" not in msg and "unified" in msg and "train.activation_offload=false" in msg
+
+
+COMMON = ("backend=cuda", "train.progress=false", "data.num_samples=200", "train.eval_every=0", "train.steps=4",
+          "train.warmup_steps=1", "train.batch_size=4")
+
+
+def _run_lines(run: Path) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.startswith('{"step"')]
+
+
+@needs_torch
+def test_governor_takes_offload_after_the_cheaper_levers_with_unchanged_losses(tmp_path):
+    """A budget between the plan at micro-batch 1 with checkpointing and the same with activation
+    offload (the data's own lengths, as the run plans them): the run lowers the micro-batch,
+    turns checkpointing on, then offload, in that order, each event saying why, and trains
+    the losses of the run without a budget."""
+    from transformers import AutoTokenizer
+
+    from finetune.model.source import resolve_model_dir
+    from finetune.run.loop import train
+    from finetune.run.state import RunState
+
+    spec = make_spec(tmp_path / "free", *COMMON)
+    _, stats = __import__("finetune.data", fromlist=["build"]).build(
+        spec, AutoTokenizer.from_pretrained(str(resolve_model_dir(make_cfg(tmp_path / "free", *COMMON).model))))
+    at = {"seq_len": stats["max_padded_tokens"], "head_fraction": stats.get("head_fraction"), "recommend": False}
+    base = RunState("cuda", 1, 4, True)
+    ckpt = planner.plan(spec, state=base, **at)["fits_bytes"]
+    off = planner.plan(spec, state=base.with_(activation_offload=True), **at)["fits_bytes"]
+    assert off < ckpt, (off, ckpt)
+    budget = (off + ckpt) // 2
+    free = train(spec)
+    adapted = train(make_spec(tmp_path / "tight", *COMMON, f"memory.budget={budget}"))
+    actions = [ev["action"] for ev in adapted["adaptations"]]
+    assert actions[-3:] == ["lower_micro_batch", "enable_grad_checkpointing", "enable_activation_offload"], actions
+    assert all(ev.get("reason") for ev in adapted["adaptations"][-3:])
+    assert adapted["effective_batch"] == free["effective_batch"] == 4
+    lines = _run_lines(tmp_path / "tight")
+    assert all(ln["offload_moved_bytes"] > 0 for ln in lines)
+    assert "offload_moved_bytes" not in _run_lines(tmp_path / "free")[0]
+    assert [ln["loss"] for ln in lines] == pytest.approx([ln["loss"] for ln in _run_lines(tmp_path / "free")], abs=1e-5)

@@ -196,7 +196,8 @@ class Trainer:
         # the backend is built as the governor's state says (checkpointing it turned on to fit
         # the budget included), never flipped once built
         state = self.governor.state
-        built = replace(self.spec, train=replace(self.spec.train, grad_checkpointing=state.grad_checkpointing))
+        built = replace(self.spec, train=replace(self.spec.train, grad_checkpointing=state.grad_checkpointing,
+                                                 activation_offload=state.activation_offload))
         self.info = self.backend.setup(built, self.model_dir)
         self.governor.attach(self.backend)
         # a chunked loss the plan chose to fit the budget: a lever on the built model, whose
@@ -226,7 +227,8 @@ class Trainer:
         if self.comm.rank != 0:  # every rank decides the same (one collective); rank 0 says it
             return
         print(f"[governor] step {ev['step']}: {ev['trigger']} -> {ev['action']} "
-              f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})", file=sys.stderr)
+              f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})"
+              + (f": {ev['reason']}" if ev.get("reason") else ""), file=sys.stderr)
         self.runlog.event(ev)
 
     # -- the loop ----------------------------------------------------------------------------
