@@ -271,6 +271,8 @@ class Capabilities:
     default_pad_multiple: dict[str, int] = field(default_factory=dict)
     chunked_loss_with_compile: bool = True  # train.loss_chunk and the target-row head survive train.compile
     packed_block_mask: bool = False  # a packed row's attention is a [1, 1, T, T] bool block mask
+    # train.activation_offload: why it does not apply here (None: it runs)
+    no_activation_offload: str | None = None
     pre_quantized: bool = False  # trains on a pre-quantized checkpoint (config.json 'quantization') as stored
     gpu_device: str | None = None  # the run device whose optimizer state may page and whose layers may split
     adapter_format: str = "peft"  # the adapter format its library loads (finetune.export's names)
@@ -462,6 +464,16 @@ class Backend(Protocol):
 
     def set_grad_checkpointing(self, enabled: bool) -> None:
         """Turn activation recomputation on or off for the following steps."""
+        ...
+
+    def set_activation_offload(self, enabled: bool) -> str | None:
+        """Move what the forward saves for backward to host memory in the following steps
+        (``train.activation_offload``; the governor's lever). None when applied, else why not."""
+        ...
+
+    def offloaded_bytes(self) -> int | None:
+        """Bytes the activation offload moved to the host and back since the last call (a
+        step's transfer volume); None where it is off or does not apply."""
         ...
 
     def set_loss_chunk(self, tokens: int) -> str | None:

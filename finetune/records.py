@@ -279,10 +279,15 @@ class Plan(PlanCore, PlanData):
     grad_checkpointing: bool
     attn_implementation: str
     packing: dict[str, Any] | None
+    # train.activation_offload: {device_saving_bytes, host_bytes, transfer_bytes_per_step, ...}; None: off
+    activation_offload: dict[str, Any] | None
     device_total_bytes: int | None
     budget_bytes: int | None
     budget_source: str
     fits: bool | None
     host: dict[str, Any] | None  # a GPU plan: {ram_bytes, peak_anonymous_bytes, fits}; None where the device is the host
     recommendation: dict[str, Any] | None
+    # mode=plan's "what do I need": the fewest levers that fit the budget on these devices, with
+    # the host memory they take, or what would fit; None where the run fits as configured
+    needs: dict[str, Any] | None
     notes: list[str]

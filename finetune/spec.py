@@ -230,6 +230,11 @@ class TrainSpec:
     seed: int = key(0, "random seed (data order, initialization, dropout)", ge=0, le=2**32 - 1,
                     hint="seeds are 32-bit")
     grad_checkpointing: bool = key(False, "recompute activations in backward: less memory, more compute")
+    # backends/cuda/offload.py: saved tensors of the model's body (not the head's) through
+    # saved_tensors_hooks, pinned on a GPU; the plan prices the device saving, the host copy
+    # and the bytes moved a step
+    activation_offload: bool = key(False, "move what the forward saves for backward to host memory and back (cuda): "
+                                   "less device memory, host RAM and transfers each step")
     # shapes repeat, so allocator caches reuse buffers instead of growing (capped at seq_len).
     # benchmarks/mlx_footprint.py on CPU: padding cost 3-8% tokens/s and saved no memory once
     # memory.cache_limit=auto bounds the cache

@@ -19,6 +19,10 @@ from finetune.model.types import (
 )
 from finetune.model.inventory import Setup
 
+# train.activation_offload (backends/cuda/offload.py): a saved storage under this many bytes stays
+# on the device (torchtune's OffloadActivations min_offload_size: a copy costs more than it saves)
+OFFLOAD_MIN_BYTES = 1024
+
 
 @dataclasses.dataclass
 class _Kept:
@@ -263,3 +267,35 @@ def _layer_kept(arch: ModelDesc, s: Setup, lowest: bool, block: Block | None = N
         if stage > STAGE_MLP_OUT:
             _norm_kept(kept, stage, width)
     return kept
+
+
+def offloaded(arch: ModelDesc, s: Setup, first: int) -> tuple[int, int, list[int], list[int]]:
+    """What ``train.activation_offload`` moves to the host per micro-batch, as the runtime's
+    hooks do (backends/cuda/offload.py): every storage of at least ``OFFLOAD_MIN_BYTES`` that the
+    model's body saves before its output head, once each. Returns (bytes moved one way, the most
+    back on the device at once in backward, each layer's bytes from ``first`` up, the final
+    norm's and the body's shared tensors' bytes).
+
+    Without checkpointing a layer's saved tensors (``layer_tensors``); with it, each layer's
+    input, which non-reentrant checkpoint saves (torch/utils/checkpoint.py _NoopSaveInputs)
+    where the hooks see it; the recomputation's tensors never leave. Backward brings one layer's
+    back at a time, the final norm's first."""
+    n, h, st = s.batch * s.seq_len, arch.hidden, (4 if s.autocast else s.wd)
+
+    def moved(sizes: list[int]) -> int:
+        return sum(b for b in sizes if b >= OFFLOAD_MIN_BYTES)
+
+    layers = []
+    for i in range(first, arch.layers):
+        if s.ckpt:
+            layers.append(moved([n * h * st]))
+        else:
+            layers.append(moved([b for _, b in layer_tensors(arch, s, i == first, arch.blocks[i])]))
+    head = [n * h * 4, n * 4]  # the final RMSNorm's fp32 input and rsqrt
+    if s.method == "full":
+        head += [n * h * st, n * 8]  # its cast back to the weights' dtype; the embedding's int64 indices
+    if s.attn == "sdpa" and s.padding_mask:
+        head.append(s.batch * s.seq_len * s.seq_len)  # the bool [B, 1, T, T] mask every layer's sdpa keeps
+    heads = [b for b in head if b >= OFFLOAD_MIN_BYTES]
+    total = sum(layers) + sum(heads)
+    return total, max([*layers, sum(heads), 0]), layers, heads

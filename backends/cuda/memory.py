@@ -24,7 +24,7 @@ from finetune.model.inventory import MIB, Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
 from finetune.backends.cuda import trace
-from finetune.backends.cuda.activations import layer_bytes, layer_tensors  # noqa: F401  (the memory model's names)
+from finetune.backends.cuda.activations import OFFLOAD_MIN_BYTES, layer_bytes, layer_tensors, offloaded  # noqa: F401  (the memory model's names)
 from finetune.backends.cuda.alloc_config import parse_alloc_conf
 from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.budget import DeviceMemory, cuda_devices, host_memory
@@ -336,7 +336,11 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         # states' gradient taken in forward and kept for backward (fp32 [nt, h]), and the head
         # weight's fp32 gradient accumulator where the head trains
         logits = (12 * V + cap) * s.loss_chunk + 4 * nt * h + (4 * V * h if full else 0)
+    # train.activation_offload: what leaves the device each micro-batch, and the most that is
+    # back at once in backward (activations.offloaded)
+    off, back, _, off_head = offloaded(arch, s, first) if s.offload else (0, 0, [], [])
     return {"layer": layer, "layer_parts": lparts, "lowest": low, "saved": saved, "head": head,
+            "offload": off, "offload_back": back, "offload_head": sum(off_head),
             "transient": transient,
             "logits": logits,
             "ckpt_input": n * h * st,  # non-reentrant checkpoint keeps each layer's input
@@ -547,6 +551,9 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
     mm = sys.modules[__name__]  # this memory model, as the trace reads it
     host_base = HOST_BASE_CUDA_BYTES if s.device == "cuda" else HOST_BASE_CPU_BYTES
     file_bytes = sum(t.numel * s.wd if t.role not in ("lora_A", "lora_B", "dora_m") else 0 for t in held)
+    # train.activation_offload: one micro-batch's saved activations in host memory (pinned on a
+    # GPU) from the first forward on; on the CPU the "device" is the host, so they stay in its RSS
+    off = offloaded(arch, s, 0 if s.method == "full" else min(s.lora_layers))[0] if s.offload else 0
     out = []
     for d, dev in enumerate(devices):
         b = dev["bytes"]
@@ -575,7 +582,7 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                 # at the load, the context alone: kernels load on first use, bitsandbytes pages
                 # its state at the first step, NCCL connects at the first collective
                 level = resv + (extra["cuda_context"] if name == "load" else sum(extra.values()))
-                host = host_base + (file_bytes if name == "load" else 0)
+                host = host_base + (file_bytes if name == "load" else off)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": resv, "device_bytes": level,
                                 "host_bytes": host,
                                 # of the host, the checkpoint's pages (file-backed: the kernel drops
@@ -588,7 +595,7 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                         "evictable_bytes": extra.get("paged_optimizer_state", 0)})
         else:
             for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
-                host = host_base + alloc + (file_bytes if name == "load" else 0)
+                host = host_base + alloc + (file_bytes if name == "load" else off)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
                                 "host_bytes": host}
             out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,

@@ -100,6 +100,7 @@ class CudaBackend(CudaFiles, CudaReadings):
         # whose attention we have not read.
         self._padding_mask = False
         self._compiled_loss: Callable | None = None  # train.compile: token_loss_sum through torch.compile
+        self._offload: Any = None  # train.activation_offload: offload.ActivationOffload, else None
 
     # ---- several processes -------------------------------------------------------------
     def connect(self, spec: RunSpec) -> Comm:
@@ -145,6 +146,7 @@ class CudaBackend(CudaFiles, CudaReadings):
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)
+        self.set_activation_offload(spec.train.activation_offload)
         if self.comm.world_size > 1:
             self._distribute(spec)
         self._setup_loss(spec)
@@ -309,6 +311,18 @@ class CudaBackend(CudaFiles, CudaReadings):
                 hf.gradient_checkpointing_disable()
         self.grad_checkpointing = enabled
 
+    def set_activation_offload(self, enabled: bool) -> str | None:
+        """Move what the model's body saves for backward to host memory in the following steps
+        (backends/cuda/offload.py), or stop. None: applied."""
+        from finetune.backends.cuda.offload import ActivationOffload
+
+        self._offload = ActivationOffload(self.model, self.device) if enabled else None
+        return None
+
+    def offloaded_bytes(self) -> int | None:
+        """Bytes the activation offload moved (to the host and back) since the last call; None: off."""
+        return None if self._offload is None else self._offload.take_moved()
+
     def set_loss_chunk(self, tokens: int) -> str | None:
         """The governor's lever: the following steps compute head + loss ``tokens`` target
         tokens at a time. None when applied, else why not (the loss is left as it was)."""
@@ -391,7 +405,13 @@ class CudaBackend(CudaFiles, CudaReadings):
                 optimizer_step is dropped (set to None) with it: redo the whole step.
         """
         try:
-            loss_sum = self._loss_sum(batch)
+            if self._offload is not None:
+                from finetune.backends.cuda.loss import output_head
+
+                with self._offload.forward(output_head(self.model)):
+                    loss_sum = self._loss_sum(batch)
+            else:
+                loss_sum = self._loss_sum(batch)
             if on_phase:
                 on_phase("forward")
             scaled = loss_sum * loss_scale

@@ -233,6 +233,10 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
     # forward
     hidden = tr.alloc(n * h * st)  # the embeddings' output (or the previous device's hidden states)
     saved: dict[int, list[tuple[str, int | None]]] = {}
+    # train.activation_offload: what the hooks copy to the host leaves the device as it is saved
+    # and comes back at its layer's backward (index in ``saved[i]``, bytes)
+    away: dict[int, list[tuple[int, int]]] = {}
+    thr = mm.OFFLOAD_MIN_BYTES
     for i in layers:
         block = arch.blocks[i]
         w = block.mlp_width * (max(arch.top_k, 1) if block.moe else 1)
@@ -241,9 +245,16 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
         elif s.ckpt:
             saved[i] = [("input", tr.alloc(n * h * st))]  # the checkpointed layer's input
             tr.free(*[tr.alloc(b) for _, b in mm.layer_tensors(arch, s, i == first, block)])
+            sizes = [n * h * st]
         else:
             saved[i] = _layer_forward(tr, arch, s, mm, block, i == first, n)
             tr.free(tr.alloc(n * w * s.a))  # the MLP's product before down_proj
+            sizes = [b for _, b in mm.layer_tensors(arch, s, i == first, block)]
+        if s.offload and i in saved:
+            away[i] = [(j, b) for j, b in enumerate(sizes) if b >= thr]
+            for j, _ in away[i]:
+                tr.free(saved[i][j][1])
+                saved[i][j] = (saved[i][j][0], None)
         nxt = tr.alloc(n * h * st)  # the residual stream after the layer
         tr.free(hidden)
         hidden = nxt
@@ -252,7 +263,13 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
     V = arch.vocab
     nt = s.head_rows(n)
     if last_device:
-        head_keys = [tr.alloc(n * h * 4), tr.alloc(n * 4), tr.alloc(pieces["head"] - n * h * 4 - n * 4)]
+        norm = [n * h * 4, n * 4]  # the final norm's, which the offload moves
+        head_keys = [tr.alloc(b) for b in norm] + [tr.alloc(pieces["head"] - n * h * 4 - n * 4)]
+        if s.offload:
+            for j, b in enumerate(norm):
+                if b >= thr:
+                    tr.free(head_keys[j])
+                    head_keys[j] = None
         if s.loss_chunk and s.loss_chunk < nt:
             logits_keys = [tr.alloc(4 * nt * h)]  # the target hidden states' gradient, kept for backward
         else:
@@ -280,6 +297,8 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
             tr.free(g2)
             _grads(tr, [t for t in by_layer.get(None, []) if t.role != "embed"], grads, done, accumulate)
             tr.free(g3)
+        if s.offload:  # the final norm's saved tensors come back for its backward
+            head_keys += [tr.alloc(b) for b in norm if b >= thr]
         tr.free(*logits_keys, *head_keys)
     grad_h = tr.alloc(n * h * st)
     for i in reversed(layers):
@@ -288,6 +307,8 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
         block = arch.blocks[i]
         w = block.mlp_width * (max(arch.top_k, 1) if block.moe else 1)
         kept = saved.pop(i)
+        for j, b in away.get(i, []):  # the offloaded ones back on the device for the layer's backward
+            kept[j] = (kept[j][0], tr.alloc(b))
         if s.ckpt:  # recompute the layer (its input stays kept until the layer is done)
             kept = kept + [(k, tr.alloc(b)) for k, b in mm.layer_tensors(arch, s, i == first, block)]
         # autograd runs the MLP's backward first, then attention's, freeing each op's saved

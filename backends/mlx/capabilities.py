@@ -25,6 +25,8 @@ CAPABILITIES = Capabilities(
     # an Apple GPU: MLX reuses a freed Metal buffer only for a request within two pages of its
     # size, so repeated shapes matter; mlx-lm pads the same way (finetune/data/batches.py pad_multiple)
     default_pad_multiple={"mlx:gpu": 32},
+    no_activation_offload="on mlx memory is unified (the GPU's memory is the host's): there is no host memory to "
+                          "offload to; set train.activation_offload=false (train.grad_checkpointing saves activations)",
     pre_quantized=True,  # mlx_lm.convert -q checkpoints: mlx_lm.load rebuilds their quantized layers
     adapter_format="mlx",
     limits_event="set_mlx_limits",

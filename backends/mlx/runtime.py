@@ -524,6 +524,13 @@ class MlxBackend:
         self.grad_checkpointing = enabled
         self._compiled = {}  # a traced forward would keep the blocks' previous __call__
 
+    def set_activation_offload(self, enabled: bool) -> str | None:
+        """No offload on MLX: memory is unified (Capabilities.no_activation_offload says so)."""
+        return CAPABILITIES.no_activation_offload if enabled else None
+
+    def offloaded_bytes(self) -> int | None:
+        return None
+
     def set_loss_chunk(self, tokens: int) -> str | None:
         """The governor's lever: the following steps compute head + loss ``tokens`` target
         tokens at a time. None when applied, else why not (the loss is left as it was)."""

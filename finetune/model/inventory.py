@@ -86,6 +86,8 @@ class Setup:
     # allocator replay runs those steps at their own shapes (step 2's reserve depends on what
     # step 1 cached), then the planned width (``seq_len``); empty: every step at ``seq_len``
     step_widths: tuple[int, ...] = ()
+    # train.activation_offload: what the model's body saves for backward goes to host memory
+    offload: bool = False
     fused: bool = True  # optim.fused: adam/adamw through torch's fused kernel (cuda backend)
 
     @property

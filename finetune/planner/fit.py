@@ -64,6 +64,8 @@ def _single_changes(arch: ModelDesc, s: Setup) -> list[tuple[str, dict[str, Any]
     if not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1):
         out.append((f"train.loss_chunk={LOSS_CHUNK_LEVER}", {"loss_chunk": LOSS_CHUNK_LEVER}))  # the logits never whole
     caps = capabilities(s.backend)
+    if not s.offload and caps.no_activation_offload is None:
+        out.append(("train.activation_offload=true", {"offload": True}))
     if s.optim in ("adamw", "adam") and "adamw_8bit" in caps.optimizers:
         out.append(("optim=adamw_8bit", {"optim": "adamw_8bit"}))
         if s.device == caps.gpu_device and "paged_adamw_8bit" in caps.optimizers:
@@ -177,6 +179,7 @@ LEVER_COSTS: tuple[tuple[str, str], ...] = (
     ("train.batch_size", "the same effective batch in smaller micro-batches: the same math, slower steps"),
     ("train.grad_checkpointing", "each layer's forward recomputed in backward: about a third more compute"),
     ("train.loss_chunk", "the output head and loss a chunk of tokens at a time: the same loss"),
+    ("train.activation_offload", "saved activations to host memory and back: host RAM and transfers each step"),
     ("backend.alloc_conf", "torch's expandable segments: less reserved between steps' shapes"),
     ("optim=adamw_8bit", "8-bit optimizer state"),
     ("optim=paged_adamw_8bit", "8-bit optimizer state, paged to host memory under pressure"),
@@ -357,6 +360,143 @@ def _recommend(arch: ModelDesc, s: Setup, budget: int | None) -> dict[str, Any] 
     return rec
 
 
+# ---- what a run needs: the fewest levers that fit N devices of a size ------------------------------
+
+# The levers "what do I need" combines, in the order of least throughput lost per byte saved:
+# the loss a chunk at a time (no slower), checkpointing (a third more compute), activation
+# offload (transfers over the host link each step), FSDP over the devices (collectives each
+# layer), then the layers split over the devices in one process (device_map=auto: one GPU
+# computes at a time). A smaller micro-batch comes with any of them (the same math, slower
+# steps); it is searched for each set, the largest that fits.
+NEED_LEVERS: tuple[str, ...] = ("loss_chunk", "ckpt", "offload", "fsdp", "split")
+# the most devices "what would fit" looks for
+NEED_DEVICES_MAX = 64
+
+
+def _need_changes(lever: str, s: Setup) -> dict[str, Any] | None:
+    """The Setup changes of one lever on ``s``, or None where it does not apply."""
+    caps = capabilities(s.backend)
+    if lever == "loss_chunk":
+        return None if s.loss_chunk or (s.strategy == "fsdp" and s.world_size > 1) else {"loss_chunk": LOSS_CHUNK_LEVER}
+    if lever == "ckpt":
+        return None if s.ckpt else {"ckpt": True}
+    if lever == "offload":
+        return None if s.offload or caps.no_activation_offload is not None else {"offload": True}
+    if lever == "fsdp":
+        return {"strategy": "fsdp"} if s.world_size > 1 and s.strategy != "fsdp" and "fsdp" in caps.strategies else None
+    if lever == "split":  # every rank's samples in one process whose layers span the devices
+        if s.world_size <= 1 or s.device != caps.gpu_device:
+            return None
+        return {"world_size": 1, "n_devices": s.world_size, "grad_accum": s.grad_accum * s.world_size}
+    raise ValueError(lever)
+
+
+_NEED_OVERRIDES = {"loss_chunk": f"train.loss_chunk={LOSS_CHUNK_LEVER}", "ckpt": "train.grad_checkpointing=true",
+                   "offload": "train.activation_offload=true", "fsdp": "backend.strategy=fsdp",
+                   "split": "backend.device_map=auto"}
+_NEED_COSTS = {"loss_chunk": "the output head and loss a chunk of tokens at a time: the same loss, no slower",
+               "ckpt": "each layer's forward recomputed in backward: about a third more compute",
+               "offload": "saved activations to host memory and back: host RAM and transfers each step",
+               "fsdp": "weights, gradients and state sharded over the ranks: gathered layer by layer each step",
+               "split": "the layers split over the devices in one process: one device computes at a time"}
+
+
+def _host_figures(p: PlanCore) -> tuple[int, int]:
+    """(the most host memory the process cannot give back, the checkpoint's mapped pages at the
+    load), over the phases of the device that peaks highest."""
+    anon = max(ph["host_bytes"] - ph.get("host_file_bytes", 0) for ph in p["phases"].values())
+    return anon, max(ph.get("host_file_bytes", 0) for ph in p["phases"].values())
+
+
+def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
+    """What this run needs to fit ``budget`` bytes on each of its devices: the fewest levers of
+    ``NEED_LEVERS`` (among as few, the cheapest by their order) with the largest micro-batch
+    that fits with them, and the host memory that takes; else that nothing fits, the budget
+    per device every lever together needs here, and the fewest devices of this size that fit."""
+    from itertools import combinations
+
+    devices = max(s.world_size, s.n_devices)
+    applicable = [lv for lv in NEED_LEVERS if _need_changes(lv, s) is not None]
+
+    def setup_of(levers: tuple[str, ...]) -> Setup | None:
+        kw: dict[str, Any] = {}
+        for lv in levers:
+            kw.update(_need_changes(lv, s) or {})
+        return _setup_with(s, **kw)
+
+    def priced(x: Setup) -> PlanCore | None:
+        try:
+            return _core(arch, x)
+        except UserError:  # a combination the backend refuses (qlora under fsdp, ...)
+            return None
+
+    def best_micro(x: Setup) -> tuple[int, PlanCore] | None:
+        """The largest micro-batch up to the configured one that fits with ``x``'s levers."""
+        if x.packed:
+            p = priced(x)
+            return (x.batch, p) if p is not None and _fits(p, budget) else None
+        eff = x.effective_batch
+        cands = [d for d in _divisors_desc(eff) if d <= s.batch]
+        got: dict[int, PlanCore | None] = {}
+
+        def ok(d: int) -> bool:
+            got[d] = priced(_setup_with(x, batch=d, grad_accum=eff // d))
+            return got[d] is not None and bool(_fits(got[d], budget))  # type: ignore[arg-type]
+
+        d = _largest_true(cands, ok) if cands else None
+        return None if d is None else (d, got[d] if d in got else priced(_setup_with(x, batch=d, grad_accum=eff // d)))  # type: ignore[return-value]
+
+    every = setup_of(tuple(applicable))
+    every_one = None if every is None else priced(_setup_with(every, batch=1, grad_accum=every.effective_batch)
+                                                  if not every.packed else every)
+    found = None
+    if every_one is not None and _fits(every_one, budget):
+        for k in range(len(applicable) + 1):
+            for levers in combinations(applicable, k):  # in NEED_LEVERS' order: the cheapest sets first
+                x = setup_of(levers)
+                if x is None:
+                    continue
+                one = priced(_setup_with(x, batch=1, grad_accum=x.effective_batch) if not x.packed else x)
+                if one is None or not _fits(one, budget):
+                    continue
+                got = best_micro(x)
+                if got is not None:
+                    found = (levers, x, *got)
+                    break
+            if found:
+                break
+    out: dict[str, Any] = {"devices": devices, "budget_bytes": budget}
+    if found is None:
+        out["fits"] = False
+        out["every_lever_peak_bytes"] = every_one["fits_bytes"] if every_one is not None else None
+        more = None
+        if every is not None and every.device == capabilities(s.backend).gpu_device:
+            for n in range(devices + 1, NEED_DEVICES_MAX + 1):  # the layers split over n devices of this size
+                x = _setup_with(every, world_size=1, n_devices=n, batch=1,
+                                grad_accum=s.effective_batch * s.world_size)
+                p = priced(x)
+                if p is not None and _fits(p, budget):
+                    more = n
+                    break
+        out["would_fit"] = ([f"memory.budget={every_one['fits_bytes']} bytes per device (every lever, "
+                             f"{devices} device{'s' if devices > 1 else ''})"] if every_one is not None else []) + \
+            ([f"backend.num_devices={more} with {' '.join(_NEED_OVERRIDES[lv] for lv in applicable if lv != 'split')} "
+              "backend.device_map=auto train.batch_size=1"] if more else [])
+        return out
+    levers, x, d, p = found
+    eff = x.effective_batch
+    change = [_NEED_OVERRIDES[lv] for lv in levers]
+    if d != s.batch or eff != s.effective_batch:
+        change.append(_micro_change(d, eff))
+    anon, mapped = _host_figures(p)
+    off = _offload(_setup_with(x, batch=d, grad_accum=eff // d), p)
+    out.update({"fits": True, "levers": list(levers), "change": " ".join(change), "peak_bytes": p["fits_bytes"],
+                "batch_size": d, "grad_accum": eff // d, "host_bytes": anon, "host_file_bytes": mapped,
+                "transfer_bytes_per_step": off["transfer_bytes_per_step"] if off else None,
+                "costs": [_NEED_COSTS[lv] for lv in levers]})
+    return out
+
+
 def _governor_advice(spec: RunSpec, budget: int, s: Setup, **fit: Any) -> dict[str, Any] | None:
     """What the governor does before loading with this plan's budget (``fit_to_budget``, the
     function it calls): the overrides it applies itself where ``memory.adapt=true`` (the
@@ -375,6 +515,8 @@ def _governor_advice(spec: RunSpec, budget: int, s: Setup, **fit: Any) -> dict[s
         change.append(f"train.tokens_per_micro={res.tokens_per_micro}")
     if res.grad_checkpointing and not s.ckpt:
         change.append("train.grad_checkpointing=true")
+    if res.activation_offload and not s.offload:
+        change.append("train.activation_offload=true")
     return {"adapt": bool(spec.memory.adapt), "fits": res.fits, "change": " ".join(change) if res.fits else None,
             "peak_bytes": res.plan["fits_bytes"] if res.fits else None}
 
@@ -391,6 +533,7 @@ class FitResult:
     suggestions: list[str] = field(default_factory=list)
     loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
+    activation_offload: bool = False  # train.activation_offload the fitted run uses
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
                   head_fraction: float | None = None, pair_span: float | None = None,
@@ -414,12 +557,14 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                             "longest": longest}
     budget = int(budget_bytes)
     eff = s.effective_batch
-    base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt))
+    base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt,
+                                                                                   activation_offload=s.offload))
 
-    def full_plan(batch: int, ckpt: bool) -> Plan:
+    def full_plan(batch: int, ckpt: bool, offload: bool | None = None) -> Plan:
         return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
-                                     grad_checkpointing=ckpt, loss_chunk=s.loss_chunk))
+                                     grad_checkpointing=ckpt, loss_chunk=s.loss_chunk,
+                                     activation_offload=s.offload if offload is None else offload))
 
     p0 = _core(arch, s)
     before = {"batch_size": s.batch, "grad_accum": s.grad_accum, "grad_checkpointing": s.ckpt,
@@ -457,10 +602,61 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                 events.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing",
                                "before": {**prev}, "after": {**prev, "grad_checkpointing": True,
                                                              "peak_bytes": p["fits_bytes"]}})
-            return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events, loss_chunk=s.loss_chunk)
+            return FitResult(True, full_plan(d, ckpt), d, eff // d, ckpt, events, loss_chunk=s.loss_chunk,
+                             activation_offload=s.offload)
+    offloaded = _fit_offload(arch, s, budget, before, events)
+    if offloaded is not None:
+        d, evs = offloaded
+        return FitResult(True, full_plan(d, True, True), d, eff // d, True, evs, loss_chunk=s.loss_chunk,
+                         activation_offload=True)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)] if suggest else []
     return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)
+
+
+def _fit_offload(arch: ModelDesc, s: Setup, budget: int, before: dict[str, Any], events: list[dict[str, Any]]
+                 ) -> tuple[int, list[dict[str, Any]]] | None:
+    """The lever after gradient checkpointing (``LEVER_COSTS``' order: what costs the least
+    throughput per byte saved first): activation offload on top of checkpointing, at the
+    largest micro-batch that fits with it. (micro-batch, the events that say what was taken
+    and why), or None where the backend has no offload, it is on already, or nothing fits."""
+    if s.offload or capabilities(s.backend).no_activation_offload is not None:
+        return None
+    eff = s.effective_batch
+    for d in _divisors_desc(eff):
+        if d > s.batch:
+            continue
+        on = _setup_with(s, batch=d, grad_accum=eff // d, ckpt=True, offload=True)
+        p = _core(arch, on)
+        if not _fits(p, budget):
+            continue
+        evs = list(events)
+        prev: dict[str, Any] = {k: v for k, v in before.items() if k != "budget_bytes"}
+        if d != s.batch:
+            after = {**prev, "batch_size": d, "grad_accum": eff // d,
+                     "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=eff // d))["fits_bytes"]}
+            evs.append({"trigger": "plan_over_budget", "action": "lower_micro_batch", "before": before, "after": after,
+                        "reason": "the same effective batch in smaller micro-batches: no throughput lost per sample"})
+            prev = after
+        ckpt_peak = _core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=True))["fits_bytes"]
+        if not s.ckpt:
+            after = {**prev, "grad_checkpointing": True, "peak_bytes": ckpt_peak}
+            evs.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing", "before": prev,
+                        "after": after, "reason": "each layer recomputed in backward: about a third more compute"})
+            prev = after
+        off = _offload(on, p) or {}
+        evs.append({"trigger": "plan_over_budget", "action": "enable_activation_offload",
+                    "before": {**prev, "activation_offload": False},
+                    "after": {**prev, "activation_offload": True, "peak_bytes": p["fits_bytes"],
+                              "host_bytes": off.get("host_bytes"),
+                              "transfer_bytes_per_step": off.get("transfer_bytes_per_step")},
+                    "reason": f"micro-batch {d} with gradient checkpointing"
+                              + (" and the chunked loss" if s.loss_chunk else "")
+                              + f" peaks at {ckpt_peak} B, over the budget of {budget} B; the saved activations go "
+                              f"to host memory ({off.get('host_bytes')} B) and back, "
+                              f"{off.get('transfer_bytes_per_step')} B moved a step"})
+        return d, evs
+    return None
 
 
 def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],
@@ -572,6 +768,21 @@ def _approximations(arch: ModelDesc, s: Setup) -> list[str]:
     return out
 
 
+def _offload(s: Setup, core: PlanCore) -> dict[str, Any] | None:
+    """train.activation_offload as planned: per micro-batch what the hooks move to the host (and
+    back: the transfer volume, twice that a micro-batch), what the device saves (less the most
+    backward brings back at once) and the host memory it takes; per step the transfers of
+    every micro-batch, which is the throughput cost (bytes over the host link)."""
+    d = core["activations_detail"]
+    if not s.offload:
+        return None
+    moved = d.get("offloaded", 0)
+    return {"bytes_per_micro_batch": moved, "back_at_once_bytes": d.get("offload_back", 0),
+            "device_saving_bytes": moved - d.get("offload_back", 0), "host_bytes": moved,
+            "pinned": s.device == "cuda",
+            "transfer_bytes_per_micro_batch": 2 * moved, "transfer_bytes_per_step": 2 * moved * s.grad_accum}
+
+
 def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, Any] | None:
     """train.packing as planned: the tokens of the micro-batch priced, and the attention path
     that keeps samples apart (the same one the runtime takes)."""
@@ -585,7 +796,7 @@ def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None, head_fraction: float | None = None,
          pair_span: float | None = None, row_targets: int | None = None, longest: int | None = None,
-         step_widths: tuple[int, ...] = ()) -> Plan:
+         step_widths: tuple[int, ...] = (), needs: bool | None = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -650,6 +861,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "grad_checkpointing": s.ckpt,
         "attn_implementation": memory_model(s.backend).ATTENTION_LABEL or s.attn,
         "packing": _packing(spec, s, arch, state),
+        "activation_offload": _offload(s, core),
         **core,
         "device_total_bytes": device_total,
         "budget_bytes": budget,
@@ -658,8 +870,12 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "host": host,
         **device,
         "recommendation": _recommend(arch, s, budget) if recommend else None,
+        "needs": None,
         "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),
     }
+    # what the run needs to fit this budget on its devices, where it does not as configured
+    want = recommend if needs is None else needs  # needs=True: without the recommendation's search
+    out["needs"] = _needs(arch, s, budget) if want and budget is not None and not fits else None
     rec = out["recommendation"]
     if rec is not None and budget is not None:
         # what the run does about a plan over its budget by itself (memory.adapt), as the governor decides it

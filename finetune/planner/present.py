@@ -137,6 +137,11 @@ def format_table(plan: Plan) -> str:
     lines.append(f"  {'peak allocated':32s}{_gib(plan['peak_allocated_bytes'])}  ({plan['peak_phase']})")
     lines.append(f"  {'peak (with overhead)':32s}{_gib(plan['peak_bytes'])}")
     lines += _phase_lines(plan)
+    off = plan.get("activation_offload")
+    if off:
+        lines.append(f"  {'activation offload':32s}{_gib(off['device_saving_bytes'])}  (device saving; host "
+                     f"{off['host_bytes'] / GIB:.2f} GiB{' pinned' if off['pinned'] else ''}; moved "
+                     f"{off['transfer_bytes_per_step'] / GIB:.2f} GiB a step, to the host and back)")
     if plan["devices"] > 1:
         budget = plan.get("budget_bytes")
         lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"
@@ -158,12 +163,35 @@ def format_table(plan: Plan) -> str:
     rec = plan.get("recommendation")
     if rec:
         lines += _advice_lines(plan, rec)
+    need = plan.get("needs")
+    if need:
+        lines += _needs_lines(need)
     data = plan.get("data")
     if data:
         lines += _data_lines(plan, data)
     for n in plan.get("notes", []):
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _needs_lines(need: dict[str, Any]) -> list[str]:
+    """What the run needs to fit its budget on its devices (planner.fit ``_needs``), GiB = 2^30 bytes."""
+    n, budget = need["devices"], need["budget_bytes"]
+    where = f"{n} device{'s' if n > 1 else ''} of {budget / GIB:.2f} GiB"
+    if not need["fits"]:
+        every = need.get("every_lever_peak_bytes")
+        out = [f"  needs: nothing fits {where}" + (f" (every lever together peaks at {every / GIB:.2f} GiB per device)"
+                                                   if every else "")]
+        out += [f"    would fit: {w}" for w in need.get("would_fit", [])]
+        return out
+    out = [f"  needs, to fit {where}: {need['change'] or 'nothing changed'} (peak {need['peak_bytes'] / GIB:.2f} GiB "
+           f"per device); host RAM {need['host_bytes'] / GIB:.2f} GiB the process cannot give back"
+           + (f", plus the checkpoint's mapped pages at the load ({need['host_file_bytes'] / GIB:.2f} GiB, dropped under "
+              "pressure)" if need.get("host_file_bytes") else "")]
+    if need.get("transfer_bytes_per_step"):
+        out.append(f"    moved over the host link: {need['transfer_bytes_per_step'] / GIB:.2f} GiB a step")
+    out += [f"    {lv}: {cost}" for lv, cost in zip(need["levers"], need["costs"])]
+    return out
 
 
 def _advice_lines(plan: Plan, rec: dict[str, Any]) -> list[str]:

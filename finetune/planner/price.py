@@ -48,6 +48,12 @@ def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
     # of the two adds to the kept activations; where it evaluates both as one graph (mlx), the
     # workspace coexists with the logits (the memory model's WORKSPACE_WITH_LOGITS).
     extra = workspace if memory_model(s.backend).WORKSPACE_WITH_LOGITS else max(0, workspace - logits)
+    # activation offload: what the body saved is in host memory but for what backward has
+    # brought back at once (the memory model's offload/offload_back; 0 where it does not apply)
+    off, back, off_head = p.get("offload", 0), p.get("offload_back", 0), p.get("offload_head", 0)
+    if off:
+        detail.update({"offloaded": off, "offload_back": back})
+        saved, head = saved - (off - off_head) + back, head - off_head
     detail.update({"per_layer": layer, "lowest_layer": low, "saved_layers": saved, "head": head,
                    "backward_workspace": workspace, **{f"per_layer_{k}": v for k, v in lparts.items()}})
     return saved + head + extra, logits, detail

@@ -213,6 +213,9 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
     # transformers' attention choice; a backend with its own attention (mlx) names it in its memory model
     attn = attention(arch, spec.backend.attn_implementation) if mm.ATTENTION_LABEL is None else "sdpa"
     mm.check_model(hf, T)  # a family the backend's library cannot load faithfully: one line
+    offload = state.activation_offload if state is not None else t.activation_offload
+    if offload and capabilities(backend).no_activation_offload:
+        raise UserError(f"train.activation_offload=true: {capabilities(backend).no_activation_offload}")
     setup = Setup(
         backend=backend, device=device, n_devices=n_devices, method=method, optim=optim, precision=precision,
         weight_dtype=weight_dtype, adapter_dtype=adapter_dtype, compute_dtype=compute_dtype, autocast=autocast,
@@ -222,6 +225,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         batch=state.micro_batch if state is not None else t.batch_size, seq_len=T,
         grad_accum=state.grad_accum if state is not None else t.grad_accum,
         ckpt=state.grad_checkpointing if state is not None else t.grad_checkpointing, attn=attn,
+        offload=offload,
         momentum=o.momentum, clip=o.max_grad_norm is not None,
         budget_text=spec.memory.budget, notes=notes, dtype_source=dtype_source,
         pre_quant=pre_quant if capabilities(backend).pre_quantized else None, world_size=world_size,

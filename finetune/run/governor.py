@@ -211,6 +211,7 @@ class Governor:
             self.emit({"step": 0, **ev})
         self.micro = res.batch_size
         self.grad_checkpointing = res.grad_checkpointing
+        self.state.activation_offload = res.activation_offload or self.state.activation_offload
         self.state.loss_chunk = res.loss_chunk
         if self.state.tokens_per_micro:
             self.state.tokens_per_micro = res.tokens_per_micro
@@ -283,6 +284,8 @@ class Governor:
         if state.get("grad_checkpointing") and not self.grad_checkpointing and self.backend is not None:
             self.backend.set_grad_checkpointing(True)
         self.grad_checkpointing = bool(state.get("grad_checkpointing", self.grad_checkpointing))
+        if state.get("activation_offload") and not self.state.activation_offload and self.backend is not None:
+            self.state.activation_offload = self.backend.set_activation_offload(True) is None
 
     # -- while training ----------------------------------------------------------------------
     def on_oom(self, step: int, exc: Exception, ranks: list[int] | None = None, row_tokens: int | None = None) -> None:

@@ -196,7 +196,8 @@ class Trainer:
         # the backend is built as the governor's state says (checkpointing it turned on to fit
         # the budget included), never flipped once built
         state = self.governor.state
-        built = replace(self.spec, train=replace(self.spec.train, grad_checkpointing=state.grad_checkpointing))
+        built = replace(self.spec, train=replace(self.spec.train, grad_checkpointing=state.grad_checkpointing,
+                                                 activation_offload=state.activation_offload))
         self.info = self.backend.setup(built, self.model_dir)
         self.governor.attach(self.backend)
         # a chunked loss the plan chose to fit the budget: a lever on the built model, whose
@@ -226,7 +227,8 @@ class Trainer:
         if self.comm.rank != 0:  # every rank decides the same (one collective); rank 0 says it
             return
         print(f"[governor] step {ev['step']}: {ev['trigger']} -> {ev['action']} "
-              f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})", file=sys.stderr)
+              f"({json.dumps(ev['before'])} -> {json.dumps(ev['after'])})"
+              + (f": {ev['reason']}" if ev.get("reason") else ""), file=sys.stderr)
         self.runlog.event(ev)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -259,6 +261,9 @@ class Trainer:
             rec = {"step": step, "loss": loss, "lr": self._lr(step), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
                    "tokens_per_sec": ntok / dt if dt > 0 else None}
+            moved = self.backend.offloaded_bytes()  # train.activation_offload: the step's transfer volume
+            if moved is not None:
+                rec["offload_moved_bytes"] = moved
             if eval_every > 0 and (step % eval_every == 0 or step == steps):
                 val_loss = self.evaluate()
                 rec["val_loss"] = val_loss

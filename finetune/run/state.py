@@ -23,6 +23,7 @@ class RunState:
     # train.packing: tokens per packed micro-batch (the memory lever then; micro_batch is not
     # used to split a step); 0: not packed
     tokens_per_micro: int = 0
+    activation_offload: bool = False  # train.activation_offload: saved activations in host memory
 
     @property
     def grad_accum(self) -> int:
@@ -34,7 +35,7 @@ class RunState:
         t = spec.train
         return cls(backend=backend, micro_batch=t.batch_size, effective_batch=t.effective_batch,
                    grad_checkpointing=t.grad_checkpointing, loss_chunk=t.loss_chunk,
-                   tokens_per_micro=t.packed_tokens)
+                   tokens_per_micro=t.packed_tokens, activation_offload=t.activation_offload)
 
     def with_(self, **changes: Any) -> RunState:
         """A copy with ``changes`` (micro_batch, grad_checkpointing, ...)."""
