@@ -93,7 +93,7 @@ def check(spec: RunSpec) -> None:
     e = spec.eval
     if spec.mode == "eval" and not e.tasks:
         raise UserError("mode=eval needs tasks: add eval.tasks=[gsm8k_local] eval.path=FILE.jsonl (or any lm-eval "
-                        "task name: lm_eval --tasks list)")
+                        "task name: lm-eval ls tasks)")
     local = [t for t in e.tasks if t in LOCAL_TASKS]
     if local and e.path is None:
         raise UserError(f"eval.tasks=[{local[0]}] reads a local JSONL: add eval.path=FILE.jsonl (GSM8K's "
@@ -137,17 +137,15 @@ def task_manager(e: EvalSpec, tasks_dir: Path | None) -> Any:
         if t not in tm.all_tasks:
             near = difflib.get_close_matches(t, tm.all_tasks, n=3)
             raise UserError(f"eval.tasks: lm-eval knows no task {t}" + (f" (did you mean: {', '.join(near)}?)"
-                            if near else "") + "; lm_eval --tasks list names them, eval.include_path=DIR adds yours")
+                            if near else "") + "; lm-eval ls tasks names them, eval.include_path=DIR adds yours")
     return tm
 
 
 def load_tasks(e: EvalSpec, tm: Any) -> None:
     """Load each task's documents once before any model loads: a data set the hub must serve
     and cannot (offline) is one line naming the fix, not a traceback after the weights loaded."""
-    from lm_eval.tasks import get_task_dict
-
     try:
-        get_task_dict(list(e.tasks), tm)
+        tm.load(list(e.tasks))
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
         hub = ("offline", "connect", "reach", "internet", "huggingface.co", "HF_HUB", "Couldn't find")
@@ -305,17 +303,29 @@ def evaluate_dirs(spec: RunSpec, model_dir: Path, adapter: Path | None, fmt: str
 def evaluate(spec: RunSpec) -> dict[str, Any]:
     """``mode=eval``: the base and ``eval.adapter`` (a run dir or adapter dir, either backend's
     format, or a method=full run's model) on ``eval.tasks``, into this command's run dir."""
-
     model_dir, adapter, fmt, full = locate_given(spec, spec.eval.adapter)
     return evaluate_dirs(spec, model_dir, adapter, fmt, Path(spec.paths.run_dir), full=full)
 
 
-def after_training(spec: RunSpec, run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """A train run with ``eval.tasks``: its final adapter (RUN_DIR/adapter) against its base,
-    into the same run dir; summary.json gains ``eval`` (TASK/METRIC -> the adapter's value)."""
+def check_tasks(spec: RunSpec) -> None:
+    """Before a train run with ``eval.tasks`` trains: every task known and its documents
+    loadable (the local tasks' YAMLs in a scratch folder), so that a typo or an unreachable hub
+    is refused in one line before the training, not after it."""
+    with tempfile.TemporaryDirectory(prefix="finetune-eval-") as tmp:
+        e = spec.eval
+        load_tasks(e, task_manager(e, write_local_tasks(e, Path(tmp))))
 
-    model_dir, adapter, fmt, full = locate_given(spec, str(run_dir))
-    result = evaluate_dirs(spec, model_dir, adapter, fmt, run_dir, full=full)
+
+def after_training(spec: RunSpec, run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """A train run with ``eval.tasks``: its final adapter (RUN_DIR/adapter, or a method=full
+    run's model) against its base, into the same run dir; summary.json gains ``eval``
+    (TASK/METRIC -> the adapter's value: what the sweep's report and search read)."""
+    try:
+        model_dir, adapter, fmt, full = locate_given(spec, str(run_dir))
+        result = evaluate_dirs(spec, model_dir, adapter, fmt, run_dir, full=full)
+    except UserError as err:
+        raise UserError(f"{err} (the training is complete: its adapter and summary.json are in {run_dir}; evaluate it "
+                        f"with finetune mode=eval eval.adapter={run_dir})") from None
     summary = {**summary, "eval": flat(result)}
     atomic_write_json(run_dir / "summary.json", summary)
     return summary

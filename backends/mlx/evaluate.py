@@ -6,6 +6,8 @@ holds the shared mode logic)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,12 @@ class AdaptedMLXLM(MLXLM):
         self._batch_size = batch_size
         self.use_chat_template = use_chat_template
         self._sampler = None
+
+    def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
+        """mlx-lm's, its progress lines (``batch_generate(verbose=True)`` prints to stdout) on
+        stderr: stdout is the result table alone, as on cuda."""
+        with contextlib.redirect_stdout(sys.stderr):
+            return list(super().generate_until(requests))
 
 
 def eval_model(model_dir: Path, adapter: Path | None, batch_size: int, trust_remote_code: bool = False,

@@ -33,7 +33,7 @@ from finetune.run.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors
 from finetune.redact import redact_tree
 from finetune.run.log import RankRunLog, RunLog, RunLogWriteError
-from finetune import data as data_mod, planner, prompting
+from finetune import data as data_mod, evaluate, planner, prompting
 from finetune.accounting import Accountant, ranks
 from finetune.run.governor import Governor
 from finetune.model.source import check_weights, resolve_model_dir
@@ -493,9 +493,14 @@ def train(spec: RunSpec) -> dict[str, Any]:
         try:
             trainer.connect()  # the backend, and the launcher's ranks if several were started
             trainer.claim()  # the lock and the checks that need no model
+            if spec.eval.tasks:  # an unknown task or an unreachable data set: refused before training
+                evaluate.check_tasks(spec)
             with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
                 trainer.setup()
-                return trainer.train()
+                summary = trainer.train()
+            if spec.eval.tasks and trainer.comm.rank == 0:  # the final adapter, into the same run dir
+                summary = evaluate.after_training(trainer.spec, trainer.run_dir, summary)
+            return summary
         except RunLogWriteError as e:
             raise runlog_failed(trainer.run_dir, e) from None
     except UserError:
