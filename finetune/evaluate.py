@@ -302,9 +302,11 @@ def evaluate_dirs(spec: RunSpec, model_dir: Path, adapter: Path | None, fmt: str
 
 def evaluate(spec: RunSpec) -> dict[str, Any]:
     """``mode=eval``: the base and ``eval.adapter`` (a run dir or adapter dir, either backend's
-    format, or a method=full run's model) on ``eval.tasks``, into this command's run dir."""
+    format, or a method=full run's model) on ``eval.tasks``, into this command's run dir. Returns
+    eval.json's content and ``eval`` (``flat``: what search_objective=eval:TASK/METRIC reads)."""
     model_dir, adapter, fmt, full = locate_given(spec, spec.eval.adapter)
-    return evaluate_dirs(spec, model_dir, adapter, fmt, Path(spec.paths.run_dir), full=full)
+    result = evaluate_dirs(spec, model_dir, adapter, fmt, Path(spec.paths.run_dir), full=full)
+    return {**result, "eval": flat(result)}  # a sweep of mode=eval jobs ranks by it too (search_objective)
 
 
 def check_tasks(spec: RunSpec) -> None:

@@ -25,6 +25,8 @@ WARNING_FILTERS = (
 # loggers whose INFO lines are housekeeping: only their warnings and errors are shown
 INFO_ONLY = (
     ("matplotlib.font_manager", "'generated new fontManager' the first time a machine draws a chart"),
+    ("lm_eval", "mode=eval: the device, the seeds and each task's contexts, which Hydra's console logging prints "
+                "on stdout around the result table (finetune/evaluate.py says on stderr what it evaluates)"),
 )
 
 

@@ -94,7 +94,9 @@ def test_mode_eval_on_mlx_writes_eval_json_beside_the_table_it_prints(mlx_run, t
     printed = capsys.readouterr().out
     _check_result(result, mlx_run / "adapter")
     assert result["backend"] == "mlx" and result["adapter_format"] == "mlx"
-    assert json.loads((tmp_path / "e" / "eval.json").read_text()) == json.loads(json.dumps(result))
+    written = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert written == json.loads(json.dumps({k: v for k, v in result.items() if k != "eval"}))
+    assert result["eval"][f"gsm8k_local_ppl/{BPB}"] == _bpb(result, "adapter")
     assert printed == (tmp_path / "e" / "eval.md").read_text()
 
 
