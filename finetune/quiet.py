@@ -16,6 +16,12 @@ LOG_FILTERS = (
     ("bitsandbytes.backends.cpu.ops", "kernels-community",
      "bitsandbytes 0.50 on a CPU looks for the optional `kernels` package for its 4-bit gemm and falls back to "
      "its own, which is what runs"),
+    # mlx_lm/evaluate.py logs through the root logger, which Hydra's console prints on stdout
+    ("root", "Estimating loglikelihood", "mode=eval on mlx: mlx-lm's count of the requests it scores"),
+    ("root", "Generating continuation for", "mode=eval on mlx: mlx-lm's count of the requests it generates for"),
+    ("lm_eval.evaluator", "specified through cli", "mode=eval: eval.max_gen_toks doing what it says (on stdout, over "
+                                                   "the result table, under Hydra's console logging)"),
+    ("lm_eval.evaluator", "Overwriting default num_fewshot", "mode=eval: eval.num_fewshot doing what it says"),
 )
 # (warning text, category, why)
 WARNING_FILTERS = (

@@ -131,7 +131,7 @@ def eval_columns(rs: list[dict[str, Any]]) -> list[tuple[str, str | None, str]]:
     """The eval.tasks metrics the jobs report (summary.json ``eval``), one column each, in the
     report's COLUMNS shape: (row key, None, header)."""
     keys = sorted({k for r in rs for k in r if k.startswith(EVAL_KEY)})
-    return [(k, None, k[len(EVAL_KEY):]) for k in keys]
+    return [(k, None, f"eval {k[len(EVAL_KEY):]}") for k in keys]
 
 
 # what makes a directory a job of the report: a run's result, a pruned trial, a failed job
@@ -347,6 +347,8 @@ def _fmt(key: str, v: Any, unit: float = GIB) -> str:
         return f"{v:,.0f}"
     if key == "plan_error_pct":
         return f"{v:+.1f}"
+    if key.startswith(EVAL_KEY):  # a perplexity runs to 1e11 on a random tiny model
+        return f"{v:.6g}"
     if isinstance(v, float):
         return f"{v:.4f}"
     return str(v)
@@ -437,7 +439,7 @@ def table(rs: list[dict[str, Any]], width: int = CONSOLE_WIDTH) -> str:
     units = _units(rs)
     evals = eval_columns(rs)  # after the losses they sit beside, ranked with them
     at = next(i for i, c in enumerate(CONSOLE) if c.key == "final_val_loss") + 1
-    console = [*CONSOLE[:at], *(Console(k, tuple(h.split("/", 1)), "eval", rank=78) for k, _, h in evals),
+    console = [*CONSOLE[:at], *(Console(k, tuple(k[len(EVAL_KEY):].split("/", 1)), "eval", rank=82) for k, _, h in evals),
                *CONSOLE[at:]]
     cols = [c for c in console if c.key == "job" or any(r.get(c.key) is not None for r in rs)]
     cells = {c.key: [_console_cell(c, r, units) for r in rs] for c in cols}
