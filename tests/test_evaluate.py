@@ -185,3 +185,35 @@ def test_unknown_task_and_an_unreachable_hub_are_one_line(tmp_path):
                            "not reachable here"), r.stderr[-3000:]
     assert "eval.tasks=[gsm8k_local] eval.path=FILE.jsonl" in last and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+RELEASE = """
+import gc, sys, weakref
+sys.path.insert(0, {tests!r})
+from conftest import make_cfg
+from finetune.resolver import resolve
+from finetune.run.loop import Trainer
+for backend in ("mlx", "cuda"):
+    t = Trainer(resolve(make_cfg({root!r} + "/" + backend, "backend=" + backend, "train.steps=1", "train.eval_every=0",
+                                 "train.progress=false", "data.num_samples=8", "train.batch_size=2")))
+    t.connect()
+    t.claim()
+    with t.runlog:
+        t.setup()
+        t.train()
+    held = weakref.ref(t.backend)
+    t.release_model()
+    gc.collect()
+    print(backend, "held" if held() is not None else "released")
+    t.lock.release(remove=False)
+"""
+
+
+def test_a_finished_run_lets_go_of_its_model_before_evaluating(tmp_path):
+    """Trainer.release_model (what a train run with eval.tasks calls before loading the base
+    again): nothing holds either backend, its model and optimizer state, afterwards. In a
+    process of its own: pytest's captures keep frames of the setup alive, a run keeps none."""
+    code = RELEASE.format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split("\n")[-3:] == ["mlx released", "cuda released", ""], r.stdout[-2000:]

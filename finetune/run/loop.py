@@ -439,6 +439,15 @@ class Trainer:
         print(done_line(summary), file=sys.stderr)
         return summary
 
+    def release_model(self) -> None:
+        """After the run is written: drop the backend and everything holding it (the model, its
+        optimizer state, the governor's and the accountant's handles), so that what comes next
+        (eval.tasks) starts from the memory a fresh process would have, less the imports."""
+        for name in ("backend", "governor", "acct", "ckpt", "data"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+
     def _write_summary(self, summary: dict[str, Any]) -> None:
         """summary.json (a failure says what is kept), the loggers' summary, memory.png."""
         try:
@@ -499,6 +508,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
                 trainer.setup()
                 summary = trainer.train()
             if spec.eval.tasks and trainer.comm.rank == 0:  # the final adapter, into the same run dir
+                trainer.release_model()  # the evaluation loads the base again: one model in memory at a time
                 summary = evaluate.after_training(trainer.spec, trainer.run_dir, summary)
             return summary
         except RunLogWriteError as e:
