@@ -146,7 +146,7 @@ def load_tasks(e: EvalSpec, tm: Any) -> None:
     and cannot (offline) is one line naming the fix, not a traceback after the weights loaded."""
     try:
         tm.load(list(e.tasks))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (whatever lm-eval or datasets raise: said in one line)
         text = f"{type(exc).__name__}: {exc}"
         hub = ("offline", "connect", "reach", "internet", "huggingface.co", "HF_HUB", "Couldn't find")
         if any(w.lower() in text.lower() for w in hub) or "ConnectionError" in type(exc).__name__:

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from finetune.backends.mlx.hfconfig import model_config
 from lm_eval.api.model import LM
 from mlx_lm.evaluate import MLXLM
 
 from finetune.errors import UserError
-from finetune.backends.mlx.hfconfig import model_config
 
 
 class AdaptedMLXLM(MLXLM):
