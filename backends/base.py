@@ -457,6 +457,13 @@ class Backend(Protocol):
         special token. Needs no setup(): it loads its own model with the framework's library."""
         ...
 
+    def eval_model(self, model_dir: Path, adapter: Path | None, batch_size: int, trust_remote_code: bool = False,
+                   allow_pickle: bool = False) -> Any:
+        """``mode=eval``: an lm-evaluation-harness model (``lm_eval.api.model.LM``) on the base in
+        ``model_dir`` plus ``adapter`` (in ``Capabilities.adapter_format``; None: the base),
+        scoring ``batch_size`` sequences at a time. Needs no setup(), as ``generate``."""
+        ...
+
     def set_cache_limit(self, limit_bytes: int) -> int:
         """Cap the bytes of freed buffers the allocator keeps for reuse; return the previous cap.
         The governor calls it only where ``Capabilities.cache_limit`` says the cap exists."""

@@ -32,6 +32,7 @@ from finetune.config import (
     register_configs,
 )
 from finetune.errors import UserError, debug, refuse
+from finetune.evaluate import evaluate
 from finetune.generate import generate
 from finetune.run.loop import train
 from finetune.planner import run_plan
@@ -78,6 +79,8 @@ def run(cfg: Any) -> Plan | dict[str, Any] | None:
         return run_plan(spec)
     if spec.mode == "generate":
         return generate(spec)
+    if spec.mode == "eval":
+        return evaluate(spec)
     return train(spec)
 
 

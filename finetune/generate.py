@@ -48,20 +48,29 @@ def _full_model(d: Path) -> bool:
 
 def locate(spec: RunSpec) -> tuple[Path, Path | None, str | None]:
     """(model directory, adapter directory or None, the adapter's format or None) for ``spec``."""
-    given = spec.generate.adapter
+    model_dir, adapter, fmt, full = locate_given(spec, spec.generate.adapter, base_of_full=False)
+    return (full or model_dir), adapter, fmt
+
+
+def locate_given(spec: RunSpec, given: str | None, base_of_full: bool = True
+                 ) -> tuple[Path, Path | None, str | None, Path | None]:
+    """(the base's directory, adapter directory or None, the adapter's format or None, a whole
+    model or None) for ``given``, a run dir or adapter dir (mode=eval's too). A whole model (a
+    method=full run's adapter/, a merged export) comes with the base as ``model=`` names it
+    where ``base_of_full``, else with the whole model in the base's place."""
     if given is None:
-        return resolve_model_dir(spec.model), None, None
+        return resolve_model_dir(spec.model), None, None, None
     d = Path(str(given)).expanduser()
     for full in (d, d / "adapter"):
         if _full_model(full):  # a method=full run: its adapter/ is the whole model (a merged export too)
-            return full, None, None
+            return (resolve_model_dir(spec.model) if base_of_full else full), None, None, full
     adapter = find_adapter_dir(d)
     fmt = detect_format(adapter)
     named = json.loads((adapter / MLX_CONFIG).read_text()).get(
         "base_model_name_or_path" if fmt == "peft" else "model")
     if named and (Path(str(named)).expanduser() / "config.json").is_file():
-        return Path(str(named)).expanduser(), adapter, fmt
-    return resolve_model_dir(spec.model), adapter, fmt
+        return Path(str(named)).expanduser(), adapter, fmt, None
+    return resolve_model_dir(spec.model), adapter, fmt, None
 
 
 _FORMAT_WORDS = {"chat": "the chat template", "raw": "raw text",

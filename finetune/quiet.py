@@ -16,6 +16,12 @@ LOG_FILTERS = (
     ("bitsandbytes.backends.cpu.ops", "kernels-community",
      "bitsandbytes 0.50 on a CPU looks for the optional `kernels` package for its 4-bit gemm and falls back to "
      "its own, which is what runs"),
+    # mlx_lm/evaluate.py logs through the root logger, which Hydra's console prints on stdout
+    ("root", "Estimating loglikelihood", "mode=eval on mlx: mlx-lm's count of the requests it scores"),
+    ("root", "Generating continuation for", "mode=eval on mlx: mlx-lm's count of the requests it generates for"),
+    ("lm_eval.evaluator", "specified through cli", "mode=eval: eval.max_gen_toks doing what it says (on stdout, over "
+                                                   "the result table, under Hydra's console logging)"),
+    ("lm_eval.evaluator", "Overwriting default num_fewshot", "mode=eval: eval.num_fewshot doing what it says"),
 )
 # (warning text, category, why)
 WARNING_FILTERS = (
@@ -25,6 +31,8 @@ WARNING_FILTERS = (
 # loggers whose INFO lines are housekeeping: only their warnings and errors are shown
 INFO_ONLY = (
     ("matplotlib.font_manager", "'generated new fontManager' the first time a machine draws a chart"),
+    ("lm_eval", "mode=eval: the device, the seeds and each task's contexts, which Hydra's console logging prints "
+                "on stdout around the result table (finetune/evaluate.py says on stderr what it evaluates)"),
 )
 
 

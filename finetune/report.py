@@ -9,7 +9,8 @@ fastest job that fits the budget, and the one needing least memory among the job
 equal to the best within noise. Jobs an Optuna search pruned by plan (``pruned.json``) are rows
 too, with their planned peak. Runs from both backends share the same columns.
 
-Reads only ``summary.json``, ``metrics.jsonl``, ``pruned.json`` and ``.hydra/overrides.yaml``,
+A sweep whose jobs ran ``eval.tasks`` after training has a column per task and metric (the
+adapter's value, summary.json ``eval``). Reads only ``summary.json``, ``metrics.jsonl``, ``pruned.json`` and ``.hydra/overrides.yaml``,
 so it never imports torch or mlx. Rows are sorted by job name, so the report does not depend
 on the order jobs finished.
 """
@@ -123,6 +124,16 @@ def _get(d: Any, dotted: str) -> Any:
     return d
 
 
+EVAL_KEY = "eval:"  # a row's eval.tasks metric: eval:TASK/METRIC, as search_objective names it
+
+
+def eval_columns(rs: list[dict[str, Any]]) -> list[tuple[str, str | None, str]]:
+    """The eval.tasks metrics the jobs report (summary.json ``eval``), one column each, in the
+    report's COLUMNS shape: (row key, None, header)."""
+    keys = sorted({k for r in rs for k in r if k.startswith(EVAL_KEY)})
+    return [(k, None, f"eval {k[len(EVAL_KEY):]}") for k in keys]
+
+
 # what makes a directory a job of the report: a run's result, a pruned trial, a failed job
 # (finetune/sweep.py writes failed.json: its error line, exit code and log)
 JOB_FILES = ("summary.json", "pruned.json", "failed.json")
@@ -214,6 +225,9 @@ def rows(root: Path) -> list[dict[str, Any]]:
                                       if e.get("action") in ("lower_micro_batch", "enable_grad_checkpointing",
                                                              "enable_loss_chunk")])
             row["loss_noise"] = _loss_noise(run)
+            # eval.tasks after training (finetune/evaluate.py): TASK/METRIC -> the adapter's value
+            for k, v in (s.get("eval") or {}).items():
+                row[EVAL_KEY + k] = v
         elif "status" not in row:
             p = json.loads((run / "pruned.json").read_text())
             row.update(status="pruned (plan)", backend=p.get("backend"), method=p.get("method"), optim=p.get("optim"),
@@ -333,6 +347,8 @@ def _fmt(key: str, v: Any, unit: float = GIB) -> str:
         return f"{v:,.0f}"
     if key == "plan_error_pct":
         return f"{v:+.1f}"
+    if key.startswith(EVAL_KEY):  # a perplexity runs to 1e11 on a random tiny model
+        return f"{v:.6g}"
     if isinstance(v, float):
         return f"{v:.4f}"
     return str(v)
@@ -421,9 +437,13 @@ def table(rs: list[dict[str, Any]], width: int = CONSOLE_WIDTH) -> str:
     the columns still do not fit, the lowest-ranked leave (named below; sweep_summary.md and
     .csv keep every column)."""
     units = _units(rs)
-    cols = [c for c in CONSOLE if c.key == "job" or any(r.get(c.key) is not None for r in rs)]
+    evals = eval_columns(rs)  # after the losses they sit beside, ranked with them
+    at = next(i for i, c in enumerate(CONSOLE) if c.key == "final_val_loss") + 1
+    console = [*CONSOLE[:at], *(Console(k, tuple(k[len(EVAL_KEY):].split("/", 1)), "eval", rank=82) for k, _, h in evals),
+               *CONSOLE[at:]]
+    cols = [c for c in console if c.key == "job" or any(r.get(c.key) is not None for r in rs)]
     cells = {c.key: [_console_cell(c, r, units) for r in rs] for c in cols}
-    name = {k: h for k, _, h in COLUMNS}
+    name = {k: h for k, _, h in COLUMNS + evals}
     same = []
     if len(rs) >= 2:
         for c in list(cols):
@@ -451,7 +471,7 @@ def console_note(text: str, width: int = CONSOLE_WIDTH) -> str:
 
 
 def markdown(rs: list[dict[str, Any]], notes: list[str]) -> str:
-    cols = _shown(rs)
+    cols = _shown(rs) + eval_columns(rs)
     units = _units(rs)
     head = [h + (f" ({units[k][1]})" if k in units else "") for k, _, h in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in cols) + "|"]
@@ -593,7 +613,7 @@ def report(root: Path, out_dir: Path | None = None, chart: bool = True) -> tuple
     notes = winners(rs)
     out = out_dir or root
     buf = io.StringIO()
-    fields = [k for k, _, _ in COLUMNS] + ["peak_bytes", "loss_noise", "dir", "error", "log"]
+    fields = [k for k, _, _ in COLUMNS + eval_columns(rs)] + ["peak_bytes", "loss_noise", "dir", "error", "log"]
     w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
     w.writeheader()
     w.writerows(rs)

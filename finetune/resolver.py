@@ -40,6 +40,7 @@ from finetune.config import (
     range_text,
     schema_keys,
 )
+from finetune.evaluate import check as check_eval
 from finetune.errors import UserError
 from finetune.model.source import config_overrides, read_model_config
 from finetune.planner.setup import describe_model, resolve as resolve_setup
@@ -306,4 +307,5 @@ def resolve(cfg: Any, world: World | None = None) -> RunSpec:
             raise _not_for_a_run(spec, overridden)
     if spec.mode == "generate" and not spec.generate.prompt:
         raise UserError('mode=generate needs a prompt: add prompt="..." (or generate.prompt="...")')
+    check_eval(spec)  # mode=eval, and a train run's eval.tasks: refused before anything loads
     return spec

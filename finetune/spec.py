@@ -80,6 +80,8 @@ MODES = {
     "plan": "predict memory per category for the load, step 1 and the steady state (plan.json); loads no weights",
     "generate": 'print a completion of prompt="..." from the base and a run\'s adapter (generate.adapter=RUN_DIR); '
                 "no run dir",
+    "eval": "lm-evaluation-harness on the base and a run's adapter (eval.adapter=RUN_DIR), side by side: eval.json "
+            "and eval.md",
 }
 
 from finetune.model.types import ModelHandle
@@ -320,6 +322,31 @@ class GenerateSpec:
 
 
 @dataclass(frozen=True)
+class EvalSpec:
+    """lm-evaluation-harness: mode=eval, and after training where eval.tasks is set (finetune/evaluate.py)"""
+
+    # any name lm-eval knows (its data from the hub, as lm-eval reads it), the local tasks
+    # finetune ships (finetune/evaluate.py LOCAL_TASKS, over eval.path), or your own YAML's
+    tasks: tuple[str, ...] = key((), "lm-eval tasks: gsm8k_local / gsm8k_local_ppl (over eval.path), any lm-eval "
+                                 "task name (data from the hub), or your own (eval.include_path); on a train run: "
+                                 "evaluate the final adapter too")
+    adapter: str | None = key(None, "mode=eval: a run dir or adapter dir evaluated beside the base; null: the base "
+                              "alone")
+    path: str | None = key(None, "the JSONL the local tasks read (gsm8k_local: GSM8K's question/answer records)")
+    include_path: str | None = key(None, "a folder of your own lm-eval task YAMLs (lm_eval --include_path)")
+    # lm-eval's --limit: an integer counts documents, a value below 1 is a share of them
+    limit: float | None = key(None, "documents per task (lm_eval --limit; below 1: a share); null: all", gt=0)
+    num_fewshot: int | None = key(None, "few-shot examples per prompt; null: the task's own (gsm8k_local: 5)", ge=0)
+    max_gen_toks: int | None = key(None, "generation tasks: new tokens at most; null: the task's own (lm-eval: 256)",
+                                   ge=1)
+    batch_size: int = key(1, "sequences per forward pass (lm_eval --batch_size)", ge=1)
+    chat_template: bool = key(False, "prompts through the tokenizer's chat template (lm_eval --apply_chat_template)")
+    # lm-eval's default; a metric with a closed-form stderr (a mean) needs none
+    bootstrap_iters: int = key(100000, "resamples for the stderr of metrics without a closed form (perplexity); 0: "
+                               "no stderr", ge=0)
+
+
+@dataclass(frozen=True)
 class SweepSpec:
     """a multirun's settings (top-level keys)"""
 
@@ -329,8 +356,9 @@ class SweepSpec:
     fail_fast: bool = key(False, "multirun: stop the sweep at the first failed job; false: record it (failed.json) "
                           "and go on")
     # a job whose plan exceeds memory.budget is pruned before loading anything
-    search_objective: str | None = key(None, "multirun with Optuna: what a job returns (maximized or minimized); null: "
-                                       "its summary")
+    search_objective: str | None = key(None, "multirun with Optuna: what a job returns (maximized or minimized): "
+                                       "tokens_per_sec, val_loss, train_loss, or eval:TASK/METRIC (an eval.tasks "
+                                       "metric of the adapter); null: its summary")
 
 
 @dataclass(frozen=True)
@@ -378,6 +406,7 @@ class RunSpec:
                 "its name (logger.wandb.mode)", factory=dict, name="logger")
     generate: GenerateSpec = group(GenerateSpec, "mode=generate")
     prompt: str | None = key(None, "mode=generate: the same as generate.prompt (the short form)")
+    eval: EvalSpec = group(EvalSpec, "lm-evaluation-harness (mode=eval, or after training)")
     sweep: SweepSpec = group(SweepSpec, "a multirun's settings", flat=True)
     mode: str = key("train", "what the command does (finetune --help lists the modes)", choices=tuple(MODES))
     paths: PathsSpec = group(PathsSpec, "where the run writes", flat=True)

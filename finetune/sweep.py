@@ -79,17 +79,53 @@ def in_multirun() -> bool:
         return False
 
 
+# search_objective=eval:TASK/METRIC: an eval.tasks metric of the job's adapter (summary.json "eval",
+# finetune/evaluate.py); minimized where lm-eval's metric is a loss or a perplexity, else maximized
+EVAL_PREFIX = "eval:"
+_LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "loss", "error", "ter")
+
+
+def direction(objective: str) -> str:
+    """maximize | minimize for ``objective`` (which ``check_objective`` accepted)."""
+    if objective.startswith(EVAL_PREFIX):
+        metric = objective[len(EVAL_PREFIX):].split("/")[1]
+        return "minimize" if metric.endswith(_LOWER_IS_BETTER) else "maximize"
+    return OBJECTIVES[objective][1]
+
+
+def check_objective(objective: str, tree: dict[str, Any]) -> None:
+    """One line for an objective the sweep cannot read: not one of OBJECTIVES, or an eval
+    metric of a task the job does not run (eval.tasks)."""
+    if objective.startswith(EVAL_PREFIX):
+        parts = objective[len(EVAL_PREFIX):].split("/")
+        tasks = ((tree.get("eval") or {}).get("tasks")) or []
+        if len(parts) < 2 or not all(parts):
+            raise UserError(f"search_objective={objective}: name a task and its metric, e.g. "
+                            "search_objective=eval:gsm8k_local_ppl/bits_per_byte")
+        if parts[0] not in tasks:
+            raise UserError(f"search_objective={objective} ranks by task {parts[0]}, which the jobs do not evaluate: add "
+                            f"eval.tasks=[{parts[0]}]")
+        return
+    if objective not in OBJECTIVES:
+        raise UserError(f"search_objective={objective} is not valid; choose one of: {', '.join(OBJECTIVES)}, or "
+                        "eval:TASK/METRIC")
+
+
 def worst(objective: str) -> float:
-    return -math.inf if OBJECTIVES[objective][1] == "maximize" else math.inf
+    return -math.inf if direction(objective) == "maximize" else math.inf
 
 
 def objective_value(summary: dict[str, Any] | None, objective: str | None) -> Any:
-    """What a job returns to the sweeper: the objective's value, or the summary itself."""
+    """What a job returns to the sweeper: the objective's value, or the summary itself. An eval
+    metric: TASK/METRIC of the summary's ``eval`` (the adapter's value)."""
     if not objective:
         return summary
     if summary is None:
         return worst(objective)
-    v = summary.get(OBJECTIVES[objective][0])
+    if objective.startswith(EVAL_PREFIX):
+        v = (summary.get("eval") or {}).get(objective[len(EVAL_PREFIX):])
+    else:
+        v = summary.get(OBJECTIVES[objective][0])
     return worst(objective) if v is None else float(v)
 
 
@@ -239,8 +275,8 @@ def run_job(job: Job) -> Any:
     from hydra.core.hydra_config import HydraConfig
 
     objective = job.objective
-    if objective and objective not in OBJECTIVES:
-        raise UserError(f"objective={objective} is not valid; choose one of: {', '.join(OBJECTIVES)}")
+    if objective:
+        check_objective(objective, job.tree)
     hc = HydraConfig.get()
     run_dir = job.run_dir
     redact_multirun_yaml(Path(str(hc.sweep.dir)) / "multirun.yaml", _secrets(job))

@@ -44,6 +44,8 @@ LAZY_FRAMEWORK_MODULES = {
     "finetune.backends.mlx.loss": "mlx: the mlx loss, used by the mlx runtime once a model is set up",
     "finetune.backends.cuda.generate": "torch, transformers: mode=generate on cuda, used by the cuda runtime",
     "finetune.backends.mlx.distributed": "mlx: the mlx ranks, used by the mlx runtime",
+    "finetune.backends.cuda.evaluate": "torch, lm_eval: mode=eval on cuda (lm-eval's HFLM), used by the cuda runtime",
+    "finetune.backends.mlx.evaluate": "mlx_lm, lm_eval: mode=eval on mlx (mlx-lm's MLXLM), used by the mlx runtime",
 }
 FRAMEWORKS = {"torch", "mlx", "mlx_lm", "transformers", "peft", "bitsandbytes", "accelerate"}
 

@@ -59,7 +59,7 @@ def test_readme_key_table_is_the_schemas() -> None:
 def test_values_shown_are_the_resolvers_tables() -> None:
     for path, choices in VALID.items():
         assert keyhelp.options(path) == tuple(choices)
-    assert keyhelp.options("mode") == tuple(MODES) == ("train", "plan", "generate")
+    assert keyhelp.options("mode") == tuple(MODES) == ("train", "plan", "generate", "eval")
     for path in RANGES:
         if not path.startswith("optim.betas."):
             assert str(range_text(path)) in keyhelp.values_text(path), path
@@ -86,7 +86,7 @@ def test_help_lists_every_mode_and_each_keys_meaning_default_and_values() -> Non
     flat = " ".join(out.split())  # the meanings wrap; read them unwrapped
     assert "train.steps=400 optimizer steps [>= 1]" in flat
     assert "train.schedule=cosine learning-rate schedule after warmup [constant, linear, cosine]" in flat
-    assert "mode=train what the command does (finetune --help lists the modes) [train, plan, generate]" in flat
+    assert "mode=train what the command does (finetune --help lists the modes) [train, plan, generate, eval]" in flat
     assert "backend.strategy=ddp several processes:" in flat and "[cuda: ddp, fsdp; mlx: ddp]" in flat
     assert "memory.budget=null memory per device: bytes, a size (40GiB) or a share (90%)" in flat
     assert "null: $FINETUNE_CACHE/tokens" in flat  # a $ in a meaning survives Hydra's template

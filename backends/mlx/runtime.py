@@ -709,5 +709,13 @@ class MlxBackend:
         return generate(model_dir, adapter, prompt, max_new_tokens, temperature, seed,
                         trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
 
+    def eval_model(self, model_dir: Path, adapter: Path | None, batch_size: int, trust_remote_code: bool = False,
+                   allow_pickle: bool = False) -> Any:
+        """``mode=eval``: an lm-eval model (``lm_eval.api.model.LM``) on the base plus the adapter."""
+        from finetune.backends.mlx.evaluate import eval_model
+
+        return eval_model(model_dir, adapter, batch_size, trust_remote_code=trust_remote_code,
+                          allow_pickle=allow_pickle)
+
 
 BACKEND = MlxBackend  # what finetune.backends.runtimes.get_backend instantiates

@@ -33,7 +33,7 @@ from finetune.run.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors
 from finetune.redact import redact_tree
 from finetune.run.log import RankRunLog, RunLog, RunLogWriteError
-from finetune import data as data_mod, planner, prompting
+from finetune import data as data_mod, evaluate, planner, prompting
 from finetune.accounting import Accountant, ranks
 from finetune.run.governor import Governor
 from finetune.model.source import check_weights, resolve_model_dir
@@ -444,6 +444,15 @@ class Trainer:
         print(done_line(summary), file=sys.stderr)
         return summary
 
+    def release_model(self) -> None:
+        """After the run is written: drop the backend and everything holding it (the model, its
+        optimizer state, the governor's and the accountant's handles), so that what comes next
+        (eval.tasks) starts from the memory a fresh process would have, less the imports."""
+        for name in ("backend", "governor", "acct", "ckpt", "data"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+
     def _write_summary(self, summary: dict[str, Any]) -> None:
         """summary.json (a failure says what is kept), the loggers' summary, memory.png."""
         try:
@@ -498,9 +507,15 @@ def train(spec: RunSpec) -> dict[str, Any]:
         try:
             trainer.connect()  # the backend, and the launcher's ranks if several were started
             trainer.claim()  # the lock and the checks that need no model
+            if spec.eval.tasks:  # an unknown task or an unreachable data set: refused before training
+                evaluate.check_tasks(spec)
             with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
                 trainer.setup()
-                return trainer.train()
+                summary = trainer.train()
+            if spec.eval.tasks and trainer.comm.rank == 0:  # the final adapter, into the same run dir
+                trainer.release_model()  # the evaluation loads the base again: one model in memory at a time
+                summary = evaluate.after_training(trainer.spec, trainer.run_dir, summary)
+            return summary
         except RunLogWriteError as e:
             raise runlog_failed(trainer.run_dir, e) from None
     except UserError:
