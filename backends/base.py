@@ -631,3 +631,17 @@ class MemoryModel(Protocol):
     def device_report(self, plan: Any) -> tuple[str, list[str]]:
         """(text the table's head adds after ``fits``, lines under the budget) for those keys."""
         ...
+
+
+class PairBackend(Protocol):
+    """What a backend adds to run a preference objective (objective=dpo|orpo|simpo;
+    backends/cuda/preference.py): a micro-batch of whole pairs, interleaved (even rows chosen,
+    odd rows rejected: finetune/data/pairs.py), and its share of the step's loss
+    (finetune/objectives.py ``scaled_loss``)."""
+
+    def forward_backward_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float,
+                               on_phase: PhaseHook | None = None) -> Any: ...
+
+    def eval_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float) -> Any: ...
+
+    def precompute_reference(self, batches: list[Batch], samples: int) -> int: ...

@@ -30,13 +30,14 @@ from finetune.spec import (  # noqa: F401  (MODES re-exported: the CLI's help an
     MemorySpec,
     MethodSpec,
     ModelSpec,
+    ObjectiveSpec,
     OptimSpec,
     PrecisionSpec,
     RunSpec,
     TrainSpec,
 )
 
-GROUPS = ("backend", "model", "method", "optim", "precision", "data", "train", "memory", "logger", "search")
+GROUPS = ("backend", "model", "method", "optim", "precision", "data", "objective", "train", "memory", "logger", "search")
 
 
 def _config_type(t: Any) -> Any:
@@ -103,6 +104,7 @@ LoraConfig = _twin(LoraSpec)
 OptimConfig = _twin(OptimSpec)
 PrecisionConfig = _twin(PrecisionSpec)
 DataConfig = _twin(DataSpec)
+ObjectiveConfig = _twin(ObjectiveSpec)
 TrainConfig = _twin(TrainSpec)
 MemoryConfig = _twin(MemorySpec)
 GenerateConfig = _twin(GenerateSpec)

@@ -215,6 +215,37 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class ObjectiveSpec:
+    """the training objective: SFT's loss, or a preference loss over (chosen, rejected) pairs"""
+
+    # finetune/objectives.py holds each loss, with its paper and TRL's code cited
+    name: str = key("sft", "the objective (objective=...): sft (next-token loss), dpo, orpo, simpo (pairs: "
+                    "prompt/chosen/rejected records)", choices=("sft", "dpo", "orpo", "simpo"))
+    # sigmoid: DPO (Rafailov et al. 2023) with cDPO's label smoothing; ipo: Azar et al. 2023; hinge: SLiC
+    loss_type: str = key("sigmoid", "dpo: the pair loss: sigmoid (DPO), ipo, hinge", choices=("sigmoid", "ipo", "hinge"))
+    beta: float = key(0.1, "dpo: the KL weight (reward scale); orpo: the odds-ratio weight (lambda); simpo: the "
+                      "reward scale", gt=0)
+    label_smoothing: float = key(0.0, "dpo sigmoid: the share of pairs assumed mislabelled (cDPO)", ge=0, lt=0.5,
+                                 hint="at 0.5 the labels carry no information")
+    gamma: float = key(0.5, "simpo: the target reward margin (TRL's simpo_gamma)", ge=0)
+    # method=full: the base is what trains, so its log-probs are taken once before step 1 (TRL's
+    # precompute_ref_log_probs); LoRA/DoRA/QLoRA: the base with the adapters off, every step
+    reference: str = key("auto", "dpo: the reference: auto (adapters off under LoRA/DoRA/QLoRA, log-probs "
+                         "precomputed before training under method=full), precompute (always precomputed)",
+                         choices=("auto", "precompute"))
+
+    @property
+    def preference(self) -> bool:
+        """Trains on pairs (every objective but sft)."""
+        return self.name != "sft"
+
+    @property
+    def needs_reference(self) -> bool:
+        """DPO compares to a reference model; ORPO and SimPO need none."""
+        return self.name == "dpo"
+
+
+@dataclass(frozen=True)
 class TrainSpec:
     """steps, batches and the schedule"""
 
@@ -396,6 +427,7 @@ class RunSpec:
     optim: OptimSpec = group(OptimSpec, "the optimizer")
     precision: PrecisionSpec = group(PrecisionSpec, "dtypes")
     data: DataSpec = group(DataSpec, "the samples")
+    objective: ObjectiveSpec = group(ObjectiveSpec, "the training objective (sft, dpo, orpo, simpo)")
     train: TrainSpec = group(TrainSpec, "the training loop")
     memory: MemorySpec = group(MemorySpec, "memory accounting and the governor")
     # chosen logger -> its settings: each chosen option of the `logger` group

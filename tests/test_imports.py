@@ -40,6 +40,7 @@ LAZY_FRAMEWORK_MODULES = {
     "finetune.backends.cuda.distributed": "torch.distributed: the cuda ranks, used by the cuda runtime under a launcher",
     "finetune.backends.cuda.measure": "torch: the cuda allocator's figures",
     "finetune.backends.cuda.offload": "torch: train.activation_offload's saved-tensor hooks, used by the cuda runtime",
+    "finetune.backends.cuda.preference": "torch: the cuda preference step (objective=dpo|orpo|simpo)",
     "finetune.backends.mlx.runtime": "mlx, mlx_lm: the mlx runtime, loaded by get_backend",
     "finetune.backends.mlx.loss": "mlx: the mlx loss, used by the mlx runtime once a model is set up",
     "finetune.backends.cuda.generate": "torch, transformers: mode=generate on cuda, used by the cuda runtime",

@@ -49,6 +49,7 @@ from finetune.backends.cuda.load import (
 from finetune.backends.cuda.loss import compile_loss, is_compile_failure
 from finetune.backends.cuda.memory import FSDP_OPTIMIZERS
 from finetune.backends.cuda.optimizers import build_optimizer
+from finetune.backends.cuda.preference import CudaPreference
 from finetune.backends.cuda.readings import CudaReadings
 
 from finetune import precision as precision_mod
@@ -64,10 +65,10 @@ log = logging.getLogger("finetune")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CudaBackend(CudaFiles, CudaReadings):
+class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
     """torch/transformers/PEFT/bitsandbytes backend; see the module docstring. Its files (the
     adapter, checkpoints) are ``CudaFiles``' (files.py), its memory readings ``CudaReadings``'
-    (readings.py)."""
+    (readings.py), its preference steps ``CudaPreference``'s (preference.py)."""
 
     name = "cuda"
 

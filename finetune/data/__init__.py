@@ -40,6 +40,7 @@ import numpy as np
 from finetune.backends.base import padded_length
 from finetune.data.batches import DataSource, fit_to_micro, pad_multiple, packed_steps
 from finetune.data.formats import load_records
+from finetune.data.pairs import PairSource
 from finetune.data.tokens import TOKENIZE_CHUNK, Tokenized, prepare, record_char_cap, tokenize
 from finetune.errors import UserError
 from finetune.spec import RunSpec
@@ -58,6 +59,12 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     effective batch of all of them (train.batch_size * train.grad_accum per rank), and each rank
     trains its own slice (``rank_slice``)."""
     t = spec.train
+    pairs = spec.objective.preference
+    if pairs and t.packing:
+        raise UserError(f"objective={spec.objective.name} does not pack its pairs yet; use train.packing=false")
+    if pairs and spec.world.world_size > 1:
+        raise UserError(f"objective={spec.objective.name} runs in one process for now; launch it without torchrun / "
+                        "mlx.launch")
     tok = prepare(spec, tokenizer)
     if not tok.ids and tok.dropped_no_target:
         raise UserError(f"no completion tokens left in any of the {tok.dropped_no_target} samples after truncating to "
@@ -68,7 +75,10 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     if tok.truncated:
         log.warning("%d of %d samples were longer than train.seq_len=%d and were truncated (longest %d tokens); "
                     "raise train.seq_len to keep them whole", tok.truncated, tok.records, t.seq_len, tok.longest)
-    if tok.dropped_no_target:
+    if tok.dropped_no_target and pairs:
+        log.warning("%d pairs had a completion with no target token within train.seq_len, or the same tokens in "
+                    "both, and were dropped; raise train.seq_len to keep them", tok.dropped_no_target)
+    elif tok.dropped_no_target:
         log.warning("%d samples had no target token within train.seq_len and were dropped", tok.dropped_no_target)
 
     cap, cut = t.packed_tokens, 0
@@ -79,9 +89,13 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
                         cap, "truncated" if t.pack_overflow == "truncate" else "split into pieces")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = pad_multiple(spec)
-    src = DataSource(tok, int(pad), t.effective_batch * spec.world.world_size, t.seed, spec.data.val_fraction,
-                     spec.data.max_val_samples, multiple, t.seq_len)
-    lens = src.lengths
+    if pairs:  # a step's effective batch counts pairs (finetune/data/pairs.py)
+        src: DataSource = PairSource(tok, int(pad), t.effective_batch, t.seed, spec.data.val_fraction,
+                                     spec.data.max_val_samples, multiple, t.seq_len)
+    else:
+        src = DataSource(tok, int(pad), t.effective_batch * spec.world.world_size, t.seed, spec.data.val_fraction,
+                         spec.data.max_val_samples, multiple, t.seq_len)
+    lens = tok.lengths if pairs else src.lengths
     stats: dict[str, Any] = {"records": tok.records, "formats": dict(tok.formats), "samples": len(tok.ids),
              "train_samples": len(src.train_idx),
              "val_samples": len(src.val_idx), "truncated": tok.truncated, "dropped_no_target": tok.dropped_no_target,
@@ -89,6 +103,8 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
              # the widest micro-batch the run can see (train.pad_multiple): what plans price
              "pad_multiple": multiple,
              "max_padded_tokens": padded_length(int(lens.max()), multiple, t.seq_len)}
+    if pairs:  # a pair's two samples are rows of one micro-batch: the planner prices 2 rows a pair
+        stats.update(pairs=len(src.lengths), train_pairs=len(src.train_idx), val_pairs=len(src.val_idx), rows_per_item=2)
     targets = tok.targets()
     if cap:
         # every packed micro-batch of the run's steps, as each rank packs its share of a step

@@ -281,6 +281,12 @@ def check_record(rec: Any, where: str) -> None:
     if not isinstance(rec, dict):
         raise UserError(f"{where} is a JSON {type(rec).__name__}, not an object; each line needs one object such as "
                         '{"prompt": "...", "completion": "..."}')
+    if "chosen" in rec or "rejected" in rec:
+        check_pair(rec, where)
+        return
+    if "label" in rec and "completion" in rec:
+        raise UserError(f"{where}: an unpaired record (prompt/completion/label, KTO's format) is not trained here; "
+                        'give preference pairs {"prompt", "chosen", "rejected"} with objective=dpo (or orpo, simpo)')
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -303,9 +309,53 @@ def check_record(rec: Any, where: str) -> None:
                         "prompt+completion, question+answer or messages")
 
 
+PAIR_FORMAT = "preference pairs"  # record_format's name for {"prompt", "chosen", "rejected"}
+
+
+def _turns_text(value: Any) -> str:
+    """A completion's text as a pair holds it: a string, or the contents of its chat turns."""
+    if isinstance(value, str):
+        return value
+    return "".join(str(m.get("content") or "") for m in value if isinstance(m, dict))
+
+
+def _check_turns(value: Any, where: str, key: str) -> None:
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: '{key}' must be a string or a non-empty list of {{role, content}} turns")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise UserError(f"{where}: '{key}' turn {i} is not a {{role, content}} object with string content; "
+                            "give every turn a role and its text")
+
+
+def check_pair(rec: dict[str, Any], where: str) -> None:
+    """UserError naming ``where`` (file:line) for a preference record that cannot train: a
+    missing prompt, chosen or rejected, an empty completion, or chosen equal to rejected
+    (a pair with no preference: its loss has no gradient)."""
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in rec:
+            other = "rejected" if key == "chosen" else "chosen"
+            raise UserError(f"{where}: a preference record without '{key}'; give every pair a prompt, a chosen and a "
+                            f"rejected completion (this one has {other if other in rec else 'neither'})"
+                            if key != "prompt" else
+                            f"{where}: a preference record without 'prompt'; give every pair the prompt its "
+                            "completions answer (a string or chat turns)")
+        value = rec[key]
+        if not isinstance(value, str):
+            _check_turns(value, where, key)
+    for key in ("chosen", "rejected"):
+        if not _turns_text(rec[key]).strip():
+            raise UserError(f"{where}: '{key}' is empty; every pair needs two non-empty completions: fix or remove it")
+    if rec["chosen"] == rec["rejected"]:
+        raise UserError(f"{where}: 'chosen' equals 'rejected'; a pair must prefer one completion over a different "
+                        "one: fix or remove it")
+
+
 def record_format(record: dict[str, Any]) -> str:
-    """The format a (checked) record is read as, in ``_render``'s order: "chat messages",
-    "prompt/completion", "question/answer" or "text"."""
+    """The format a (checked) record is read as, in ``_render``'s order: "preference pairs",
+    "chat messages", "prompt/completion", "question/answer" or "text"."""
+    if "chosen" in record:
+        return PAIR_FORMAT
     if "messages" in record:
         return "chat messages"
     if "prompt" in record and "completion" in record:

@@ -24,8 +24,9 @@ import numpy as np
 
 from finetune import synthetic
 from finetune.data import cache as tokcache
-from finetune.data.formats import (_BOM, READERS, _hf_dataset, _hf_records, _jsonl_path, _jsonl_records, _unreadable,
-                                   check_record, compression, is_pipe, iter_records, record_format)
+from finetune.data.formats import (_BOM, PAIR_FORMAT, READERS, _hf_dataset, _hf_records, _jsonl_path, _jsonl_records,
+                                   _unreadable, check_pair, check_record, compression, is_pipe, iter_records,
+                                   record_format)
 from finetune.errors import UserError
 from finetune.prompting import QA_PROMPT
 from finetune.spec import DataSpec, RunSpec
@@ -122,6 +123,7 @@ class _Chunk:
     truncated: int
     dropped: int
     longest: int
+    kept: np.ndarray  # bool per record: it has a target token within seq_len (else dropped)
 
 
 # How far past the characters that ``seq_len`` tokens can cover a record's text is kept (see
@@ -181,11 +183,70 @@ def _chunk_samples(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, 
     kept = targets > 0
     tok_kept = np.repeat(kept, keep_len)
     return _Chunk(ids[tok_kept], mask[tok_kept].astype(np.int8), keep_len[kept], int((n > seq_len).sum()),
-                  int((~kept).sum()), int(n.max(initial=0)))
+                  int((~kept).sum()), int(n.max(initial=0)), kept)
+
+
+def _render_pair(record: dict[str, Any], tokenizer: Any) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) text of a preference record. Chat turns go through the
+    tokenizer's chat template as TRL's DPOTrainer renders them (trl/data_utils.py
+    ``apply_chat_template``): the prompt with the generation prompt added, each completion as
+    what the whole conversation adds after it, so only the completion's tokens are targets."""
+    p, c, r = record["prompt"], record["chosen"], record["rejected"]
+    if isinstance(p, str) and isinstance(c, str) and isinstance(r, str):
+        return p, c, r
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError("preference records hold chat turns but the model's tokenizer has no chat template; give "
+                        "prompt, chosen and rejected as strings, or use a chat model")
+    turns = (lambda v: [{"role": "user", "content": v}] if isinstance(v, str) else list(v))
+    prompt = tokenizer.apply_chat_template(turns(p), tokenize=False, add_generation_prompt=True)
+
+    def completion(v: Any) -> str:
+        msgs = [{"role": "assistant", "content": v}] if isinstance(v, str) else list(v)
+        whole = tokenizer.apply_chat_template(turns(p) + msgs, tokenize=False)
+        return whole[len(prompt):] if whole.startswith(prompt) else whole
+
+    return prompt, completion(c), completion(r)
+
+
+def _pair_chunk(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, char_cap: int | None) -> _Chunk:
+    """``_chunk_samples`` over the pairs of ``records``: each pair's chosen then rejected
+    sample, side by side (samples 2i and 2i + 1), only completion tokens targets; a pair one of
+    whose samples keeps no target within ``seq_len`` is dropped whole (counted once)."""
+    rows: list[dict[str, Any]] = []
+    for rec in records:
+        p, c, r = _render_pair(rec, tokenizer)
+        rows += [{"prompt": p, "completion": c}, {"prompt": p, "completion": r}]
+    ch = _chunk_samples(rows, tokenizer, seq_len, True, char_cap)
+    full = np.zeros(len(rows), np.int64)
+    full[ch.kept] = ch.lengths
+    ok = ch.kept[0::2] & ch.kept[1::2]
+    # a pair that seq_len cut to the same tokens (they differed only past it) has no preference left
+    at = np.cumsum(ch.kept) - 1  # each kept row's place among the kept
+    ends = np.cumsum(ch.lengths)
+    for i in np.flatnonzero(ok):
+        c, r = at[2 * i], at[2 * i + 1]
+        if ch.lengths[c] == ch.lengths[r] and np.array_equal(ch.ids[ends[c] - ch.lengths[c]:ends[c]],
+                                                               ch.ids[ends[r] - ch.lengths[r]:ends[r]]):
+            ok[i] = False
+    keep_rows = np.repeat(ok, 2)
+    tok_keep = np.repeat(keep_rows[ch.kept], ch.lengths)
+    return _Chunk(ch.ids[tok_keep], ch.mask[tok_keep], full[keep_rows], ch.truncated, int((~ok).sum()), ch.longest,
+                  keep_rows)
+
+
+def _check_objective(fmt: str, pairs: bool) -> None:
+    """One line naming the fix for records the objective cannot train on."""
+    if fmt == PAIR_FORMAT and not pairs:
+        raise UserError('the data holds preference pairs ({"prompt", "chosen", "rejected"}); train them with '
+                        "objective=dpo (or orpo, simpo), or give objective=sft prompt/completion records")
+    if pairs and fmt != PAIR_FORMAT:
+        raise UserError(f'a preference objective needs pairs {{"prompt", "chosen", "rejected"}}, and the data holds '
+                        f"{fmt} records; train those with objective=sft")
 
 
 def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool,
-                   writer: TokenWriter, progress: Callable[[int], None] | None = None) -> dict[str, int]:
+                   writer: TokenWriter, progress: Callable[[int], None] | None = None,
+                   pairs: bool = False) -> dict[str, int]:
     """Stream records through ``_chunk_samples`` ``TOKENIZE_CHUNK`` at a time into ``writer``:
     memory holds one chunk's Python objects (one call over every record would hold all their
     offset tuples, ~100 B a token, and the heap that leaves behind stays in the process's RSS).
@@ -196,8 +257,11 @@ def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: i
     while chunk := list(islice(it, TOKENIZE_CHUNK)):
         for r in chunk:
             f = record_format(r)
+            _check_objective(f, pairs)
             formats[f] = formats.get(f, 0) + 1
-        c = _chunk_samples(chunk, tokenizer, seq_len, mask_prompt, cap)
+        # pairs: samples 2i (chosen) and 2i + 1 (rejected) of each kept pair
+        c = _pair_chunk(chunk, tokenizer, seq_len, cap) if pairs else _chunk_samples(chunk, tokenizer, seq_len,
+                                                                                      mask_prompt, cap)
         writer.add(c.ids, c.mask, c.lengths)
         stats["records"] += len(chunk)
         stats["truncated"] += c.truncated
@@ -214,13 +278,13 @@ def _tokenized(ids: Ragged, masks: Ragged, stats: dict[str, Any]) -> Tokenized:
 
 
 def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool,
-             progress: Callable[[int], None] | None = None) -> Tokenized:
+             progress: Callable[[int], None] | None = None, pairs: bool = False) -> Tokenized:
     """Tokenize records (EOS appended, counted in the loss), truncate to ``seq_len``, in memory.
 
     ``records`` may be any iterable (a list, ``iter_records``); the samples are one flat array
     of ids and one of masks, each sample a view (``Ragged``)."""
     writer = TokenWriter(tokcache.ids_dtype(tokenizer))
-    stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, progress)
+    stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, progress, pairs)
     return _tokenized(*writer.finish_in_memory(), stats)
 
 
@@ -229,7 +293,8 @@ def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, ma
 def _code_fingerprint(name: str) -> str:
     """A hash of the code that decides which records are read and what tokens they become: an
     edit to it (a new format, a changed mask rule) is a new cache entry, never a stale one."""
-    funcs: list[Any] = [check_record, _render, _encode, record_char_cap, _chunk_samples, _tokenize_into, *READERS]
+    funcs: list[Any] = [check_record, check_pair, _render, _render_pair, _pair_chunk, _encode, record_char_cap,
+                        _chunk_samples, _tokenize_into, *READERS]
     if name == "synthetic":
         funcs.append(synthetic)
     try:
@@ -291,15 +356,17 @@ def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
     tokenizer and settings exists; else tokenized chunk by chunk straight into a new entry
     (``data.cache=false``: into memory, nothing written). Says which in one line on stderr."""
     d, seq_len, mask_prompt = spec.data, spec.train.seq_len, spec.data.mask_prompt
+    pairs = spec.objective.preference  # samples 2i, 2i + 1: a pair's chosen and rejected
     seed, show, t0 = spec.train.seed, spec.train.progress, time.perf_counter()
     label, source_key, records, total = _source(d, seed, keyed=bool(d.cache))
     _remove_stale_temporaries(d.cache_dir)
     if not d.cache or source_key is None:
         why = ("data.cache=false" if not d.cache else "data.path is a pipe, read once" if d.name == "jsonl"
                else "the data set has no fingerprint")
-        return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, f"{why}: nothing cached")
+        return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, f"{why}: nothing cached", pairs)
     key = {"source": source_key, "tokenizer": tokcache.tokenizer_fingerprint(tokenizer),
-           "settings": {"seq_len": seq_len, "mask_prompt": mask_prompt}, "code": _code_fingerprint(d.name)}
+           "settings": {"seq_len": seq_len, "mask_prompt": mask_prompt, **({"pairs": True} if pairs else {})},
+           "code": _code_fingerprint(d.name)}
     path = tokcache.entry_path(tokcache.cache_dir(d.cache_dir), label, key)
     built = False
     for _ in range(2):  # look; on a miss build; look again (at ours, or at the one a faster job published)
@@ -325,7 +392,8 @@ def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
             break
         bar = _progress_bar(show, total)
         try:
-            stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, None if bar is None else bar.update)
+            stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, None if bar is None else bar.update,
+                                   pairs)
             path = writer.publish(stats, key)
         except OSError as e:  # disk full, the dir removed under us: the run goes on without a cache
             writer.abort()
@@ -341,7 +409,7 @@ def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
     # No usable entry (an unwritable dir, a failed write, an entry damaged as soon as written):
     # tokenize into memory, from the start of the data again.
     _, _, records, _ = _source(d, seed, keyed=False)
-    return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, "not cached")
+    return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, "not cached", pairs)
 
 
 def _remove_stale_temporaries(cache_dir: str | None) -> None:
@@ -354,10 +422,10 @@ def _remove_stale_temporaries(cache_dir: str | None) -> None:
 
 
 def _in_memory(records: Iterator[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool, show: bool,
-               total: int | None, t0: float, why: str) -> Tokenized:
+               total: int | None, t0: float, why: str, pairs: bool = False) -> Tokenized:
     bar = _progress_bar(show, total)
     try:
-        tok = tokenize(records, tokenizer, seq_len, mask_prompt, None if bar is None else bar.update)
+        tok = tokenize(records, tokenizer, seq_len, mask_prompt, None if bar is None else bar.update, pairs)
     finally:
         if bar is not None:
             bar.close()

@@ -19,15 +19,17 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 
 from finetune.run import files as checkpoints
 from finetune.backends import OutOfMemory, resolve_backend_name
-from finetune.backends.base import Batch, Comm, pack, pack_figures
+from finetune.backends.base import Batch, Comm, PairBackend, pack, pack_figures
 from finetune.backends.runtimes import get_backend
 from finetune.run.checkpoint import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
 from finetune.data.batches import rank_slice
+from finetune.data.pairs import PairSource, pair_counts
+from finetune.objectives import PairSums
 from finetune.errors import UserError
 from finetune.run.faults import Faults, StopOnSignal
 from finetune.io import atomic_dir, atomic_write_json, disk_errors
@@ -164,6 +166,10 @@ class Trainer:
         if self.comm.rank == 0:
             print(self._backend_reason + (f"; {self.comm.world_size} ranks ({self.spec.backend.strategy})"
                                           if self.comm.world_size > 1 else ""), file=sys.stderr)
+        obj = self.spec.objective
+        if obj.preference and not hasattr(self.backend, "forward_backward_pairs"):
+            raise UserError(f"objective={obj.name} runs on backend=cuda for now; use backend=cuda (it runs on the "
+                            "CPU too) or objective=sft")
         self.governor = Governor(self.spec, self.backend_name, self._event)
         # Before any download: stop if even the weights and state cannot fit the budget.
         self.governor.before_load(seq_len=8, only_check=True)
@@ -207,6 +213,11 @@ class Trainer:
         self.acct = Accountant(self.backend, sample_every=mem.sample_every, rank=self.comm.rank,
                                phase_every=mem.phase_every)
         self.acct.run_facts = {"adaptations": self.events, "adapt": mem.adapt, "budget_set": mem.budget is not None}
+        if obj.preference:  # method=full's reference: every sample's log-prob, once, before step 1
+            pairs = cast(PairSource, self.data)
+            self.ref_table_bytes = cast(PairBackend, self.backend).precompute_reference(
+                pairs.all_batches(self.governor.micro), len(pairs.samples.ids))
+        self.pair_metrics: dict[str, Any] = {}
         self.acct.sample(0, "load")
         self.ckpt = Checkpointer(self.spec, self.run_dir, self.backend, self.backend_name, self.model_dir, self.comm,
                                  self.governor, self.runlog, self.faults)
@@ -260,13 +271,14 @@ class Trainer:
             self.governor.after_step(step, self._agreed_sample(step, sample))
             rec = {"step": step, "loss": loss, "lr": self._lr(step), "grad_norm": gnorm, "tokens": ntok,
                    "samples": nsamp, "micro_batch": self.governor.micro, "step_seconds": dt,
-                   "tokens_per_sec": ntok / dt if dt > 0 else None}
+                   "tokens_per_sec": ntok / dt if dt > 0 else None, **(self.pair_metrics.get("train") or {})}
             moved = self.backend.offloaded_bytes()  # train.activation_offload: the step's transfer volume
             if moved is not None:
                 rec["offload_moved_bytes"] = moved
             if eval_every > 0 and (step % eval_every == 0 or step == steps):
                 val_loss = self.evaluate()
                 rec["val_loss"] = val_loss
+                rec.update(self.pair_metrics.get("eval") or {})
                 self.acct.between_steps()  # its memory belongs in the next peak read
             rec.update(self.acct.metrics_fields() if sample is not None else {})
             self.runlog.step(rec, self.acct.progress_text)
@@ -309,6 +321,8 @@ class Trainer:
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
         self.faults.abort_at(step, self.governor.micro)
+        if self.spec.objective.preference:
+            return self._pair_step(step)
         batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
         mine = rank_slice(batch, self.comm.rank, self.comm.world_size)
         self._step_max_len = int(mine.input_ids.shape[1])  # the widest micro-batch, padded
@@ -346,6 +360,48 @@ class Trainer:
         if every and step % every == 0:  # memory.empty_cache_every: the cache back to the device
             self.backend.release_cache()
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
+
+    def _pair_step(self, step: int) -> tuple[float, int, int, float | None]:
+        """Optimizer step ``step`` of a preference objective (finetune/objectives.py): the step's
+        pairs in micro-batches of ``micro`` whole pairs (2 * micro rows), each scaled by the
+        step's 1 / pairs (and ORPO's 1 / chosen target tokens), so any split gives the same loss;
+        redone with fewer pairs a micro-batch on OOM. Returns (loss, tokens, pairs, grad norm)."""
+        batch = self.data.train_batch(step - 1)
+        pairs, chosen_tokens = pair_counts(batch)
+        self._step_max_len = int(batch.input_ids.shape[1])
+        self._step_rows = None
+
+        def hook(phase: str) -> None:
+            self.acct.sample(step, phase)
+
+        while True:
+            sums = PairSums()
+            try:
+                for micro in batch.split(2 * self.governor.micro):
+                    sums = sums.add(cast(PairBackend, self.backend).forward_backward_pairs(micro, 1.0 / pairs, 1.0 / max(1, chosen_tokens),
+                                                                        hook))
+                break
+            except OutOfMemory as e:
+                self.backend.zero_grad()
+                self.backend.release_cache()
+                self.governor.on_oom(step, e, row_tokens=int(batch.input_ids.shape[1]))
+        grad_norm = self.backend.optimizer_step(self._lr(step))
+        self.pair_metrics["train"] = sums.metrics()
+        return sums.loss, batch.tokens, pairs, grad_norm
+
+    def _evaluate_pairs(self) -> float | None:
+        """Validation of a preference objective: the mean pair loss over the validation pairs
+        (as the step's), and TRL's eval_ metrics (eval_rewards/accuracies, ...)."""
+        batches = self.data.val_batches(self.governor.micro, self.spec.train.eval_batches)
+        if not batches:
+            return None
+        counts = [pair_counts(b) for b in batches]
+        pairs, chosen = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        sums = PairSums()
+        for b in batches:
+            sums = sums.add(cast(PairBackend, self.backend).eval_pairs(b, 1.0 / pairs, 1.0 / max(1, chosen)))
+        self.pair_metrics["eval"] = sums.metrics("eval_")
+        return sums.loss
 
     def _micro_batches(self, mine: Batch) -> list[Batch]:
         """This rank's share of the step, in the governor's current micro-batches: packed to
@@ -390,6 +446,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.spec.train.eval_every <= 0:
             return None
+        if self.spec.objective.preference:
+            return self._evaluate_pairs()
         batches = self.data.val_batches(self.governor.micro, self.spec.train.eval_batches)
         if not batches:
             return None
@@ -497,6 +555,9 @@ class Trainer:
             "plan_error_run": planner.run_plan_error(getattr(self, "plan", None), mem.get("peaks") or {}),
             "adaptations": self.events,
             "budget_bytes": self.governor.budget_bytes,
+            # a preference objective's last step's and validation's metrics, TRL's names
+            **({"objective": spec.objective.name, "pair_metrics": self.pair_metrics,
+                "reference_table_bytes": getattr(self, "ref_table_bytes", 0)} if spec.objective.preference else {}),
         }
 
 

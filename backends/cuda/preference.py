@@ -1,0 +1,143 @@
+"""The cuda backend's preference step (``objective=dpo|orpo|simpo``): chosen and rejected rows
+through the model as one batch, the reference's log-probabilities, the loss of
+finetune/objectives.py.
+
+A micro-batch holds whole pairs, interleaved (finetune/data/pairs.py): even rows the chosen
+completions, odd rows the rejected. One forward gives every row's summed completion
+log-probability; the reference's come from
+
+- the base with the adapters off (PEFT's ``disable_adapter()``) under LoRA/DoRA/QLoRA, under
+  ``torch.no_grad()``: no activation is kept for backward (TRL's DPOTrainer with a PEFT model
+  and no ref_model: ``use_adapter(model, None)``);
+- a table computed in one no-grad pass before step 1 (``precompute_reference``) under
+  method=full or objective.reference=precompute: TRL's ``precompute_ref_log_probs``. The table
+  is one fp32 number per sample, keyed by the sample's id (``Batch.indices``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from finetune import objectives
+from finetune.backends.base import Batch, OutOfMemory
+from finetune.objectives import PairSums, PairTerms
+
+
+class CudaPreference:
+    """Mixed into ``CudaBackend``: what its preference steps add (the reference table)."""
+
+    model: Any
+    spec: Any
+    scaler: Any
+    _ref_logps: np.ndarray | None = None  # precompute_reference's table: sample id -> reference log-prob
+
+    # provided by CudaBackend
+    _to_device: Callable[..., torch.Tensor]
+    _autocast: Callable[[], Any]
+    zero_grad: Callable[[], None]
+    release_cache: Callable[[], None]
+
+    def _row_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows] summed log p of each row's targets, fp32, [rows] target tokens): one forward
+        of every row, the head's logits upcast to fp32 before log_softmax."""
+        ids = self._to_device(batch.input_ids, np.int64)
+        mask = self._to_device(batch.loss_mask, np.float32)[:, 1:]
+        with self._autocast():
+            logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return (picked * mask).sum(dim=1), mask.sum(dim=1)
+
+    def _uses_table(self) -> bool:
+        o = self.spec.objective
+        return o.needs_reference and (o.reference == "precompute" or self.spec.method.name == "full")
+
+    def _reference(self, batch: Batch) -> torch.Tensor | None:
+        """[rows] the reference's summed log-probabilities, or None (ORPO, SimPO)."""
+        if not self.spec.objective.needs_reference:
+            return None
+        if self._uses_table():
+            if self._ref_logps is None:
+                raise RuntimeError("the reference log-probs were not precomputed before training")
+            return torch.from_numpy(self._ref_logps[np.asarray(batch.indices)]).to(self.device_of_loss())
+        with torch.no_grad(), self.model.disable_adapter():
+            return self._row_logps(batch)[0]
+
+    def device_of_loss(self) -> torch.device:
+        return next(p for p in self.model.parameters()).device
+
+    def precompute_reference(self, batches: list[Batch], samples: int) -> int:
+        """The reference log-probability of every sample, in no-grad passes over ``batches``
+        (the model as it is now: before step 1, the reference), in eval mode. Returns the
+        table's bytes (one fp32 a sample). A no-op unless the run reads a table."""
+        if not self._uses_table():
+            return 0
+        table = np.zeros(samples, np.float32)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                off = self.model.disable_adapter() if hasattr(self.model, "disable_adapter") \
+                    else contextlib.nullcontext()
+                with off:
+                    for b in batches:
+                        table[np.asarray(b.indices)] = self._row_logps(b)[0].cpu().numpy()
+        finally:
+            self.model.train()
+        self._ref_logps = table
+        return int(table.nbytes)
+
+    def _terms(self, batch: Batch) -> tuple[PairTerms, torch.Tensor]:
+        logps, tokens = self._row_logps(batch)
+        ref = self._reference(batch)
+        rc, rr = (ref[0::2], ref[1::2]) if ref is not None else (None, None)
+        terms = objectives.pair_terms(self.spec.objective, torch, logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
+                                      rc, rr)
+        return terms, tokens
+
+    @staticmethod
+    def _sums(terms: PairTerms, loss: torch.Tensor) -> PairSums:
+        cr, rr = terms.chosen_rewards.detach(), terms.rejected_rewards.detach()
+        return PairSums(float(loss.detach()), int(cr.numel()), float(cr.sum()), float(rr.sum()),
+                        float((cr > rr).float().sum()), float(terms.chosen_logps.detach().sum()),
+                        float(terms.rejected_logps.detach().sum()))
+
+    def forward_backward_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float,
+                               on_phase: Callable[[str], None] | None = None) -> PairSums:
+        """Accumulate the gradients of this micro-batch's share of its step's loss
+        (``objectives.scaled_loss``); return that share and the metrics' sums.
+
+        Raises:
+            OutOfMemory: as ``forward_backward`` (every gradient of the step dropped).
+        """
+        try:
+            terms, _ = self._terms(batch)
+            loss = objectives.scaled_loss(terms, per_pair, per_chosen_token)
+            if on_phase:
+                on_phase("forward")
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            sums = self._sums(terms, loss)
+        except torch.OutOfMemoryError as e:
+            message = str(e).splitlines()[0] if str(e) else "out of memory"
+        else:
+            if on_phase:
+                on_phase("backward")
+            return sums
+        terms = loss = None  # type: ignore[assignment]
+        self.zero_grad()
+        self.release_cache()
+        raise OutOfMemory(f"torch.OutOfMemoryError in forward/backward: {message}")
+
+    def eval_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float) -> PairSums:
+        """``forward_backward_pairs``' sums in eval mode, without gradients."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                terms, _ = self._terms(batch)
+                return self._sums(terms, objectives.scaled_loss(terms, per_pair, per_chosen_token))
+        finally:
+            self.model.train()

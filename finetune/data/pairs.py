@@ -1,0 +1,77 @@
+"""Preference pairs as batches (``objective=dpo|orpo|simpo``): the step -> pairs schedule and
+batches whose rows keep each pair side by side.
+
+The tokens hold each pair as two samples, 2i (chosen) and 2i + 1 (rejected)
+(finetune/data/tokens.py ``_pair_chunk``). ``PairSource`` is ``DataSource`` over pairs: the
+train/validation split, the shuffle and the length grouping see one item per pair (its longer
+sample's length), so the order of pairs is a pure function of (seed, pairs per step, step), as
+the order of samples is under SFT. A batch's rows are its pairs' samples interleaved (chosen 0,
+rejected 0, chosen 1, ...): ``Batch.split`` by an even number of rows keeps every pair whole in
+one micro-batch (the loop splits by ``2 * micro``), and the backend reads the chosen rows as the
+even ones, the rejected as the odd ones. ``Batch.indices`` carries each row's sample id (2i,
+2i + 1): the key of a precomputed reference log-probability.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from finetune.backends.base import Batch
+from finetune.data.batches import DataSource, collate
+from finetune.data.tokens import Tokenized
+
+
+class _PairView:
+    """What ``DataSource.__init__`` reads of its samples (how many, their lengths), one item a
+    pair: a pair is as long as its longer sample."""
+
+    def __init__(self, tok: Tokenized):
+        lens = tok.lengths
+        self.ids = range(len(lens) // 2)
+        self.lengths = np.maximum(lens[0::2], lens[1::2])
+
+
+class PairSource(DataSource):
+    """``DataSource`` over pairs (see the module docstring): ``effective_batch`` counts pairs."""
+
+    def __init__(self, tok: Tokenized, pad_id: int, effective_batch: int, seed: int, val_fraction: float,
+                 max_val: int, pad_multiple: int = 1, max_len: int | None = None):
+        super().__init__(_PairView(tok), pad_id, effective_batch, seed, val_fraction, max_val,  # type: ignore[arg-type]
+                         pad_multiple, max_len)
+        self.samples = tok  # the samples themselves: 2 per pair
+        self.sample_lengths = tok.lengths
+
+    def pair_batch(self, pairs: np.ndarray) -> Batch:
+        """The rows of ``pairs`` (pair ids), each pair's chosen then its rejected sample."""
+        rows = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+        return collate([self.samples.ids[i] for i in rows], [self.samples.masks[i] for i in rows], rows,
+                       self.pad_id, **self.pad)
+
+    def train_batch(self, step_index: int) -> Batch:
+        """The pairs of 0-based optimizer step ``step_index``, two rows each."""
+        return self.pair_batch(self.step_indices(step_index))
+
+    def val_batches(self, batch_size: int, max_batches: int) -> list[Batch]:
+        """Validation pairs, ``batch_size`` pairs (2 * batch_size rows) a batch, longest first."""
+        idx = self.val_idx[np.argsort(-self.lengths[self.val_idx], kind="stable")]
+        out = [self.pair_batch(idx[i: i + batch_size]) for i in range(0, len(idx), batch_size)]
+        return out[:max_batches] if max_batches > 0 else out
+
+    def all_batches(self, batch_size: int) -> list[Batch]:
+        """Every pair (train and validation), ``batch_size`` pairs a batch: what a precomputed
+        reference pass reads once."""
+        idx = np.arange(len(self.lengths))
+        return [self.pair_batch(idx[i: i + batch_size]) for i in range(0, len(idx), batch_size)]
+
+
+def pair_counts(batch: Batch) -> tuple[int, int]:
+    """(pairs, target tokens of the chosen completions) of a batch of interleaved pair rows:
+    the scales of a step's loss (``finetune.objectives.scaled_loss``)."""
+    return len(batch.lengths) // 2, int(batch.loss_mask[0::2, 1:].sum())
+
+
+def stats(src: PairSource, tok: Tokenized) -> dict[str, Any]:
+    """The pair counts ``build``'s stats add."""
+    return {"pairs": len(src.lengths), "train_pairs": len(src.train_idx), "val_pairs": len(src.val_idx)}

@@ -1,0 +1,144 @@
+"""Preference objectives (objective=dpo|orpo|simpo): the losses against TRL's own loss code, bad
+pair records named file:line, and on the tiny model: ln 2 at step 1 and the same loss when a
+step is split by whole pairs."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+
+from finetune import objectives
+from finetune.data.formats import check_pair
+from finetune.errors import UserError
+from finetune.spec import ObjectiveSpec
+
+G = torch.Generator().manual_seed(0)
+PC, PR = -torch.rand(6, generator=G) * 30 - 5, -torch.rand(6, generator=G) * 30 - 5  # summed log-probs
+RC, RR = PC + torch.randn(6, generator=G), PR + torch.randn(6, generator=G)
+NC, NR = torch.tensor([7., 9, 11, 5, 8, 12]), torch.tensor([6., 10, 9, 7, 8, 4])
+CPU = SimpleNamespace(device="cpu")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_matches_trl_formula(loss_type):
+    """TRL 1.16 DPOTrainer._compute_loss's per-sequence loss, restated from its code path
+    (the trainer itself needs a model: its lines for these loss types)."""
+    import torch.nn.functional as F
+
+    o = ObjectiveSpec(name="dpo", loss_type=loss_type, beta=0.3)
+    t = objectives.pair_terms(o, torch, PC, PR, NC, NR, RC, RR)
+    d = (PC - RC) - (PR - RR)
+    want = {"sigmoid": -F.logsigmoid(0.3 * d), "hinge": torch.relu(1 - 0.3 * d),
+            "ipo": ((PC - RC) / NC - (PR - RR) / NR - 1 / (2 * 0.3)) ** 2}[loss_type]
+    assert torch.allclose(t.losses, want, atol=1e-6)
+    assert torch.allclose(t.chosen_rewards, 0.3 * (PC - RC)) and torch.allclose(t.rejected_rewards, 0.3 * (PR - RR))
+
+
+def test_cdpo_label_smoothing_matches_trl_cpo_sigmoid():
+    from trl.experimental.cpo import CPOTrainer
+
+    o = ObjectiveSpec(name="dpo", beta=0.2, label_smoothing=0.1)
+    t = objectives.pair_terms(o, torch, PC, PR, NC, NR, RC, RR)
+    ns = SimpleNamespace(alpha=0.0, loss_type="sigmoid", beta=0.2, label_smoothing=0.1, accelerator=CPU)
+    want, _, _ = CPOTrainer.cpo_loss(ns, PC - RC, PR - RR)
+    assert torch.allclose(t.losses, want, atol=1e-6)
+
+
+def test_orpo_and_simpo_match_trl_loss_functions():
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    o = ObjectiveSpec(name="orpo", beta=0.25)
+    t = objectives.pair_terms(o, torch, PC, PR, NC, NR)
+    losses, cr, rr, _, _ = ORPOTrainer.odds_ratio_loss(SimpleNamespace(beta=0.25, accelerator=CPU), PC / NC, PR / NR)
+    assert torch.allclose(t.losses, -losses, atol=1e-6)  # TRL subtracts its (beta * log sigmoid) term
+    assert torch.allclose(t.chosen_rewards, cr) and torch.allclose(t.rejected_rewards, rr)
+    o = ObjectiveSpec(name="simpo", beta=2.0, gamma=0.5)
+    t = objectives.pair_terms(o, torch, PC, PR, NC, NR)
+    ns = SimpleNamespace(alpha=0.0, loss_type="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.0,
+                         accelerator=CPU)
+    losses, cr, rr = CPOTrainer.cpo_loss(ns, PC / NC, PR / NR)
+    assert torch.allclose(t.losses, losses, atol=1e-6)
+    assert torch.allclose(t.chosen_rewards, cr) and torch.allclose(t.rejected_rewards, rr)
+
+
+def test_policy_equal_to_reference_gives_ln2():
+    t = objectives.pair_terms(ObjectiveSpec(name="dpo"), torch, PC, PR, NC, NR, PC, PR)
+    assert torch.allclose(t.losses, torch.full_like(PC, math.log(2)))
+
+
+@pytest.mark.parametrize("rec, words", [
+    ({"prompt": "q", "chosen": "a"}, "without 'rejected'"),
+    ({"prompt": "q", "chosen": "a", "rejected": "  "}, "'rejected' is empty"),
+    ({"prompt": "q", "chosen": "a", "rejected": "a"}, "'chosen' equals 'rejected'"),
+    ({"chosen": "a", "rejected": "b"}, "without 'prompt'"),
+])
+def test_bad_pairs_named_by_line(rec, words):
+    with pytest.raises(UserError, match=words) as e:
+        check_pair(rec, "pairs.jsonl:3")
+    assert str(e.value).startswith("pairs.jsonl:3")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer
+
+    from finetune.config import Config
+    from finetune.model.tiny import build_tiny
+
+    d = build_tiny(Config(run_dir="unused").model)
+    return d, AutoTokenizer.from_pretrained(str(d))
+
+
+def _pairs(n: int) -> list[dict]:
+    return [{"prompt": f"Question {i}: what is {i} + {i}?\nAnswer:\n", "chosen": f"{i} + {i} = {2 * i}\n#### {2 * i}",
+             "rejected": f"{i} + {i} = {2 * i}\n#### -{2 * i + 1}"} for i in range(1, n + 1)]
+
+
+def test_wrong_format_for_objective_is_one_line(tiny):
+    from finetune.data.tokens import tokenize
+
+    _, tok = tiny
+    with pytest.raises(UserError, match="objective=dpo"):
+        tokenize(_pairs(2), tok, 128, True)
+    with pytest.raises(UserError, match="objective=sft"):
+        tokenize([{"prompt": "a", "completion": "b"}], tok, 128, True, pairs=True)
+
+
+def test_dpo_step_one_is_ln2_and_split_by_whole_pairs_keeps_loss(tiny, tmp_path):
+    from conftest import make_spec
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.data.pairs import PairSource, pair_counts
+    from finetune.data.tokens import tokenize
+    from finetune.objectives import PairSums
+
+    d, tok = tiny
+    src = PairSource(tokenize(_pairs(8), tok, 128, True, pairs=True), tok.pad_token_id, 4, 0, 0.0, 0)
+    batch = src.train_batch(0)
+    pairs, chosen = pair_counts(batch)
+    assert pairs == 4 and np.array_equal(batch.indices[0::2] + 1, batch.indices[1::2])  # pairs side by side
+    for method in ("lora", "full"):
+        spec = make_spec(tmp_path, "backend=cuda", "backend.device=cpu", "precision=32-true", "objective=dpo",
+                         f"method={method}")
+        be = CudaBackend()
+        be.setup(spec, d)
+        be.precompute_reference(src.all_batches(4), len(src.samples.ids))  # a table under full only
+        whole = be.forward_backward_pairs(batch, 1 / pairs, 1 / chosen)
+        g1 = [p.grad.clone() for p in be.model.parameters() if p.grad is not None]
+        be.zero_grad()
+        split = PairSums()
+        for micro in batch.split(2):  # one pair a micro-batch
+            split = split.add(be.forward_backward_pairs(micro, 1 / pairs, 1 / chosen))
+        g2 = [p.grad.clone() for p in be.model.parameters() if p.grad is not None]
+        assert whole.loss == pytest.approx(math.log(2), abs=1e-6), method
+        assert split.loss == pytest.approx(whole.loss, abs=1e-6)
+        assert whole.metrics() == pytest.approx(split.metrics(), abs=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+        be.zero_grad()
