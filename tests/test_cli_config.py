@@ -51,7 +51,7 @@ def test_model_presets_carry_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["model=nope"], "model=nope is not an option; choose one of: gemma3-12b, gpt-oss-20b, llama2-7b"),
+    (["model=nope"], "model=nope is not an option; choose one of: gemma3-12b, gpt-oss-20b, llama2-70b, llama2-7b"),
     (["optim=adam8"], "optim=adam8 is not an option; choose one of: adafactor, adam, adamw"),
     (["-m", "optim=adamw,bogus"], "optim=bogus is not an option"),
     (["train.steps=0"], "train.steps=0 must be >= 1"),

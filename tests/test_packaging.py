@@ -35,7 +35,7 @@ def test_wheel_carries_configs_and_entry_points(tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(str(target)), r.stdout[:200]  # the installed copy, not this checkout
-    assert "model: gemma3-12b, gpt-oss-20b, llama2-7b, llama3-8b, llama3.1-8b" in r.stdout
+    assert "model: gemma3-12b, gpt-oss-20b, llama2-70b, llama2-7b, llama3-8b, llama3.1-405b, llama3.1-8b" in r.stdout
     # and from outside a checkout there is no top-level `backends` package to import
     r = subprocess.run([sys.executable, "-c", "import backends"], capture_output=True, text=True, timeout=60,
                        cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
