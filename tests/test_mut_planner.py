@@ -111,7 +111,9 @@ def test_the_plan_fit_to_budget_hands_back_is_the_chosen_run_without_a_search(tm
 
 
 def test_fewer_adapted_layers_is_a_lever_from_two_layers_on(tmp_path: Path) -> None:
-    base = ("backend=cuda", "train.batch_size=1", "train.grad_accum=1", "train.grad_checkpointing=true")
+    # every cheaper lever already on (checkpointing, activation offload), so only fewer layers remain
+    base = ("backend=cuda", "train.batch_size=1", "train.grad_accum=1", "train.grad_checkpointing=true",
+            "train.activation_offload=true")
     one_layer = plan(resolve(compose(tmp_path / "one", *base, "method.lora.num_layers=1")), recommend=False)
     res = fit_to_budget(resolve(compose(tmp_path / "two", *base)), one_layer["max_device_peak_bytes"])
     assert not res.fits and "method.lora.num_layers=1" in res.suggestions
