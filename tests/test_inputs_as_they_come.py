@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _NO_GSM8K, GSM8K, IN_CI, finetune_cmd, needs_torch
+from conftest import _NO_GSM8K, GSM8K, IN_CI, finetune_cmd, make_spec, needs_torch
 
 from finetune import data as data_mod
 from finetune.data import cache as tokcache
@@ -186,15 +186,15 @@ def test_a_fifo_is_read_once_and_never_cached(inputs: Path, tmp_path: Path) -> N
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     writer = subprocess.Popen(["sh", "-c", f"cat {inputs / 'bom_crlf.jsonl'} > {fifo}"])
-    cfg = compose(tmp_path / "run", "data=jsonl", f"data.path={fifo}", f"data.cache_dir={tmp_path / 'cache'}",
-                  "train.progress=false", "train.seq_len=128")
+    cfg = make_spec(tmp_path / "run", "data=jsonl", f"data.path={fifo}", f"data.cache_dir={tmp_path / 'cache'}",
+                    "train.progress=false", "train.seq_len=128")
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg.model)))
     try:
         got = data_mod.prepare(cfg, tok)
     finally:
         writer.wait(timeout=30)
-    plain = data_mod.prepare(compose(tmp_path / "run", "data=jsonl", f"data.path={inputs / 'plain.jsonl'}",
-                                     "data.cache=false", "train.seq_len=128"), tok)
+    plain = data_mod.prepare(make_spec(tmp_path / "run", "data=jsonl", f"data.path={inputs / 'plain.jsonl'}",
+                                       "data.cache=false", "train.seq_len=128"), tok)
     assert [list(x) for x in got.ids] == [list(x) for x in plain.ids]
     assert not list(tokcache.entries(tmp_path / "cache"))
 
@@ -265,8 +265,8 @@ def test_the_next_run_removes_temporaries_of_dead_writers_only(tmp_path: Path, m
     made = {**{f"cache/{k}": v for k, v in _stale_setup(cache, now).items()},
             **{f"root/{k}": v for k, v in _stale_setup(root, now).items()}}
     monkeypatch.setenv("FINETUNE_CACHE", str(root))
-    data_mod.prepare(compose(tmp_path / "run", "data.num_samples=8", f"data.cache_dir={cache}",
-                             "train.progress=false"), tok)
+    data_mod.prepare(make_spec(tmp_path / "run", "data.num_samples=8", f"data.cache_dir={cache}",
+                               "train.progress=false"), tok)
     gone = sorted(k for k, p in made.items() if not p.exists())
     assert gone == sorted(f"{where}/{k}" for where in ("cache", "root")
                           for k in ("dead-writer", "old-untagged-cache", "old-tiny")), gone
