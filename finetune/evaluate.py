@@ -239,17 +239,6 @@ def flat(result: dict[str, Any], side: str = "adapter") -> dict[str, float | Non
     return out
 
 
-def _free() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except ImportError:
-        pass
-
-
 def evaluate_dirs(spec: RunSpec, model_dir: Path, adapter: Path | None, fmt: str | None, run_dir: Path,
                   full: Path | None = None) -> dict[str, Any]:
     """lm-eval on the base in ``model_dir`` and on it plus ``adapter`` (format ``fmt``; or the
@@ -280,7 +269,8 @@ def evaluate_dirs(spec: RunSpec, model_dir: Path, adapter: Path | None, fmt: str
             lm = runtime.eval_model(mdir, adir, e.batch_size, trust_remote_code=trust, allow_pickle=pickle)
             outs[side] = run_harness(e, lm, tm)
             del lm
-            _free()
+            gc.collect()
+            runtime.release_cache()
     rows = compare(metrics(outs["base"]), metrics(outs["adapter"]) if "adapter" in outs else None)
     shown = str(full or adapter) if (full or adapter) else None
     result = {

@@ -34,6 +34,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("export/adapters.py", "MLX_TEXT_PREFIX"): "the name under which an mlx-lm adapter of a multimodal base names its "
                                                "modules (mlx-lm's wrapper's language_model.: a file format)",
     ("export/conversion.py", "MLX_TEXT_PREFIX"): "the same prefix, written into an mlx-lm adapter of a multimodal base",
+    ("export/gguf_file.py", "MLX_CONFIG"): "adapter_config.json, the file name export defines for both formats",
+    ("export/gguf_file.py", "MLX_WEIGHTS"): "mlx-lm's adapters.safetensors file name (a file format)",
+    ("export/gguf_file.py", "mlx_convert"): "mlx-lm's convert, the only reader that dequantizes an MLX-quantized "
+                                            "checkpoint (a file format GGUF export takes in)",
     ("generate.py", "MLX_CONFIG"): "adapter_config.json, the file name export defines for both formats",
     ("accounting/accountant.py", "cuda_context"): "the samples' cuda_context bytes, a field of the metrics schema",
     ("records.py", "cuda_context"): "a field of the Sample record, named as metrics.jsonl has always named it",

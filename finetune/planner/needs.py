@@ -202,5 +202,5 @@ def _offload(s: Setup, core: PlanCore) -> dict[str, Any] | None:
     moved = d.get("offloaded", 0)
     return {"bytes_per_micro_batch": moved, "back_at_once_bytes": d.get("offload_back", 0),
             "device_saving_bytes": moved - d.get("offload_back", 0), "host_bytes": moved,
-            "pinned": s.device == "cuda",
+            "pinned": s.device == capabilities(s.backend).gpu_device,  # pinned host pages where a GPU copies
             "transfer_bytes_per_micro_batch": 2 * moved, "transfer_bytes_per_step": 2 * moved * s.grad_accum}
