@@ -98,6 +98,7 @@ class MlxPreference:
     # provided by MlxBackend
     _arrays: Callable[[Batch], tuple[mx.array, mx.array]]
     _reseed: Callable[[], None]
+    is_oom: Callable[[Exception], bool]
 
     def _uses_table(self) -> bool:
         o = self.spec.objective
@@ -163,8 +164,6 @@ class MlxPreference:
         Raises:
             OutOfMemory: as ``forward_backward`` (the gradients summed before it are kept).
         """
-        from finetune.backends.mlx.runtime import _is_oom
-
         self._reseed()
         ids, mask = self._arrays(batch)
         if self._pair_vg is None:
@@ -175,7 +174,7 @@ class MlxPreference:
             total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
             mx.eval(out, total)  # materialize: memory figures are real after this
         except RuntimeError as e:
-            if _is_oom(e):
+            if self.is_oom(e):
                 raise OutOfMemory(str(e)) from e
             raise
         self._grads = total

@@ -116,6 +116,7 @@ class MlxBackend(MlxPreference):
     preference steps are ``MlxPreference``'s (preference.py)."""
 
     name = "mlx"
+    is_oom = staticmethod(_is_oom)  # MlxPreference's steps read it (preference.py cannot import this module)
 
     def __init__(self) -> None:
         self.model: Any = None  # an mlx_lm model, set by setup() (Any: its layers are its own)
