@@ -29,11 +29,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from finetune.backends.base import Batch, OutOfMemory, PhaseHook
 from mlx import nn
 from mlx.utils import tree_map
 
 from finetune import objectives
-from finetune.backends.base import Batch, OutOfMemory, PhaseHook
 from finetune.objectives import PairSums, PairTerms
 
 
