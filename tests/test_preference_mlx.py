@@ -230,23 +230,25 @@ def test_dpo_equals_mlx_lm_lora(loss_type: str, qwen2: Path, tmp_path: Path) -> 
 def test_the_loop_trains_dpo_on_mlx_as_on_cuda(tmp_path: Path) -> None:
     """finetune's loop (finetune/run/loop.py train) on both backends, method=full (both start
     from the checkpoint; the reference a table precomputed before step 1), the same pairs file:
-    metrics.jsonl's step losses and TRL-named metrics agree, step 1 is ln 2."""
+    metrics.jsonl's step losses and TRL-named metrics agree, and validation's; step 1 is ln 2."""
     import json
 
     from finetune.run.loop import train
 
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in _pairs(24)))
-    steps = {}
+    steps, evals = {}, {}
     for backend in ("cuda", "mlx"):
         extra = ("backend.device=cpu",) if backend == "cuda" else ()
         summary = train(make_spec(tmp_path / backend, f"backend={backend}", *extra, "objective=dpo", "method=full",
-                                  "precision=32-true", f"data.path={data}", "train.steps=3", "train.eval_every=0",
+                                  "precision=32-true", f"data.path={data}", "train.steps=3", "train.eval_every=3",
+                                  "data.val_fraction=0.2",
                                   "train.batch_size=2", "train.grad_accum=2", "train.seq_len=64",
                                   "train.warmup_steps=0", "optim.lr=1e-4"))
         assert summary["reference_table_bytes"] == 4 * 2 * 24  # one fp32 a sample, two samples a pair
         lines = (tmp_path / backend / "metrics.jsonl").read_text().splitlines()
         steps[backend] = [r for r in map(json.loads, lines) if "loss" in r]
+        evals[backend] = summary["pair_metrics"]["eval"]
     cuda, mlx = steps["cuda"], steps["mlx"]
     assert [r["step"] for r in mlx] == [1, 2, 3] and mlx[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert mlx[-1]["loss"] < mlx[0]["loss"] - 1e-3
@@ -255,3 +257,6 @@ def test_the_loop_trains_dpo_on_mlx_as_on_cuda(tmp_path: Path) -> None:
     for c, m in zip(cuda, mlx):
         assert m["loss"] == pytest.approx(c["loss"], abs=TOL)
         assert [m[k] for k in names] == pytest.approx([c[k] for k in names], abs=TOL)
+    assert set(evals["mlx"]) == {"eval_" + k for k in names}  # validation, as TRL names it
+    assert all(isinstance(v, float) for v in evals["mlx"].values())
+    assert evals["mlx"] == pytest.approx(evals["cuda"], abs=TOL)
