@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from finetune.errors import UserError
 from finetune import precision as precision_mod
 from finetune.backends.mlx.generate import generate
+from finetune.backends.mlx.preference import MlxPreference
 from finetune.backends.mlx.hfconfig import MLX_TEXT_PREFIX, model_config as mlx_model_config
 from finetune.records import Census, MemoryReading
 from finetune.model.describe import EXPERTS, FAMILIES, check_targets, lora_keys
@@ -110,10 +111,12 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[OptimSpec], optim.Optimizer]] = {
 }
 
 
-class MlxBackend:
-    """One model, its adapters and its optimizer on MLX. See ``backends.base.Backend``."""
+class MlxBackend(MlxPreference):
+    """One model, its adapters and its optimizer on MLX. See ``backends.base.Backend``; its
+    preference steps are ``MlxPreference``'s (preference.py)."""
 
     name = "mlx"
+    is_oom = staticmethod(_is_oom)  # MlxPreference's steps read it (preference.py cannot import this module)
 
     def __init__(self) -> None:
         self.model: Any = None  # an mlx_lm model, set by setup() (Any: its layers are its own)

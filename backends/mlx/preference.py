@@ -1,0 +1,195 @@
+"""The mlx backend's preference step (``objective=dpo|orpo|simpo``): chosen and rejected rows
+through the model as one batch, the reference's log-probabilities, the loss of
+finetune/objectives.py. The shape of backends/cuda/preference.py, in MLX's words.
+
+A micro-batch holds whole pairs, interleaved (finetune/data/pairs.py): even rows the chosen
+completions, odd rows the rejected. One forward gives every row's summed completion
+log-probability; the reference's come from
+
+- the base with the adapters off under LoRA/DoRA/QLoRA (``adapters_off``): each of mlx-lm's
+  adapter layers (LoRALinear, DoRALinear, LoRASwitchLinear, LoRA/DoRAEmbedding) is swapped in
+  its parent for the base layer it wraps (``.linear`` / ``.embedding``, the same arrays, no
+  copy) for the reference pass and put back after. A scale of 0 would not do: DoRA's output is
+  rescaled by its trained magnitude ``m`` whatever the scale. The pass runs outside
+  ``nn.value_and_grad`` and is evaluated before the policy's, so it keeps no activations and
+  carries no gradient (PEFT's ``disable_adapter()`` under ``torch.no_grad()`` on cuda);
+- a table computed in one pass before step 1 (``precompute_reference``) under method=full or
+  objective.reference=precompute: TRL's ``precompute_ref_log_probs``, one fp32 number per
+  sample keyed by ``Batch.indices``, as on cuda.
+
+The step runs uncompiled (train.compile leaves it as it is): the loss reads the reference as an
+input and the pair split as Python numbers, and a swap of layers would retrace a compiled graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from finetune.backends.base import Batch, OutOfMemory, PhaseHook
+from mlx import nn
+from mlx.utils import tree_map
+
+from finetune import objectives
+from finetune.objectives import PairSums, PairTerms
+
+
+def _wrapped(module: Any) -> Any:
+    """The base layer an mlx-lm adapter layer wraps, or None for any other module."""
+    from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
+    from mlx_lm.tuner.lora import LoRAEmbedding, LoRALinear, LoRASwitchLinear
+
+    if isinstance(module, (LoRALinear, DoRALinear, LoRASwitchLinear)):
+        return module.linear
+    if isinstance(module, (LoRAEmbedding, DoRAEmbedding)):
+        return module.embedding
+    return None
+
+
+def _set_child(root: nn.Module, path: str, child: Any) -> None:
+    """Put ``child`` at dotted ``path`` under ``root`` (list indices as numbers)."""
+    *parents, last = path.split(".")
+    node: Any = root
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node[int(last)] = child
+    else:
+        node[last] = child
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[int]:
+    """``model`` as its base: every adapter layer replaced by the layer it wraps for the block,
+    put back after (even on an error). Yields how many layers were swapped (0 under method=full)."""
+    adapters = [(path, m) for path, m in model.named_modules() if _wrapped(m) is not None]
+    for path, m in adapters:
+        _set_child(model, path, _wrapped(m))
+    try:
+        yield len(adapters)
+    finally:
+        for path, m in adapters:
+            _set_child(model, path, m)
+
+
+def row_logps(model: nn.Module, ids: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
+    """([rows] summed log p of each row's targets ``ids[:, 1:]`` under ``mask[:, 1:]``, fp32,
+    [rows] target tokens): the logits upcast to fp32, log p = logit - logsumexp."""
+    logits = model(ids[:, :-1]).astype(mx.float32)
+    picked = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1).squeeze(-1) - mx.logsumexp(logits, axis=-1)
+    m = mask[:, 1:]
+    return (picked * m).sum(axis=1), m.sum(axis=1)
+
+
+class MlxPreference:
+    """Mixed into ``MlxBackend``: its preference steps and the reference table."""
+
+    model: Any
+    spec: Any
+    method: str
+    _grads: dict | None
+    _micro: int
+    _ref_logps: np.ndarray | None = None  # precompute_reference's table: sample id -> reference log-prob
+    _pair_vg: Callable | None = None  # nn.value_and_grad of _pair_loss, built on first use
+
+    # provided by MlxBackend
+    _arrays: Callable[[Batch], tuple[mx.array, mx.array]]
+    _reseed: Callable[[], None]
+    is_oom: Callable[[Exception], bool]
+
+    def _uses_table(self) -> bool:
+        o = self.spec.objective
+        return bool(o.needs_reference and (o.reference == "precompute" or self.method == "full"))
+
+    def _reference(self, batch: Batch, ids: mx.array, mask: mx.array) -> mx.array | None:
+        """[rows] the reference's summed log-probabilities, evaluated, or None (ORPO, SimPO)."""
+        if not self.spec.objective.needs_reference:
+            return None
+        if self._uses_table():
+            if self._ref_logps is None:
+                raise RuntimeError("the reference log-probs were not precomputed before training")
+            return mx.array(self._ref_logps[np.asarray(batch.indices)])
+        with adapters_off(self.model):
+            ref = mx.stop_gradient(row_logps(self.model, ids, mask)[0])
+            mx.eval(ref)  # now, while the base is in place; its graph is freed here
+        return ref
+
+    def precompute_reference(self, batches: list[Batch], samples: int) -> int:
+        """The reference log-probability of every sample, in passes over ``batches`` (the model
+        as it is now: before step 1, the reference), in eval mode. Returns the table's bytes
+        (one fp32 a sample). A no-op unless the run reads a table."""
+        if not self._uses_table():
+            return 0
+        table = np.zeros(samples, np.float32)
+        self.model.eval()
+        try:
+            with adapters_off(self.model):  # none under method=full
+                for b in batches:
+                    logps = row_logps(self.model, *self._arrays(b))[0]
+                    mx.eval(logps)
+                    table[np.asarray(b.indices)] = np.array(logps)
+        finally:
+            self.model.train()
+        self._ref_logps = table
+        return int(table.nbytes)
+
+    def _pair_terms(self, ids: mx.array, mask: mx.array, ref: mx.array | None) -> PairTerms:
+        logps, tokens = row_logps(self.model, ids, mask)
+        rc, rr = (ref[0::2], ref[1::2]) if ref is not None else (None, None)
+        return objectives.pair_terms(self.spec.objective, mx, logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
+                                     rc, rr)
+
+    def _pair_loss(self, ids: mx.array, mask: mx.array, ref: mx.array | None, per_pair: float,
+                   per_chosen_token: float) -> tuple[mx.array, ...]:
+        """(the micro-batch's share of its step's loss, then what the metrics read): what
+        ``nn.value_and_grad`` differentiates (its first output only)."""
+        terms = self._pair_terms(ids, mask, ref)
+        loss = objectives.scaled_loss(terms, per_pair, per_chosen_token)
+        return loss, terms.chosen_rewards, terms.rejected_rewards, terms.chosen_logps, terms.rejected_logps
+
+    @staticmethod
+    def _sums(loss: mx.array, cr: mx.array, rr: mx.array, lc: mx.array, lr: mx.array) -> PairSums:
+        return PairSums(float(loss), int(cr.size), float(cr.sum()), float(rr.sum()), float((cr > rr).sum()),
+                        float(lc.sum()), float(lr.sum()))
+
+    def forward_backward_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float,
+                               on_phase: PhaseHook | None = None) -> PairSums:
+        """Accumulate the gradients of this micro-batch's share of its step's loss
+        (``objectives.scaled_loss``); return that share and the metrics' sums. value_and_grad
+        fuses forward and backward, so only the "backward" phase is reported.
+
+        Raises:
+            OutOfMemory: as ``forward_backward`` (the gradients summed before it are kept).
+        """
+        self._reseed()
+        ids, mask = self._arrays(batch)
+        if self._pair_vg is None:
+            self._pair_vg = nn.value_and_grad(self.model, self._pair_loss)
+        try:
+            ref = self._reference(batch, ids, mask)
+            out, grads = self._pair_vg(ids, mask, ref, per_pair, per_chosen_token)
+            total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
+            mx.eval(out, total)  # materialize: memory figures are real after this
+        except RuntimeError as e:
+            if self.is_oom(e):
+                raise OutOfMemory(str(e)) from e
+            raise
+        self._grads = total
+        self._micro += 1
+        if on_phase is not None:
+            on_phase("backward")
+        return self._sums(*out)
+
+    def eval_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float) -> PairSums:
+        """``forward_backward_pairs``' sums in eval mode, without gradients."""
+        ids, mask = self._arrays(batch)
+        self.model.eval()
+        try:
+            out = self._pair_loss(ids, mask, self._reference(batch, ids, mask), per_pair, per_chosen_token)
+            mx.eval(out)
+        finally:
+            self.model.train()
+        return self._sums(*out)
