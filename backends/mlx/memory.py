@@ -295,6 +295,31 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
             "ckpt_recompute": ckpt_recompute}
 
 
+# A preference step (finetune/planner/preference.py): chosen and rejected as one batch of 2P rows
+# through the model, the log-probs from every position's whole logits (log-softmax, then the
+# targets gathered), as on cuda; a precomputed reference's table kept as a numpy array (host).
+# Not calibrated against a measured mlx preference step yet (tests/test_preference_plan.py
+# measures it where the backend runs one).
+PAIR_HEAD_WHOLE = True
+REFERENCE_TABLE_WHERE = "host"
+
+
+def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:
+    """The reference's log-probs under LoRA/DoRA/QLoRA: the same rows through the model with the
+    LoRA layers' contribution off, under ``mx.stop_gradient`` (nothing of it is kept for the
+    vjp): one layer's temporaries at a time (the calibrated workspace's constants), then the
+    logits over every position in the weights' dtype, their fp32 upcast (none in fp32) and the
+    log-softmax the targets are gathered from. ``s`` is the rows setup. ``forward_end``: with
+    the policy's fp32 log-probs alive beside it (the graph evaluates both before the vjp)."""
+    T = s.seq_len - 1
+    n, h, V, a = s.batch * T, arch.hidden, arch.vocab, s.wd
+    f = max(b.mlp_width for b in arch.blocks)
+    layer = int((MLX_TRANSIENT_NH * n * h + (MLX_TRANSIENT_NF if arch.gated_mlp else MLX_PLAIN_TRANSIENT_NF) * n * f) * a)
+    head = n * h * a + n * V * a + (n * V * 4 if a != 4 else 0) + n * V * 4
+    transient = max(layer, head)
+    return {"layer": layer, "head": head, "transient": transient, "forward_end": 4 * n * V + transient}
+
+
 def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float) -> int:
     """Bytes of activations and gradients together at the forward/backward peak."""
     if s.grad_accum > 1:

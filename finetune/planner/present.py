@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.io import atomic_write_json
+from finetune.planner import preference
 from finetune.planner.fit import plan
 from finetune.data.lengths import data_lengths
 from finetune.model.inventory import GIB
@@ -128,6 +129,8 @@ def format_table(plan: Plan) -> str:
               + f", compute {dt.get('compute')}" + (f", quantized {dt['quantized']}" if dt.get("quantized") else "")
               + (f" (stored dtype from {dt['stored']})" if dt.get("stored") else "")),
              f"  {'category' + (' (per rank)' if pr else ''):32s}{'GiB':>9s} {'bytes':>16s}"]
+    if plan.get("preference"):  # a preference objective: pairs, rows, the reference
+        lines.insert(-1, preference.table_line(plan["preference"]))
     for cat in PLAN_KEYS:
         note = {"trainable_weights": " (part of weights)", "optimizer_state_paged": " (unified memory, not in peak)"}.get(cat, "")
         lines.append(f"  {cat:32s}{_gib(b[cat])}{note}")
@@ -360,7 +363,8 @@ def run_plan(spec: RunSpec) -> Plan:
         # unpacked, the run pads to at most train.seq_len already (data.padded_length)
         p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction,
                  pair_span=lengths.pair_span, row_targets=lengths.row_targets,
-                 longest=lengths.max if lengths.packed else None, step_widths=lengths.step_widths)
+                 longest=lengths.max if lengths.packed else None, step_widths=lengths.step_widths,
+                 pairs=lengths.pairs)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],
