@@ -588,7 +588,8 @@ class MemoryModel(Protocol):
     # a preference step (finetune/planner/preference.py): whether its log-probs take every
     # position's whole logits (no target-only head, no train.loss_chunk), where a precomputed
     # reference's table is held ("host" | "device"), and one micro-batch's no-grad reference
-    # forward at the rows of ``s`` (bytes: layer, head, transient, forward_end)
+    # forward at the rows of ``s`` (bytes: layer, head, transient; forward_end: the step's head
+    # region while it runs; with_logits: what it adds to the loss's backward peak)
     PAIR_HEAD_WHOLE: bool
     REFERENCE_TABLE_WHERE: str
 

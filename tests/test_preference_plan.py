@@ -160,6 +160,54 @@ def test_dpo_plan_between_sft_at_p_and_2p_rows_plus_the_reference(tmp_path, mode
 
 
 @needs_torch
+@pytest.mark.parametrize("over", [("objective=dpo",), ("objective=dpo", "method=full"), ("objective=orpo",),
+                                  ("objective=dpo", "precision=bf16-mixed")])
+def test_torch_pair_step_peak_matches_allocator_events(over, tmp_path):
+    """A real pair step (2 pairs, 4 rows of 128 tokens) on the cuda backend on the CPU under
+    torch.profiler(profile_memory=True), as tests/test_planner.py measures SFT's: the peak of the
+    allocator's running sum above what existed before (weights, optimizer state) equals the
+    plan's peak_allocated - steady_state within 5%. DPO under LoRA runs the reference pass with
+    the adapters off; under method=full it reads the precomputed table."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from finetune.backends.base import Batch
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.model.source import resolve_model_dir
+
+    P, T = 2, 128
+    cfg = make_cfg(tmp_path, "backend=cuda", f"train.batch_size={P}", *over)
+    V = cfg.model.config.vocab_size
+
+    def batch(seed: int) -> Batch:  # 2P rows: even rows chosen, odd rejected (finetune/data/pairs.py)
+        ids = np.random.default_rng(seed).integers(1, V, (2 * P, T)).astype(np.int32)
+        return dataclasses.replace(Batch(ids, np.ones((2 * P, T), np.int8), np.full(2 * P, T, np.int32)),
+                                   indices=np.arange(2 * P))
+
+    be = CudaBackend()
+    be.setup(resolve(cfg), resolve_model_dir(cfg.model))
+    be.precompute_reference([batch(0)], 2 * P)  # a table under method=full only
+    be.forward_backward_pairs(batch(0), 1 / P, 1e-3)
+    be.optimizer_step(1e-3)  # optimizer state exists from here on, as in the steady state
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        be.forward_backward_pairs(batch(0), 1 / P, 1e-3)
+        be.optimizer_step(1e-3)
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda e: e.start_ns())
+    running = peak = 0
+    for e in events:
+        running += e.nbytes()
+        peak = max(peak, running)
+    p = planner.plan(resolve(cfg), seq_len=T, recommend=False)
+    planned = p["peak_allocated_bytes"] - p["steady_state_allocated_bytes"]
+    assert planned == pytest.approx(peak, rel=0.05), (over, planned, peak)
+
+
+@needs_torch
 def test_mode_plan_prints_and_writes_the_preference_figures(tmp_path, pairs_file, capsys):
     """mode=plan on a preference file: plan.json's objective and preference keys, the table's
     line; the reference table priced from the data's pairs."""

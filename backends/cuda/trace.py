@@ -348,7 +348,7 @@ def _reference_forward(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, layers: li
         V = arch.vocab
         la = tr.alloc(n * V * s.a)  # the logits, every position
         cap = tr.alloc(2 * V * s.a * n if arch.final_softcap else 0)
-        lf = tr.alloc(n * V * 4 if s.a != 4 else 0)  # .float()
+        lf = tr.alloc(n * V * 4)  # .float() of the [:, :-1] view (fp32 already: log_softmax's contiguous copy)
         lp = tr.alloc(n * V * 4)  # log_softmax's output, gathered
         tr.free(la, cap, lf, lp)
     tr.free(hidden)

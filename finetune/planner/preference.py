@@ -104,9 +104,10 @@ def section(arch: ModelDesc, s: Setup, core: Any) -> dict[str, Any]:
         # the head's logits, log-softmax and their gradients for the log-prob gathers (the plan's logits)
         "logprob_gather_bytes": core["bytes"]["logits"],
         "reference": s.reference,  # adapters_off | precomputed | None (orpo, simpo)
+        # the reference's no-grad forward alone (one layer's temporaries, then its logits and
+        # log-softmax), and what it adds to the step's logits region (priced in ``logits``)
         "reference_pass_transient_bytes": ref["transient"] if ref and s.reference == "adapters_off" else 0,
-        # the policy's log-probs kept and the reference's transient, at the end of the forward
-        "reference_pass_forward_end_bytes": ref["forward_end"] if ref and s.reference == "adapters_off" else 0,
+        "reference_pass_added_bytes": core["activations_detail"].get("reference_pass_added", 0),
         "reference_table_bytes": table,
         "reference_table_bytes_per_pair": 2 * REFERENCE_LOGP_BYTES if s.reference == "precomputed" else 0,
         "reference_table_where": mm.REFERENCE_TABLE_WHERE if s.reference == "precomputed" else None,

@@ -61,9 +61,11 @@ def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
     ref = preference.step_reference(arch, s)
     if ref is not None:
         # the reference's no-grad forward runs at the end of the policy's, beside its kept
-        # log-probs: the head region is the larger of that moment and the loss's backward
-        detail["reference_pass"] = ref["transient"]
-        logits = max(logits, ref["forward_end"])
+        # log-probs (cuda: the head region is the larger of that moment and the loss's
+        # backward), or in one graph with the loss's backward (mlx: what it adds to that)
+        with_ref = max(logits + ref.get("with_logits", 0), ref["forward_end"])
+        detail.update(reference_pass=ref["transient"], reference_pass_added=with_ref - logits)
+        logits = with_ref
     return saved + head + extra, logits, detail
 
 
