@@ -298,10 +298,17 @@ def _data_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
     """The data the plan read: its length distribution, what was planned, and the upper bound."""
     b = data["seq_len_bound"]
     what = "packed micro-batch of the run's steps" if data["packed"] else "sample (padded as the run pads)"
-    return [f"  data: {data['samples']:,} training samples ({data['source']}), tokens per sample: min {data['min']}, "
-            f"median {data['median']}, p90 {data['p90']}, p99 {data['p99']}, max {data['max']}",
-            f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
-            f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB",
+    pref = plan.get("preference")
+    if pref:  # a preference run's items are pairs (a pair as long as its longer sample)
+        what = "pair (padded as the run pads)"
+    lines = [f"  data: {data['samples']:,} training {'pairs' if pref else 'samples'} ({data['source']}), tokens per "
+             f"{'pair' if pref else 'sample'}: min {data['min']}, median {data['median']}, p90 {data['p90']}, "
+             f"p99 {data['p99']}, max {data['max']}",
+             f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
+             f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB"]
+    if pref and pref["head_on_every_position"]:
+        return lines + ["  the output head runs on every position: the log-probs are gathered from the whole logits"]
+    return lines + [
             (f"  the output head runs on target positions only: at most {data['row_targets']:,} of a packed "
              f"micro-batch's {plan['seq_len']:,} positions in this data (prompts and pads carry no loss)"
              if data.get("row_targets") else
