@@ -585,6 +585,18 @@ class MemoryModel(Protocol):
         says it takes for this model)."""
         ...
 
+    # a preference step (finetune/planner/preference.py): whether its log-probs take every
+    # position's whole logits (no target-only head, no train.loss_chunk), where a precomputed
+    # reference's table is held ("host" | "device"), and one micro-batch's no-grad reference
+    # forward at the rows of ``s`` (bytes: layer, head, transient; forward_end: the step's head
+    # region while it runs; with_logits: what it adds to the loss's backward peak)
+    PAIR_HEAD_WHOLE: bool
+    REFERENCE_TABLE_WHERE: str
+
+    def reference_pass(self, arch: ModelDesc, s: Setup) -> dict[str, int]:
+        """The reference's no-grad forward of one micro-batch of ``s``'s rows, by piece."""
+        ...
+
     # ---- the device and several ranks ------------------------------------------------------
     def device_overhead(self, s: Setup) -> int:
         """Bytes the framework holds on the device outside its allocator (context, handles)."""

@@ -256,6 +256,11 @@ class PlanData(TypedDict, total=False):
     backend's device limits beyond the budget (its memory model's ``device_checks``)."""
     data: dict[str, Any]
     metal: dict[str, Any]  # mlx: the peak against Metal's working set (backends/mlx/metal.py)
+    # a preference objective's plan only (SFT's plans have neither): objective.name, and the
+    # pairs and rows of a micro-batch, the log-prob gathers and the reference priced
+    # (finetune/planner/preference.py section)
+    objective: str
+    preference: dict[str, Any]
 
 
 class Plan(PlanCore, PlanData):

@@ -299,3 +299,33 @@ def offloaded(arch: ModelDesc, s: Setup, first: int) -> tuple[int, int, list[int
     heads = [b for b in head if b >= OFFLOAD_MIN_BYTES]
     total = sum(layers) + sum(heads)
     return total, max([*layers, sum(heads), 0]), layers, heads
+
+
+def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:
+    """The reference's log-probs of one micro-batch under LoRA/DoRA/QLoRA
+    (backends/cuda/preference.py ``_reference``): the same rows through the base with the
+    adapters off under ``torch.no_grad()``, after the policy's forward (its saved activations
+    and its fp32 log-softmax output alive) and before its backward. No graph: each layer's
+    temporaries are freed as the next layer runs (the residual stream in and out, the MLP's
+    intermediates, as the backward workspace counts them), then the head (``_row_logps``):
+    the logits in the compute dtype over every position, their fp32 contiguous copy (``.float()``
+    of the ``[:, :-1]`` view; where the logits are fp32 already, log_softmax's own
+    ``contiguous()`` of that view makes it: measured under torch.profiler on the CPU, a 4 B per
+    position and vocabulary entry that the reference adds beside the policy's log-probs) and
+    log_softmax's output, from which the [rows] sums are gathered. ``s`` is the rows setup (finetune/planner/preference.py). Also the transient of
+    each no-grad pass that precomputes a reference table before step 1.
+
+    Returns bytes: ``layer`` (one layer's temporaries), ``head``, ``transient`` (the larger),
+    ``forward_end`` (the head region at the reference's peak: the policy's kept fp32 log-probs
+    and the reference's transient; the step's logits region is the larger of this and the
+    backward's), ``with_logits`` (what it adds to the backward's: nothing, it is freed first)."""
+    n, h, V, a = s.batch * s.seq_len, arch.hidden, arch.vocab, s.a
+    st = 4 if s.autocast else s.wd
+    w = max(b.mlp_width * (max(arch.top_k, 1) if b.moe else 1) for b in arch.blocks)
+    layer = 2 * n * h * st + 3 * n * w * a
+    logits = n * V * a + n * V * 4 + n * V * 4
+    head = n * h * st + logits  # the final hidden states, then the logits
+    cap = 2 * V * a * n if arch.final_softcap else 0  # Gemma-2's soft-cap: the capped logits and tanh's output
+    transient = max(layer, head + cap)
+    return {"layer": layer, "head": head + cap, "transient": transient, "forward_end": 4 * n * V + transient,
+            "with_logits": 0}

@@ -24,7 +24,13 @@ from finetune.model.inventory import MIB, Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
 from finetune.backends.cuda import trace
-from finetune.backends.cuda.activations import OFFLOAD_MIN_BYTES, layer_bytes, layer_tensors, offloaded  # noqa: F401  (the memory model's names)
+from finetune.backends.cuda.activations import (  # noqa: F401  (the memory model's names)
+    OFFLOAD_MIN_BYTES,
+    layer_bytes,
+    layer_tensors,
+    offloaded,
+    reference_pass,
+)
 from finetune.backends.cuda.alloc_config import parse_alloc_conf
 from finetune.backends.cuda.capabilities import CAPABILITIES
 from finetune.budget import DeviceMemory, cuda_devices, host_memory
@@ -273,6 +279,13 @@ def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
 
 
 # ---- activations -----------------------------------------------------------------------------------
+
+# A preference step (backends/cuda/preference.py ``_row_logps``) takes every position's whole
+# logits (log_softmax over the vocabulary, then the targets gathered), whatever the target share
+# or train.loss_chunk: its head is priced so (finetune/planner/preference.py rows_setup).
+PAIR_HEAD_WHOLE = True
+# precompute_reference keeps its table as a numpy array: host memory, never the device's
+REFERENCE_TABLE_WHERE = "host"
 
 # torch: the loss's backward (logits region) runs first and is freed before the layers'
 # backward (and any recomputation) starts, so only the larger of the two adds to the kept

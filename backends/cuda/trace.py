@@ -280,6 +280,8 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
                 logits_keys.append(tr.alloc(2 * V * s.a * nt))  # the capped logits and tanh's output
             tr.free(lf, la)
     tr.free(hidden)
+    if s.reference == "adapters_off":  # a preference step's reference: the rows again, no graph
+        _reference_forward(tr, arch, s, mm, layers, first_device, last_device)
     if not accumulate:
         tr.mark(_phase(tr, "backward"))
     # backward
@@ -326,6 +328,30 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
         grad_h = nxt
     _grads(tr, by_layer.get(None, []), grads, done, accumulate)  # the embeddings' (and a chunked head's)
     tr.free(grad_h, *bufs)
+
+
+def _reference_forward(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, layers: list[int], first_device: bool,
+                       last_device: bool) -> None:
+    """The reference's no-grad forward of a preference step (backends/cuda/preference.py
+    ``_reference``, the memory model's ``reference_pass``): each layer's temporaries freed as
+    the next runs, then the head's logits, their fp32 copy and log-softmax, all freed once the
+    [rows] log-probs are gathered. The policy's saved tensors and log-probs stay alive."""
+    ref = mm.reference_pass(arch, s)
+    n, st = s.batch * s.seq_len, (4 if s.autocast else s.wd)
+    hidden = tr.alloc(n * arch.hidden * st) if (first_device or layers) else None
+    for _ in layers:
+        tr.free(tr.alloc(ref["layer"] - 2 * n * arch.hidden * st))  # the layer's temporaries
+        nxt = tr.alloc(n * arch.hidden * st)
+        tr.free(hidden)
+        hidden = nxt
+    if last_device:
+        V = arch.vocab
+        la = tr.alloc(n * V * s.a)  # the logits, every position
+        cap = tr.alloc(2 * V * s.a * n if arch.final_softcap else 0)
+        lf = tr.alloc(n * V * 4)  # .float() of the [:, :-1] view (fp32 already: log_softmax's contiguous copy)
+        lp = tr.alloc(n * V * 4)  # log_softmax's output, gathered
+        tr.free(la, cap, lf, lp)
+    tr.free(hidden)
 
 
 def _after_attention(t: Tensor) -> bool:

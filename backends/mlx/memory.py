@@ -295,6 +295,40 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
             "ckpt_recompute": ckpt_recompute}
 
 
+# A preference step (finetune/planner/preference.py): chosen and rejected as one batch of 2P rows
+# through the model, the log-probs from every position's whole logits (log-softmax, then the
+# targets gathered), as on cuda; a precomputed reference's table kept as a numpy array (host).
+PAIR_HEAD_WHOLE = True
+REFERENCE_TABLE_WHERE = "host"
+# The reference under LoRA computed inside the differentiated loss (adapters' contribution off,
+# mx.stop_gradient), so MLX evaluates it in the same graph as the policy's loss and its vjp: one
+# fp32 [rows x positions, V] array of it is alive at the loss's backward peak. Calibrated with a
+# prototype of that step (/tmp scratch, not the project's step): mx.get_peak_memory over four
+# steps of tiny llama and qwen3 (V 512, 4 and 8 pairs, 35-37 tokens, fp32) rose above the same
+# rows' step without a reference by 0.88-1.20 x 4 B per position and vocabulary entry. A step
+# that evaluates the reference first (mx.eval before the policy's graph) peaked at the plan
+# without it (0-6% below it).
+MLX_REFERENCE_WITH_LOGITS_NV = 4
+
+
+def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:
+    """The reference's log-probs under LoRA/DoRA/QLoRA: the same rows through the model with the
+    LoRA layers' contribution off, under ``mx.stop_gradient`` (nothing of it kept for the vjp):
+    one layer's temporaries at a time (the calibrated workspace's constants), then the logits
+    over every position, their fp32 upcast (none in fp32) and the log-softmax the targets are
+    gathered from (``head``). ``s`` is the rows setup. In the step it adds
+    ``MLX_REFERENCE_WITH_LOGITS_NV`` per position and vocabulary entry to the logits region
+    (``with_logits``); ``transient`` is a no-grad pass alone (a table's precompute)."""
+    T = s.seq_len - 1
+    n, h, V, a = s.batch * T, arch.hidden, arch.vocab, s.wd
+    f = max(b.mlp_width for b in arch.blocks)
+    nf = MLX_TRANSIENT_NF if arch.gated_mlp else MLX_PLAIN_TRANSIENT_NF
+    layer = int((MLX_TRANSIENT_NH * n * h + nf * n * f) * a)
+    head = n * h * a + n * V * a + (n * V * 4 if a != 4 else 0) + n * V * 4
+    return {"layer": layer, "head": head, "transient": max(layer, head), "forward_end": 0,
+            "with_logits": MLX_REFERENCE_WITH_LOGITS_NV * n * V}
+
+
 def grads_during_forward_backward(s: Setup, fb: int, grads: int, overlap: float) -> int:
     """Bytes of activations and gradients together at the forward/backward peak."""
     if s.grad_accum > 1:

@@ -50,10 +50,13 @@ class DataLengths:
     # packed: the most target positions one packed micro-batch of the run's steps holds (the
     # output head's rows); None unpacked
     row_targets: int | None = None
+    # a preference objective: the data's pairs, train and validation (a precomputed reference
+    # holds two log-probs of each); None otherwise (then ``samples`` counts pairs too)
+    pairs: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if k == "step_widths" else v) for k, v in asdict(self).items()
-                if k not in ("pair_span", "row_targets") or v is not None}
+                if k not in ("pair_span", "row_targets", "pairs") or v is not None}
 
 
 def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
@@ -88,4 +91,5 @@ def data_lengths(spec: RunSpec) -> tuple[DataLengths | None, str]:
                        planned_tokens=planned, head_fraction=round(float(stats["head_fraction"]), 4),
                        packed=bool(spec.train.packing),
                        pair_span=stats.get("pair_span") if spec.train.packing else None, step_widths=widths,
-                       row_targets=stats.get("max_micro_targets") if spec.train.packing else None), ""
+                       row_targets=stats.get("max_micro_targets") if spec.train.packing else None,
+                       pairs=stats.get("pairs")), ""

@@ -89,12 +89,35 @@ class Setup:
     # train.activation_offload: what the model's body saves for backward goes to host memory
     offload: bool = False
     fused: bool = True  # optim.fused: adam/adamw through torch's fused kernel (cuda backend)
+    # objective (finetune/planner/preference.py): a preference objective's ``batch`` counts
+    # pairs, each ``pair_rows`` rows of the model's batch (chosen and rejected, one forward);
+    # ``reference_choice`` is objective.reference where the objective compares to a reference
+    # ("auto" | "precompute"; "" none: sft, orpo, simpo); ``pairs_total`` the data's pairs where
+    # read (a precomputed reference holds one fp32 log-prob a sample of each); 0: unknown
+    objective: str = "sft"
+    pair_rows: int = 1
+    reference_choice: str = ""
+    pairs_total: int = 0
 
     @property
     def effective_batch(self) -> int:
         """Samples per optimizer step and rank: the micro-batch x accumulation (the planner's
         levers change the two and keep their product)."""
         return self.batch * self.grad_accum
+
+    @property
+    def rows(self) -> int:
+        """Rows of one micro-batch through the model: ``batch`` pairs of ``pair_rows`` rows."""
+        return self.batch * self.pair_rows
+
+    @property
+    def reference(self) -> str | None:
+        """How a preference step has its reference log-probs: "precomputed" (a table before
+        step 1: method=full, or objective.reference=precompute), "adapters_off" (a no-grad
+        forward with the adapters off, each micro-batch), None (no reference)."""
+        if not self.reference_choice:
+            return None
+        return "precomputed" if self.reference_choice == "precompute" or self.method == "full" else "adapters_off"
 
     def head_rows(self, n: int) -> int:
         """Rows of the output head for ``n`` positions: the target rows where the head runs on

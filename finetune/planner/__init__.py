@@ -20,7 +20,8 @@ function, versions: torch 2.13, transformers 5.24, peft 0.21, bitsandbytes 0.50,
 1.15, mlx 0.32, mlx-lm 0.32). Where a number is calibrated rather than derived it says so.
 
 The package, each module on top of the next: ``report`` (table, plan.json, plan_error), ``fit``
-(``plan`` and fitting a budget, levers), ``price`` (bytes per category, device and phase),
+(``plan`` and fitting a budget, levers), ``price`` (bytes per category, device and phase;
+``preference``: a preference step's 2 rows a pair, its reference pass or table),
 ``model`` (the setup resolved, the inventory), ``describe`` (the model description from
 config.json). The types a memory model reads too sit below the backends: ``finetune.model.types``,
 ``finetune.model.inventory``. What a

@@ -25,6 +25,7 @@ from finetune.planner.needs import (
     _offload,
     _setup_with,
 )
+from finetune.planner import preference
 from finetune.planner.price import _core
 from finetune.planner.setup import SCHEMA_VERSION, Setup, resolve
 from finetune.records import Plan, PlanCore
@@ -38,7 +39,7 @@ def chunk_lever_ok(spec: RunSpec, s: Setup) -> bool:
     on cuda, the loss is not compiled (the chunked loss picks rows on the host). The same
     refusals the runtimes give a user who sets it."""
     compiled = spec.train.compile
-    return (not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1)
+    return (not s.loss_chunk and not preference.whole_head(s) and not (s.strategy == "fsdp" and s.world_size > 1)
             and not (compiled and not capabilities(s.backend).chunked_loss_with_compile))
 
 
@@ -54,7 +55,7 @@ def _single_changes(arch: ModelDesc, s: Setup) -> list[tuple[str, dict[str, Any]
     out: list[tuple[str, dict[str, Any]]] = []
     if not s.ckpt:
         out.append(("train.grad_checkpointing=true", {"ckpt": True}))
-    if not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1):
+    if not s.loss_chunk and not (s.strategy == "fsdp" and s.world_size > 1) and not preference.whole_head(s):
         out.append((f"train.loss_chunk={LOSS_CHUNK_LEVER}", {"loss_chunk": LOSS_CHUNK_LEVER}))  # the logits never whole
     caps = capabilities(s.backend)
     if not s.offload and caps.no_activation_offload is None:
@@ -638,7 +639,7 @@ def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None, head_fraction: float | None = None,
          pair_span: float | None = None, row_targets: int | None = None, longest: int | None = None,
-         step_widths: tuple[int, ...] = (), needs: bool | None = None) -> Plan:
+         step_widths: tuple[int, ...] = (), needs: bool | None = None, pairs: int | None = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -658,12 +659,14 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         longest: packed, the data's longest sample (tokens); None: ``train.seq_len``.
         step_widths: the padded widths of the run's first steps, from the data: the caching
             allocator's replay runs them at their own shapes (step 2's leap over step 1).
+        pairs: a preference run's pairs, from the data (a precomputed reference's table).
 
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
     arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
     s.step_widths = tuple(int(w) for w in step_widths)
+    s.pairs_total = int(pairs or 0)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)
@@ -715,6 +718,9 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         "needs": None,
         "notes": list(arch.notes) + s.notes + memory_model(s.backend).notes(s) + _approximations(arch, s),
     }
+    if s.objective != "sft":  # a preference run's (SFT's plans as they were)
+        out["objective"] = s.objective
+        out["preference"] = preference.section(arch, s, core)
     # what the run needs to fit this budget on its devices, where it does not as configured
     want = recommend if needs is None else needs  # needs=True: without the recommendation's search
     out["needs"] = _needs(arch, s, budget) if want and budget is not None and not fits else None

@@ -11,6 +11,7 @@ from typing import Any
 from finetune.backends import capabilities
 from finetune.errors import UserError
 from finetune.model.types import ModelDesc
+from finetune.planner import preference
 from finetune.planner.price import _core
 from finetune.planner.setup import Setup
 from finetune.records import PlanCore
@@ -69,7 +70,8 @@ def _need_changes(lever: str, s: Setup) -> dict[str, Any] | None:
     """The Setup changes of one lever on ``s``, or None where it does not apply."""
     caps = capabilities(s.backend)
     if lever == "loss_chunk":
-        return None if s.loss_chunk or (s.strategy == "fsdp" and s.world_size > 1) else {"loss_chunk": LOSS_CHUNK_LEVER}
+        return None if s.loss_chunk or (s.strategy == "fsdp" and s.world_size > 1) or preference.whole_head(s) \
+            else {"loss_chunk": LOSS_CHUNK_LEVER}
     if lever == "ckpt":
         return None if s.ckpt else {"ckpt": True}
     if lever == "offload":

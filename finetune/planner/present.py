@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.io import atomic_write_json
+from finetune.planner import preference
 from finetune.planner.fit import plan
 from finetune.data.lengths import data_lengths
 from finetune.model.inventory import GIB
@@ -128,6 +129,8 @@ def format_table(plan: Plan) -> str:
               + f", compute {dt.get('compute')}" + (f", quantized {dt['quantized']}" if dt.get("quantized") else "")
               + (f" (stored dtype from {dt['stored']})" if dt.get("stored") else "")),
              f"  {'category' + (' (per rank)' if pr else ''):32s}{'GiB':>9s} {'bytes':>16s}"]
+    if plan.get("preference"):  # a preference objective: pairs, rows, the reference
+        lines.insert(-1, preference.table_line(plan["preference"]))
     for cat in PLAN_KEYS:
         note = {"trainable_weights": " (part of weights)", "optimizer_state_paged": " (unified memory, not in peak)"}.get(cat, "")
         lines.append(f"  {cat:32s}{_gib(b[cat])}{note}")
@@ -295,10 +298,17 @@ def _data_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
     """The data the plan read: its length distribution, what was planned, and the upper bound."""
     b = data["seq_len_bound"]
     what = "packed micro-batch of the run's steps" if data["packed"] else "sample (padded as the run pads)"
-    return [f"  data: {data['samples']:,} training samples ({data['source']}), tokens per sample: min {data['min']}, "
-            f"median {data['median']}, p90 {data['p90']}, p99 {data['p99']}, max {data['max']}",
-            f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
-            f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB",
+    pref = plan.get("preference")
+    if pref:  # a preference run's items are pairs (a pair as long as its longer sample)
+        what = "pair (padded as the run pads)"
+    lines = [f"  data: {data['samples']:,} training {'pairs' if pref else 'samples'} ({data['source']}), tokens per "
+             f"{'pair' if pref else 'sample'}: min {data['min']}, median {data['median']}, p90 {data['p90']}, "
+             f"p99 {data['p99']}, max {data['max']}",
+             f"  planned at the widest micro-batch the run will see: {plan['seq_len']} tokens (the longest {what}); "
+             f"the bound at train.seq_len={b['seq_len']}: peak {b['max_device_peak_bytes'] / GIB:.2f} GiB"]
+    if pref and pref["head_on_every_position"]:
+        return lines + ["  the output head runs on every position: the log-probs are gathered from the whole logits"]
+    return lines + [
             (f"  the output head runs on target positions only: at most {data['row_targets']:,} of a packed "
              f"micro-batch's {plan['seq_len']:,} positions in this data (prompts and pads carry no loss)"
              if data.get("row_targets") else
@@ -360,7 +370,8 @@ def run_plan(spec: RunSpec) -> Plan:
         # unpacked, the run pads to at most train.seq_len already (data.padded_length)
         p = plan(spec, seq_len=lengths.planned_tokens, head_fraction=lengths.head_fraction,
                  pair_span=lengths.pair_span, row_targets=lengths.row_targets,
-                 longest=lengths.max if lengths.packed else None, step_widths=lengths.step_widths)
+                 longest=lengths.max if lengths.packed else None, step_widths=lengths.step_widths,
+                 pairs=lengths.pairs)
         p["data"] = {**lengths.as_dict(),
                      "seq_len_bound": {"seq_len": bound["seq_len"], "peak_bytes": bound["peak_bytes"],
                                        "max_device_peak_bytes": bound["max_device_peak_bytes"],

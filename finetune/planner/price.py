@@ -10,6 +10,7 @@ from typing import Any, cast
 
 from finetune.backends import capabilities, memory_model
 from finetune.model.types import ModelDesc
+from finetune.planner import preference
 from finetune.planner.setup import GRAD_ACTIVATION_OVERLAP, inventory, resolve
 from finetune.model.inventory import Setup, Tensor
 from finetune.records import PLAN_KEYS, RANK_KEYS, PlanBytes, PlanCore, PlanDevice, PlanTotals
@@ -28,6 +29,7 @@ def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
     forward below them runs without a graph. Gradient checkpointing keeps each such layer's
     input and recomputes one layer at a time during backward.
     """
+    s = preference.rows_setup(s)  # a preference step: 2 rows a pair (the same setup for SFT)
     L = arch.layers
     first = 0 if s.method == "full" else min(s.lora_layers)
     backward_layers = L - first
@@ -56,6 +58,14 @@ def activations(arch: ModelDesc, s: Setup) -> tuple[int, int, dict[str, int]]:
         saved, head = saved - (off - off_head) + back, head - off_head
     detail.update({"per_layer": layer, "lowest_layer": low, "saved_layers": saved, "head": head,
                    "backward_workspace": workspace, **{f"per_layer_{k}": v for k, v in lparts.items()}})
+    ref = preference.step_reference(arch, s)
+    if ref is not None:
+        # the reference's no-grad forward runs at the end of the policy's, beside its kept
+        # log-probs (cuda: the head region is the larger of that moment and the loss's
+        # backward), or in one graph with the loss's backward (mlx: what it adds to that)
+        with_ref = max(logits + ref.get("with_logits", 0), ref["forward_end"])
+        detail.update(reference_pass=ref["transient"], reference_pass_added=with_ref - logits)
+        logits = with_ref
     return saved + head + extra, logits, detail
 
 
@@ -187,8 +197,11 @@ def _core(arch: ModelDesc, s: Setup) -> PlanCore:
         if last:
             dev_act += act_detail["head"]
         devices.append(_price(s, agg, dev_act, dev_logits, opt_tr if agg["grads"] else 0, d, mods, buffers))
-    for dev, extra in zip(devices, mm.device_phases(arch, s, held, assign, buffers, cast(list[dict[str, Any]], devices))):
+    # the phases replay a step at its rows (2 a pair under a preference objective)
+    for dev, extra in zip(devices, mm.device_phases(arch, preference.rows_setup(s), held, assign, buffers,
+                                                    cast(list[dict[str, Any]], devices))):
         dev.update(extra)  # type: ignore[typeddict-item]
+    preference.add_table(s, cast(list[Any], devices))  # a precomputed reference's log-probs, where held
     worst = max(devices, key=lambda dv: max(p["device_bytes"] for p in dv["phases"].values()))
     level = max(p["device_bytes"] for p in worst["phases"].values())
     summary = _across_devices(devices)

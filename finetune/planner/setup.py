@@ -238,7 +238,20 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         setup.target_fraction = max(0.0, min(1.0, float(head_fraction)))
     _packed_setup(setup, spec, state, seq_len, pair_span, row_targets, longest)
     _pre_quantized_base(setup)
+    _objective(setup, spec)
     return arch, setup
+
+
+def _objective(setup: Setup, spec: RunSpec) -> None:
+    """A preference objective's setup (finetune/planner/preference.py prices it): ``batch``
+    counts pairs (train.batch_size does, finetune/data/pairs.py), each two rows of the model's
+    batch (KTO's unpaired samples, one); its reference as objective.reference chooses it."""
+    obj = spec.objective
+    if not obj.preference:
+        return
+    setup.objective = obj.name
+    setup.pair_rows = 1 if obj.name == "kto" else 2
+    setup.reference_choice = obj.reference if obj.needs_reference else ""
 
 
 

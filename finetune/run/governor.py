@@ -17,7 +17,7 @@ from typing import Any
 
 from finetune import planner
 from finetune.accounting import fmt_bytes
-from finetune.backends import capabilities, device_memory, run_device
+from finetune.backends import capabilities, device_memory, memory_model, run_device
 from finetune.budget import parse_budget
 from finetune.errors import UserError
 from finetune.planner import fit  # fit.LOSS_CHUNK_LEVER read at each use (tests set it)
@@ -101,6 +101,8 @@ class Governor:
         it is on already or the backend cannot chunk this run's loss (it says why once)."""
         if self.state.loss_chunk or self.backend is None or self._chunk_refused:
             return False
+        if self.spec.objective.preference and getattr(memory_model(self.backend_name), "PAIR_HEAD_WHOLE", True):
+            return False  # a preference step's log-probs read no loss_chunk (finetune/planner/preference.py)
         why = self.backend.set_loss_chunk(fit.LOSS_CHUNK_LEVER)
         if why:
             self._chunk_refused = True
