@@ -266,6 +266,8 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         # applied to the gathered rows (measured: 7.76 MB against 7.69 MB for the whole logits,
         # 4 x 64 tokens, every row a target)
         per_nv -= MLX_TARGET_HEAD_SAVING_NV
+    if s.objective != "sft" and PAIR_HEAD_WHOLE:
+        per_nv = MLX_PAIR_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0)
     logits = nt * V * per_nv
     if s.loss_chunk and s.loss_chunk < nt:
         # train.loss_chunk (backends/mlx/loss.py): one chunk's logits and cotangents at a time,
@@ -300,15 +302,19 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
 # targets gathered), as on cuda; a precomputed reference's table kept as a numpy array (host).
 PAIR_HEAD_WHOLE = True
 REFERENCE_TABLE_WHERE = "host"
-# The reference under LoRA computed inside the differentiated loss (adapters' contribution off,
-# mx.stop_gradient), so MLX evaluates it in the same graph as the policy's loss and its vjp: one
-# fp32 [rows x positions, V] array of it is alive at the loss's backward peak. Calibrated with a
-# prototype of that step (/tmp scratch, not the project's step): mx.get_peak_memory over four
-# steps of tiny llama and qwen3 (V 512, 4 and 8 pairs, 35-37 tokens, fp32) rose above the same
-# rows' step without a reference by 0.88-1.20 x 4 B per position and vocabulary entry. A step
-# that evaluates the reference first (mx.eval before the policy's graph) peaked at the plan
-# without it (0-6% below it).
-MLX_REFERENCE_WITH_LOGITS_NV = 4
+# The reference under LoRA is evaluated before the policy's graph (backends/mlx/preference.py
+# _reference: adapters off, mx.stop_gradient, mx.eval), so none of its logits is alive at the
+# step's backward peak: only its [rows] log-probs are. (A prototype that computed it inside the
+# differentiated loss, in one graph with the policy's vjp, peaked higher by 0.88-1.20 x 4 B per
+# position and vocabulary entry; that is the constant to put here if the step ever does so.)
+MLX_REFERENCE_WITH_LOGITS_NV = 0
+# The pair step's head (backends/mlx/preference.py row_logps: fp32 logits, the targets' logits
+# gathered minus logsumexp, masked per row) holds less over [rows x positions, V] than the SFT
+# whole-logits path's MLX_LOGITS_PER_NV: no cross-entropy's [n, V] one-hot cotangent beside the
+# softmax. Measured (mx.get_peak_memory, 4 DPO LoRA steps, 35-37 tokens, V 512) against a plan
+# at 16: llama 4 pairs 5.8, llama 8 pairs 3.5, qwen3 8 pairs 4.2 B per position and vocabulary
+# entry over; the smallest whole-byte figure under all three is taken off.
+MLX_PAIR_LOGITS_PER_NV = MLX_LOGITS_PER_NV - 4
 
 
 def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:
