@@ -127,11 +127,18 @@ def _get(d: Any, dotted: str) -> Any:
 EVAL_KEY = "eval:"  # a row's eval.tasks metric: eval:TASK/METRIC, as search_objective names it
 
 
+# a preference objective's validation metrics the report shows (summary.json pair_metrics.eval)
+PAIR_COLUMNS = {"eval_rewards/accuracies": "val reward acc", "eval_rewards/margins": "val reward margin"}
+
+
 def eval_columns(rs: list[dict[str, Any]]) -> list[tuple[str, str | None, str]]:
-    """The eval.tasks metrics the jobs report (summary.json ``eval``), one column each, in the
-    report's COLUMNS shape: (row key, None, header)."""
+    """The eval.tasks metrics the jobs report (summary.json ``eval``), then a preference
+    objective's validation reward accuracy and margin, one column each, in the report's COLUMNS
+    shape: (row key, None, header)."""
     keys = sorted({k for r in rs for k in r if k.startswith(EVAL_KEY)})
-    return [(k, None, f"eval {k[len(EVAL_KEY):]}") for k in keys]
+    pairs = [k for k in PAIR_COLUMNS if any(r.get(k) is not None for r in rs)]
+    cols: list[tuple[str, str | None, str]] = [(k, None, f"eval {k[len(EVAL_KEY):]}") for k in keys]
+    return cols + [(k, None, PAIR_COLUMNS[k]) for k in pairs]
 
 
 # what makes a directory a job of the report: a run's result, a pruned trial, a failed job
@@ -228,6 +235,10 @@ def rows(root: Path) -> list[dict[str, Any]]:
             # eval.tasks after training (finetune/evaluate.py): TASK/METRIC -> the adapter's value
             for k, v in (s.get("eval") or {}).items():
                 row[EVAL_KEY + k] = v
+            # a preference objective's last validation, TRL's names (search_objective ranks by them)
+            for k, v in (_get(s, "pair_metrics.eval") or {}).items():
+                if k in PAIR_COLUMNS:
+                    row[k] = v
         elif "status" not in row:
             p = json.loads((run / "pruned.json").read_text())
             row.update(status="pruned (plan)", backend=p.get("backend"), method=p.get("method"), optim=p.get("optim"),
@@ -439,7 +450,9 @@ def table(rs: list[dict[str, Any]], width: int = CONSOLE_WIDTH) -> str:
     units = _units(rs)
     evals = eval_columns(rs)  # after the losses they sit beside, ranked with them
     at = next(i for i, c in enumerate(CONSOLE) if c.key == "final_val_loss") + 1
-    console = [*CONSOLE[:at], *(Console(k, tuple(k[len(EVAL_KEY):].split("/", 1)), "eval", rank=82) for k, _, h in evals),
+    console = [*CONSOLE[:at], *(Console(k, tuple(k[len(EVAL_KEY):].split("/", 1)), "eval", rank=82)
+                                if k.startswith(EVAL_KEY) else Console(k, tuple(h.split(" ", 1)[1].split()), "val", rank=82)
+                                for k, _, h in evals),
                *CONSOLE[at:]]
     cols = [c for c in console if c.key == "job" or any(r.get(c.key) is not None for r in rs)]
     cells = {c.key: [_console_cell(c, r, units) for r in rs] for c in cols}

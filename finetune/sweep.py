@@ -61,7 +61,12 @@ FRESH_ENV = "FINETUNE_FRESH_PROCESS"
 SUBMITIT_ENV = ("SUBMITIT_LOCAL_JOB_ID", "SUBMITIT_EXECUTOR")
 # objective -> (summary.json key, direction)
 OBJECTIVES = {"tokens_per_sec": ("tokens_per_sec", "maximize"), "val_loss": ("final_val_loss", "minimize"),
-              "train_loss": ("final_train_loss", "minimize")}
+              "train_loss": ("final_train_loss", "minimize"),
+              # a preference objective's last validation (summary.json pair_metrics.eval), TRL's
+              # names, as TRL's metric_for_best_model takes them
+              "eval_rewards/accuracies": ("pair_metrics.eval.eval_rewards/accuracies", "maximize"),
+              "eval_rewards/margins": ("pair_metrics.eval.eval_rewards/margins", "maximize")}
+PAIR_OBJECTIVES = ("eval_rewards/accuracies", "eval_rewards/margins")
 FAILED_FILE = "failed.json"  # in a failed job's dir: {job, overrides, error, exit_code, log}
 # the job process's stderr, as shown live (not *.log: a refused run puts back the *.log files
 # it found, which would cut this one off while it is written)
@@ -109,6 +114,14 @@ def check_objective(objective: str, tree: dict[str, Any]) -> None:
     if objective not in OBJECTIVES:
         raise UserError(f"search_objective={objective} is not valid; choose one of: {', '.join(OBJECTIVES)}, or "
                         "eval:TASK/METRIC")
+    if objective in PAIR_OBJECTIVES:
+        name = str((tree.get("objective") or {}).get("name") or "sft")
+        if name == "sft":
+            raise UserError(f"search_objective={objective} ranks by a preference objective's validation pairs, and the "
+                            "jobs train objective=sft: add objective=dpo (or orpo, simpo) and a file of pairs")
+        if not int((tree.get("train") or {}).get("eval_every") or 0):
+            raise UserError(f"search_objective={objective} ranks by the validation pairs, which train.eval_every=0 "
+                            "never scores: set train.eval_every=N")
 
 
 def worst(objective: str) -> float:
@@ -125,7 +138,9 @@ def objective_value(summary: dict[str, Any] | None, objective: str | None) -> An
     if objective.startswith(EVAL_PREFIX):
         v = (summary.get("eval") or {}).get(objective[len(EVAL_PREFIX):])
     else:
-        v = summary.get(OBJECTIVES[objective][0])
+        v = summary
+        for part in OBJECTIVES[objective][0].split("."):  # a dotted path into summary.json
+            v = v.get(part) if isinstance(v, dict) else None
     return worst(objective) if v is None else float(v)
 
 
