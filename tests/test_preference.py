@@ -142,3 +142,116 @@ def test_dpo_step_one_is_ln2_and_split_by_whole_pairs_keeps_loss(tiny, tmp_path)
         assert whole.metrics() == pytest.approx(split.metrics(), abs=1e-5)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
         be.zero_grad()
+
+
+# -- KTO (objective=kto): unpaired records labelled desirable or not ------------------------------
+
+def test_kto_matches_trl_formula():
+    """TRL 1.16 KTOTrainer._compute_loss (loss_type="kto"), its lines restated: KL clamped at 0,
+    1 - sigmoid(beta (r - kl)) for desirable, 1 - sigmoid(beta (kl - r)) for undesirable, each
+    class weighted, the mean over the records."""
+    o = ObjectiveSpec(name="kto", beta=0.3, desirable_weight=1.5, undesirable_weight=0.7)
+    desirable = torch.tensor([True, False, True, True, False, False])
+    kl = float(objectives.kto_kl(torch, PC, RC))
+    assert kl == pytest.approx(max(0.0, float((PC - RC).mean())))
+    t = objectives.kto_terms(o, torch, PC, RC, desirable, 0.2)
+    r = PC - RC
+    want = torch.where(desirable, 1.5 * (1 - torch.sigmoid(0.3 * (r - 0.2))), 0.7 * (1 - torch.sigmoid(0.3 * (0.2 - r))))
+    assert torch.allclose(t.losses, want, atol=1e-6) and torch.allclose(t.chosen_rewards, 0.3 * r)
+    assert float(objectives.kto_kl(torch, PC, PC + 5)) == 0.0  # a negative estimate is clamped
+
+
+@pytest.mark.parametrize("rec, words", [
+    ({"completion": "a", "label": True}, "without 'prompt'"),
+    ({"prompt": "q", "completion": " ", "label": False}, "'completion' is empty"),
+    ({"prompt": "", "completion": "a", "label": False}, "'prompt' is empty"),
+    ({"prompt": "q", "completion": "a", "label": "yes"}, "'label' is 'yes'"),
+    ({"prompt": "q", "completion": [{"role": "assistant"}], "label": True}, "'completion' turn 0"),
+])
+def test_bad_kto_records_named_by_line(rec, words):
+    from finetune.data.formats import check_record
+
+    with pytest.raises(UserError, match=words) as e:
+        check_record(rec, "kto.jsonl:7")
+    assert str(e.value).startswith("kto.jsonl:7")
+
+
+def _kto(n: int) -> list[dict]:
+    return [{"prompt": f"Question {i}: what is {i} + {i}?\nAnswer:\n",
+             "completion": f"{i} + {i} = {2 * i}\n#### {2 * i if i % 2 else 2 * i + 1}", "label": bool(i % 2)}
+            for i in range(1, n + 1)]
+
+
+def test_kto_records_for_other_objectives_are_one_line(tiny):
+    from finetune.data.tokens import tokenize
+
+    _, tok = tiny
+    with pytest.raises(UserError, match="with objective=kto"):
+        tokenize(_kto(2), tok, 128, True)  # to sft
+    with pytest.raises(UserError, match="with objective=kto"):
+        tokenize(_kto(2), tok, 128, True, pairs=True)
+    with pytest.raises(UserError, match="objective=kto needs labelled records.*objective=dpo"):
+        tokenize(_pairs(2), tok, 128, True, unpaired=True)
+    with pytest.raises(UserError, match="objective=kto needs labelled records.*objective=sft"):
+        tokenize([{"prompt": "a", "completion": "b"}], tok, 128, True, unpaired=True)
+
+
+def test_kto_label_in_mask_and_mismatched_kl_rows(tiny):
+    from finetune.data.pairs import UnpairedSource
+    from finetune.data.tokens import tokenize
+    from finetune.objectives import unpaired_labels
+
+    _, tok = tiny
+    t = tokenize(_kto(6), tok, 128, True, unpaired=True)
+    src = UnpairedSource(t, tok.pad_token_id, 6, 0, 0.0, 0, 1, 128)
+    b = src.train_batch(0)
+    assert list(unpaired_labels(b)) == [bool((i + 1) % 2) for i in b.indices]
+    assert int(t.targets().sum()) == int(b.loss_mask[:, 1:].sum())  # the label entry is no target
+    kl = src.kl_batch(b)
+    for row in range(6):  # prompt of record i, completion of the record before it in the step
+        i, j = b.indices[row], b.indices[row - 1]
+        m = np.asarray(t.masks[i]); mj = np.asarray(t.masks[j])
+        p = 1 + int(np.argmax(m[1:] > 0)); pj = 1 + int(np.argmax(mj[1:] > 0))
+        want = np.concatenate([np.asarray(t.ids[i])[:p], np.asarray(t.ids[j])[pj:]])
+        assert np.array_equal(kl.input_ids[row, :len(want)], want) and kl.loss_mask[row].sum() == len(mj) - pj
+
+
+def test_kto_kl_once_per_step_keeps_a_split_steps_loss(tiny, tmp_path):
+    """The step's z0 comes from all its records; micro-batches of one record each, at that z0,
+    give the whole step's loss, metrics and gradients (a z0 per micro-batch would not)."""
+    from conftest import make_spec
+    from finetune.backends.cuda.runtime import CudaBackend
+    from finetune.data.pairs import UnpairedSource
+    from finetune.data.tokens import tokenize
+    from finetune.objectives import PairSums
+
+    d, tok = tiny
+    src = UnpairedSource(tokenize(_kto(8), tok, 128, True, unpaired=True), tok.pad_token_id, 4, 0, 0.0, 0, 1, 128)
+    batch, be = src.train_batch(0), CudaBackend()
+    be.setup(make_spec(tmp_path, "backend=cuda", "backend.device=cpu", "precision=32-true", "objective=kto",
+                       "objective.beta=0.5"), d)
+    kl_rows = src.kl_batch(batch)
+    assert be.kto_kl(kl_rows, 4) == 0.0  # LoRA's B starts at zero: the policy is the reference
+    whole = be.forward_backward_unpaired(batch, 1 / 4, 0.0)
+    assert whole.loss == pytest.approx(0.5, abs=1e-6)  # 1 - sigmoid(0) for every record
+    be.zero_grad()
+    for _ in range(3):  # move the adapters away from the reference: up the KL rows' likelihood
+        (-be._row_logps(kl_rows)[0].sum()).backward()
+        with torch.no_grad():
+            for p in be.model.parameters():
+                if p.grad is not None:
+                    p.sub_(0.05 * p.grad.sign())
+        be.zero_grad()
+    kl = be.kto_kl(kl_rows, 4)
+    assert kl > 0 and be.kto_kl(kl_rows, 1) == pytest.approx(kl, abs=1e-6)
+    assert be.kto_kl(src.kl_batch(batch.split(2)[0]), 4) != pytest.approx(kl, abs=1e-3)  # per micro: another z0
+    whole = be.forward_backward_unpaired(batch, 1 / 4, kl)
+    g1 = [p.grad.clone() for p in be.model.parameters() if p.grad is not None]
+    be.zero_grad()
+    split = PairSums()
+    for micro in batch.split(1):
+        split = split.add(be.forward_backward_unpaired(micro, 1 / 4, kl))
+    g2 = [p.grad.clone() for p in be.model.parameters() if p.grad is not None]
+    assert split.loss == pytest.approx(whole.loss, abs=1e-6)
+    assert whole.metrics() == pytest.approx(split.metrics(), abs=1e-5) and whole.metrics()["kl"] == kl
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))

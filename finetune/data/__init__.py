@@ -40,7 +40,7 @@ import numpy as np
 from finetune.backends.base import padded_length
 from finetune.data.batches import DataSource, fit_to_micro, pad_multiple, packed_steps
 from finetune.data.formats import load_records
-from finetune.data.pairs import PairSource
+from finetune.data.pairs import PairSource, UnpairedSource
 from finetune.data.tokens import TOKENIZE_CHUNK, Tokenized, prepare, record_char_cap, tokenize
 from finetune.errors import UserError
 from finetune.spec import RunSpec
@@ -59,10 +59,15 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     effective batch of all of them (train.batch_size * train.grad_accum per rank), and each rank
     trains its own slice (``rank_slice``)."""
     t = spec.train
-    pairs = spec.objective.preference
-    if pairs and t.packing:
-        raise UserError(f"objective={spec.objective.name} does not pack its pairs yet; use train.packing=false")
-    if pairs and spec.world.world_size > 1:
+    obj = spec.objective
+    pairs = obj.paired
+    if obj.preference and t.packing:
+        raise UserError(f"objective={obj.name} does not pack its pairs yet; use train.packing=false")
+    if obj.unpaired and (spec.method.name == "full" or obj.reference == "precompute"):
+        # KTO's KL rows pair records anew every step: no table computed before training holds them
+        raise UserError("objective=kto takes its reference from the base with the adapters off; use method=lora "
+                        "(or dora, qlora) and objective.reference=auto")
+    if obj.preference and spec.world.world_size > 1:
         raise UserError(f"objective={spec.objective.name} runs in one process for now; launch it without torchrun / "
                         "mlx.launch")
     tok = prepare(spec, tokenizer)
@@ -92,6 +97,9 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     if pairs:  # a step's effective batch counts pairs (finetune/data/pairs.py)
         src: DataSource = PairSource(tok, int(pad), t.effective_batch, t.seed, spec.data.val_fraction,
                                      spec.data.max_val_samples, multiple, t.seq_len)
+    elif obj.unpaired:  # KTO: a row a record, and the step's KL rows
+        src = UnpairedSource(tok, int(pad), t.effective_batch, t.seed, spec.data.val_fraction,
+                             spec.data.max_val_samples, multiple, t.seq_len)
     else:
         src = DataSource(tok, int(pad), t.effective_batch * spec.world.world_size, t.seed, spec.data.val_fraction,
                          spec.data.max_val_samples, multiple, t.seq_len)
