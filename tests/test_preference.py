@@ -255,3 +255,44 @@ def test_kto_kl_once_per_step_keeps_a_split_steps_loss(tiny, tmp_path):
     assert split.loss == pytest.approx(whole.loss, abs=1e-6)
     assert whole.metrics() == pytest.approx(split.metrics(), abs=1e-5) and whole.metrics()["kl"] == kl
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+
+
+BAD_FILES = [  # id, objective, the bad line 3, what the error says
+    ("missing-rejected", "dpo", {"prompt": "q", "chosen": "a"}, "a preference record without 'rejected'"),
+    ("empty-completion", "orpo", {"prompt": "q", "chosen": "a", "rejected": ""}, "'rejected' is empty"),
+    ("chosen-equals-rejected", "simpo", {"prompt": "q", "chosen": "a b", "rejected": "a b"},
+     "'chosen' equals 'rejected'"),
+    ("kto-empty-completion", "kto", {"prompt": "q", "completion": "", "label": True}, "'completion' is empty"),
+]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in BAD_FILES])
+def test_bad_preference_file_is_refused_by_line_before_weights_load(case, tmp_path, monkeypatch):
+    """Through the CLI's code path (finetune.cli.run): the bad record named as file:line, and
+    transformers' from_pretrained never called (a spy that fails the test if it is); nothing
+    written that could pass for a result."""
+    import transformers
+
+    from finetune.cli import run
+    from finetune.config import compose
+
+    _, objective, bad, words = next(c for c in BAD_FILES if c[0] == case)
+    good = _kto(2) if objective == "kto" else _pairs(2)
+    f = tmp_path / "prefs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in [*good, bad, *good]))
+
+    def loaded(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    run_dir = tmp_path / "run"
+    with pytest.raises(UserError) as e:
+        run(compose(run_dir, "backend=cuda", "backend.device=cpu", f"objective={objective}", f"data.path={f}",
+                    "train.steps=1", "train.progress=false", "data.cache=false"))
+    assert str(e.value).startswith(f"{f}:3: ") and words in str(e.value) and "\n" not in str(e.value)
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "adapter").exists()
+    if case == "missing-rejected":  # the spy is on the load path: a good file gets there
+        f.write_text("".join(json.dumps(r) + "\n" for r in _pairs(8)))
+        with pytest.raises(AssertionError, match="weights were loaded"):
+            run(compose(tmp_path / "run2", "backend=cuda", "backend.device=cpu", "objective=dpo", f"data.path={f}",
+                        "train.steps=1", "train.progress=false", "data.cache=false", "train.batch_size=2"))
