@@ -345,3 +345,50 @@ def test_dpo_reward_accuracy_rises_on_gsm8k_pairs(gsm8k, tmp_path):
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and steps[0]["rewards/accuracies"] == 0.0
     late = [r["rewards/accuracies"] for r in steps[10:]]
     assert sum(late) / len(late) > 0.9, [r["rewards/accuracies"] for r in steps]
+
+
+def test_kto_chat_records_train_the_completion_only(tiny):
+    """KTO's records as chat turns go through the chat template as pairs do: the assistant's
+    turn is the target, the label rides in the (never-target) first mask entry."""
+    from finetune.data.tokens import tokenize
+
+    _, tok = tiny
+    recs = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+             "completion": [{"role": "assistant", "content": "4"}], "label": True},
+            {"prompt": "What is 3 + 3?", "completion": "7", "label": False}]
+    t = tokenize(recs, tok, 128, True, unpaired=True)
+    for i, want in enumerate(["4<|im_end|>\n<|endoftext|>", "7<|endoftext|>"]):  # turns; strings as they are
+        ids, m = np.asarray(t.ids[i]), np.asarray(t.masks[i])
+        assert m[0] == int(recs[i]["label"]) and tok.decode(ids[1:][m[1:] == 1]) == want
+    assert tok.decode(np.asarray(t.ids[0])).startswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_kto_refuses_method_full_before_weights_load(tmp_path):
+    from finetune.cli import run
+    from finetune.config import compose
+
+    f = tmp_path / "kto.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in _kto(8)))
+    with pytest.raises(UserError, match="objective=kto takes its reference from the base with the adapters off"):
+        run(compose(tmp_path / "run", "backend=cuda", "backend.device=cpu", "objective=kto", "method=full",
+                    f"data.path={f}", "train.steps=1", "train.progress=false", "data.cache=false"))
+
+
+def test_kto_weights_outside_eq8_warn(tiny, tmp_path, caplog):
+    """TRL's KTOTrainer warning, ours: 1 desirable to 2 undesirable records at equal weights
+    weigh 0.5 to 1, outside the paper's [1, 4/3]; desirable_weight 2.2 brings it inside."""
+    from conftest import make_spec
+    from finetune.data import _check_kto_weights
+    from finetune.data.tokens import tokenize
+
+    _, tok = tiny
+    t = tokenize([r for r in _kto(6) if r["label"]] + [{**r, "label": False} for r in _kto(6)], tok, 128, True,
+                 unpaired=True)  # 3 desirable, 6 undesirable
+    with caplog.at_level("WARNING", logger="finetune"):
+        _check_kto_weights(make_spec(tmp_path, "objective=kto"), t)
+    assert "3 desirable and 6 undesirable records weigh 0.50 to 1" in caplog.text
+    assert "objective.desirable_weight in [2.00, 2.67]" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="finetune"):
+        _check_kto_weights(make_spec(tmp_path, "objective=kto", "objective.desirable_weight=2.2"), t)
+    assert "objective=kto" not in caplog.text
