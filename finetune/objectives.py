@@ -1,4 +1,4 @@
-"""The preference losses (``objective=dpo|orpo|simpo``), one formula each, framework-neutral.
+"""The preference losses (``objective=dpo|orpo|simpo|kto``), one formula each, framework-neutral.
 
 Every function takes ``xp``, the array namespace of the backend that calls it (``torch`` on cuda,
 ``mlx.core`` on mlx): the formulas use only what both spell alike (``logaddexp``, ``maximum``,
@@ -17,6 +17,11 @@ Metrics carry TRL's names (``METRICS``): ``rewards/chosen`` and ``rewards/reject
 step's mean implicit rewards, ``rewards/accuracies`` the share of pairs whose chosen reward is
 the higher, ``rewards/margins`` the mean difference, ``logps/*`` the mean log-probabilities (as
 the objective uses them: summed for DPO, averaged per token for ORPO and SimPO).
+
+KTO (``kto_terms``) trains on unpaired records labelled desirable or not: ``rewards/chosen`` and
+``logps/chosen`` are means over the step's desirable records, ``*/rejected`` over its
+undesirable ones, ``rewards/margins`` their difference, ``kl`` the step's reference point (TRL's
+KTOTrainer logs the same); ``rewards/accuracies`` compares pairs and is null (TRL logs none).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from finetune.spec import ObjectiveSpec
 
@@ -144,10 +151,57 @@ def _simpo(obj: ObjectiveSpec, xp: Any, pc: Any, pr: Any, nc: Any, nr: Any) -> P
     return PairTerms(losses, obj.beta * ac, obj.beta * ar, ac, ar)
 
 
+def unpaired_labels(batch: Any) -> Any:
+    """[rows] bool numpy array: each KTO row's label (true: desirable), which its first mask
+    entry holds (finetune/data/tokens.py ``_unpaired_chunk``; that entry is never a target)."""
+    import numpy as np
+
+    return np.asarray(batch.loss_mask[:, 0]) == 1
+
+
+def kto_kl(xp: Any, kl_logps: Any, ref_kl_logps: Any) -> Any:
+    """KTO's reference point z0 (Ethayarajh et al. 2024 "KTO: Model Alignment as Prospect
+    Theoretic Optimization", eq. 7 and sec. 4.1): KL(policy || reference) estimated as the mean,
+    over mismatched (prompt, completion) rows, of the summed completion log-ratio, clamped at 0 and
+    carrying no gradient (trl/trainer/kto_trainer.py ``KTOTrainer._compute_loss``:
+    ``(KL_logps - ref_KL_logps).mean().detach()``, ``.clamp(min=0)``)."""
+    kl = (kl_logps - ref_kl_logps).mean()
+    return xp.maximum(kl, xp.zeros_like(kl))
+
+
+def kto_terms(obj: ObjectiveSpec, xp: Any, logps: Any, ref_logps: Any, desirable: Any, kl: float) -> PairTerms:
+    """KTO's per-record loss, Ethayarajh et al. 2024 eq. 7 (TRL's KTOTrainer ``_compute_loss``
+    with ``loss_type="kto"``): with r = log p - log p_ref over the completion's tokens,
+
+    - desirable: lambda_D * (1 - sigmoid(beta * (r - z0)))
+    - undesirable: lambda_U * (1 - sigmoid(beta * (z0 - r)))
+
+    z0 = ``kl`` (``kto_kl``). The step's loss is the mean over its records (TRL's
+    ``losses.nanmean()``): the loop scales each micro-batch by 1 / the step's records.
+
+    Args:
+        logps, ref_logps: [R] summed completion log-probabilities of the policy and the reference.
+        desirable: [R] bool, the records' labels.
+
+    Returns ``PairTerms`` over records: ``losses`` [R]; ``chosen_rewards`` beta * r of every
+    record, ``rejected_rewards`` the same (``kto_sums`` splits them by label); ``*_logps`` the
+    policy's sums.
+    """
+    r = logps - ref_logps
+    b = obj.beta
+    # 1 - sigmoid(x) = sigmoid(-x) = exp(logsigmoid(-x))
+    wd = xp.where(desirable, xp.zeros_like(r) + obj.desirable_weight, xp.zeros_like(r) + obj.undesirable_weight)
+    x = xp.where(desirable, b * (r - kl), b * (kl - r))
+    losses = wd * xp.exp(logsigmoid(xp, -x))
+    return PairTerms(losses, b * r, b * r, logps, logps)
+
+
 @dataclass
 class PairSums:
-    """What a micro-batch of pairs adds to its step: the scaled loss (summing to the step's
-    loss) and the sums its metrics are means of. Plain floats: the loop adds them up."""
+    """What a micro-batch of pairs (or of KTO's records) adds to its step: the scaled loss
+    (summing to the step's loss) and the sums its metrics are means of. Plain floats: the loop
+    adds them up. KTO's records set ``chosen_n``/``rejected_n`` (desirable and undesirable
+    records; pairs leave them None: each is ``pairs``) and ``kl``, the step's reference point."""
 
     loss: float = 0.0  # already scaled: the step's loss is the sum over its micro-batches
     pairs: int = 0
@@ -156,18 +210,33 @@ class PairSums:
     correct: float = 0.0  # pairs whose chosen reward beats the rejected one
     logps_chosen: float = 0.0
     logps_rejected: float = 0.0
+    chosen_n: int | None = None  # KTO: desirable records
+    rejected_n: int | None = None  # KTO: undesirable records
+    kl: float | None = None  # KTO: the step's z0, the same for each of its micro-batches
 
     def add(self, other: PairSums) -> PairSums:
         a, b = self.astuple(), other.astuple()
-        return PairSums(a[0] + b[0], int(a[1] + b[1]), *(x + y for x, y in zip(a[2:], b[2:])))
+        unpaired = self.chosen_n is not None or other.chosen_n is not None
+        n = (lambda x, y: (x or 0) + (y or 0) if unpaired else None)
+        rc, rr, correct, lc, lr = (x + y for x, y in zip(a[2:], b[2:]))
+        return PairSums(a[0] + b[0], int(a[1] + b[1]), rc, rr, correct, lc, lr,
+                        chosen_n=n(self.chosen_n, other.chosen_n), rejected_n=n(self.rejected_n, other.rejected_n),
+                        kl=other.kl if other.kl is not None else self.kl)
 
     def astuple(self) -> tuple[float, ...]:
         return (self.loss, self.pairs, self.rewards_chosen, self.rewards_rejected, self.correct, self.logps_chosen,
                 self.logps_rejected)
 
     def metrics(self, prefix: str = "") -> dict[str, float | None]:
-        """TRL's metrics (``METRICS``): means over the pairs summed; ``prefix`` "eval_" for
-        validation, as TRL names them there."""
+        """TRL's metrics (``METRICS``, and KTO's ``kl``): means over the pairs (KTO: over each
+        label's records) summed; ``prefix`` "eval_" for validation, as TRL names them there."""
+        if self.chosen_n is not None:
+            nc, nr = self.chosen_n, self.rejected_n or 0
+            mc = (self.rewards_chosen / nc, self.logps_chosen / nc) if nc else (None, None)
+            mr = (self.rewards_rejected / nr, self.logps_rejected / nr) if nr else (None, None)
+            margin = mc[0] - mr[0] if mc[0] is not None and mr[0] is not None else None
+            kto = (mc[0], mr[0], None, margin, mc[1], mr[1])
+            return {**{prefix + k: v for k, v in zip(METRICS, kto)}, prefix + "kl": self.kl}
         n = self.pairs
         if not n:
             return {prefix + k: None for k in METRICS}

@@ -220,11 +220,12 @@ class ObjectiveSpec:
 
     # finetune/objectives.py holds each loss, with its paper and TRL's code cited
     name: str = key("sft", "the objective (objective=...): sft (next-token loss), dpo, orpo, simpo (pairs: "
-                    "prompt/chosen/rejected records)", choices=("sft", "dpo", "orpo", "simpo"))
+                    "prompt/chosen/rejected records), kto (unpaired prompt/completion/label records)",
+                    choices=("sft", "dpo", "orpo", "simpo", "kto"))
     # sigmoid: DPO (Rafailov et al. 2023) with cDPO's label smoothing; ipo: Azar et al. 2023; hinge: SLiC
     loss_type: str = key("sigmoid", "dpo: the pair loss: sigmoid (DPO), ipo, hinge", choices=("sigmoid", "ipo", "hinge"))
-    beta: float = key(0.1, "dpo: the KL weight (reward scale); orpo: the odds-ratio weight (lambda); simpo: the "
-                      "reward scale", gt=0)
+    beta: float = key(0.1, "dpo, kto: the KL weight (reward scale); orpo: the odds-ratio weight (lambda); simpo: "
+                      "the reward scale", gt=0)
     label_smoothing: float = key(0.0, "dpo sigmoid: the share of pairs assumed mislabelled (cDPO)", ge=0, lt=0.5,
                                  hint="at 0.5 the labels carry no information")
     gamma: float = key(0.5, "simpo: the target reward margin (TRL's simpo_gamma)", ge=0)
@@ -233,16 +234,31 @@ class ObjectiveSpec:
     reference: str = key("auto", "dpo: the reference: auto (adapters off under LoRA/DoRA/QLoRA, log-probs "
                          "precomputed before training under method=full), precompute (always precomputed)",
                          choices=("auto", "precompute"))
+    # KTO (Ethayarajh et al. 2024) eq. 8: weigh the classes so that desirable_weight * desirables over
+    # undesirable_weight * undesirables lies in [1, 4/3] (TRL's KTOConfig; it warns outside that range)
+    desirable_weight: float = key(1.0, "kto: the weight of a desirable (label true) record's loss (lambda_D)", gt=0)
+    undesirable_weight: float = key(1.0, "kto: the weight of an undesirable (label false) record's loss "
+                                    "(lambda_U)", gt=0)
 
     @property
     def preference(self) -> bool:
-        """Trains on pairs (every objective but sft)."""
+        """Trains on preferences (every objective but sft): pairs, or KTO's labelled records."""
         return self.name != "sft"
 
     @property
+    def paired(self) -> bool:
+        """Trains on (chosen, rejected) pairs: dpo, orpo, simpo."""
+        return self.preference and not self.unpaired
+
+    @property
+    def unpaired(self) -> bool:
+        """Trains on unpaired records labelled desirable or not (KTO)."""
+        return self.name == "kto"
+
+    @property
     def needs_reference(self) -> bool:
-        """DPO compares to a reference model; ORPO and SimPO need none."""
-        return self.name == "dpo"
+        """DPO and KTO compare to a reference model; ORPO and SimPO need none."""
+        return self.name in ("dpo", "kto")
 
 
 @dataclass(frozen=True)
@@ -427,7 +443,7 @@ class RunSpec:
     optim: OptimSpec = group(OptimSpec, "the optimizer")
     precision: PrecisionSpec = group(PrecisionSpec, "dtypes")
     data: DataSpec = group(DataSpec, "the samples")
-    objective: ObjectiveSpec = group(ObjectiveSpec, "the training objective (sft, dpo, orpo, simpo)")
+    objective: ObjectiveSpec = group(ObjectiveSpec, "the training objective (sft, dpo, orpo, simpo, kto)")
     train: TrainSpec = group(TrainSpec, "the training loop")
     memory: MemorySpec = group(MemorySpec, "memory accounting and the governor")
     # chosen logger -> its settings: each chosen option of the `logger` group

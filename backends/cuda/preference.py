@@ -1,6 +1,8 @@
-"""The cuda backend's preference step (``objective=dpo|orpo|simpo``): chosen and rejected rows
+"""The cuda backend's preference step (``objective=dpo|orpo|simpo|kto``): chosen and rejected rows
 through the model as one batch, the reference's log-probabilities, the loss of
-finetune/objectives.py.
+finetune/objectives.py. KTO's records are rows of their own, labelled in the mask
+(finetune/objectives.py ``unpaired_labels``), and its KL reference point is taken once a step
+over the step's mismatched rows (``kto_kl``), before the step's micro-batches.
 
 A micro-batch holds whole pairs, interleaved (finetune/data/pairs.py): even rows the chosen
 completions, odd rows the rejected. One forward gives every row's summed completion
@@ -25,7 +27,7 @@ import torch
 
 from finetune import objectives
 from finetune.backends.base import Batch, OutOfMemory
-from finetune.objectives import PairSums, PairTerms
+from finetune.objectives import PairSums, PairTerms, unpaired_labels
 
 
 class CudaPreference:
@@ -114,23 +116,93 @@ class CudaPreference:
         Raises:
             OutOfMemory: as ``forward_backward`` (every gradient of the step dropped).
         """
-        try:
+        def compute() -> tuple[torch.Tensor, Callable[[torch.Tensor], PairSums]]:
             terms, _ = self._terms(batch)
-            loss = objectives.scaled_loss(terms, per_pair, per_chosen_token)
+            return objectives.scaled_loss(terms, per_pair, per_chosen_token), lambda loss: self._sums(terms, loss)
+
+        return self._backward(compute, on_phase)
+
+    def _backward(self, compute: Callable[[], tuple[torch.Tensor, Callable[[torch.Tensor], PairSums]]],
+                  on_phase: Callable[[str], None] | None) -> PairSums:
+        try:
+            loss, sums_of = compute()
             if on_phase:
                 on_phase("forward")
             (self.scaler.scale(loss) if self.scaler else loss).backward()
-            sums = self._sums(terms, loss)
+            sums = sums_of(loss)
         except torch.OutOfMemoryError as e:
             message = str(e).splitlines()[0] if str(e) else "out of memory"
         else:
             if on_phase:
                 on_phase("backward")
             return sums
-        terms = loss = None  # type: ignore[assignment]
+        loss = sums_of = None  # type: ignore[assignment]
         self.zero_grad()
         self.release_cache()
         raise OutOfMemory(f"torch.OutOfMemoryError in forward/backward: {message}")
+
+    # -- KTO ---------------------------------------------------------------------------------
+    def kto_kl(self, kl_rows: Batch, rows: int) -> float:
+        """KTO's reference point z0 of a step (``objectives.kto_kl``) from its mismatched rows
+        (finetune/data/pairs.py ``UnpairedSource.kl_batch``), ``rows`` rows a forward, no grad:
+        the policy as it is, then the base with the adapters off. Taken once per optimizer step,
+        over the whole step's records, before its micro-batches: every split of the step sees
+        the same z0, so the same loss (TRL takes it per device batch: the same where a step is
+        one batch).
+
+        Raises:
+            OutOfMemory: a forward of ``rows`` rows did not fit.
+        """
+        try:
+            with torch.no_grad():
+                pol, ref = [], []
+                for micro in kl_rows.split(rows):
+                    pol.append(self._row_logps(micro)[0])
+                    with self.model.disable_adapter():
+                        ref.append(self._row_logps(micro)[0])
+                return float(objectives.kto_kl(torch, torch.cat(pol), torch.cat(ref)))
+        except torch.OutOfMemoryError as e:
+            message = str(e).splitlines()[0] if str(e) else "out of memory"
+        self.release_cache()
+        raise OutOfMemory(f"torch.OutOfMemoryError in KTO's KL pass: {message}")
+
+    def _kto(self, batch: Batch, kl: float) -> tuple[PairTerms, torch.Tensor]:
+        logps, _ = self._row_logps(batch)
+        ref = self._reference(batch)
+        desirable = torch.from_numpy(unpaired_labels(batch)).to(logps.device)
+        return objectives.kto_terms(self.spec.objective, torch, logps, ref, desirable, kl), desirable
+
+    @staticmethod
+    def _kto_sums(terms: PairTerms, desirable: torch.Tensor, loss: torch.Tensor, kl: float) -> PairSums:
+        r, lp = terms.chosen_rewards.detach(), terms.chosen_logps.detach()
+        d = desirable
+        return PairSums(float(loss.detach()), 0, float(r[d].sum()), float(r[~d].sum()), 0.0, float(lp[d].sum()),
+                        float(lp[~d].sum()), chosen_n=int(d.sum()), rejected_n=int((~d).sum()), kl=kl)
+
+    def forward_backward_unpaired(self, batch: Batch, per_record: float, kl: float,
+                                  on_phase: Callable[[str], None] | None = None) -> PairSums:
+        """KTO: accumulate the gradients of this micro-batch's share of its step's loss (its
+        records' losses times ``per_record``, 1 / the step's records) at the step's ``kl``;
+        return that share and the metrics' sums.
+
+        Raises:
+            OutOfMemory: as ``forward_backward``.
+        """
+        def compute() -> tuple[torch.Tensor, Callable[[torch.Tensor], PairSums]]:
+            terms, desirable = self._kto(batch, kl)
+            return terms.losses.sum() * per_record, lambda loss: self._kto_sums(terms, desirable, loss, kl)
+
+        return self._backward(compute, on_phase)
+
+    def eval_unpaired(self, batch: Batch, per_record: float, kl: float) -> PairSums:
+        """``forward_backward_unpaired``'s sums in eval mode, without gradients."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                terms, desirable = self._kto(batch, kl)
+                return self._kto_sums(terms, desirable, terms.losses.sum() * per_record, kl)
+        finally:
+            self.model.train()
 
     def eval_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float) -> PairSums:
         """``forward_backward_pairs``' sums in eval mode, without gradients."""

@@ -38,9 +38,10 @@ from typing import Any
 import numpy as np
 
 from finetune.backends.base import padded_length
+from finetune.data.cache import Ragged
 from finetune.data.batches import DataSource, fit_to_micro, pad_multiple, packed_steps
 from finetune.data.formats import load_records
-from finetune.data.pairs import PairSource
+from finetune.data.pairs import PairSource, UnpairedSource
 from finetune.data.tokens import TOKENIZE_CHUNK, Tokenized, prepare, record_char_cap, tokenize
 from finetune.errors import UserError
 from finetune.spec import RunSpec
@@ -59,10 +60,15 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     effective batch of all of them (train.batch_size * train.grad_accum per rank), and each rank
     trains its own slice (``rank_slice``)."""
     t = spec.train
-    pairs = spec.objective.preference
-    if pairs and t.packing:
-        raise UserError(f"objective={spec.objective.name} does not pack its pairs yet; use train.packing=false")
-    if pairs and spec.world.world_size > 1:
+    obj = spec.objective
+    pairs = obj.paired
+    if obj.preference and t.packing:
+        raise UserError(f"objective={obj.name} does not pack its pairs yet; use train.packing=false")
+    if obj.unpaired and (spec.method.name == "full" or obj.reference == "precompute"):
+        # KTO's KL rows pair records anew every step: no table computed before training holds them
+        raise UserError("objective=kto takes its reference from the base with the adapters off; use method=lora "
+                        "(or dora, qlora) and objective.reference=auto")
+    if obj.preference and spec.world.world_size > 1:
         raise UserError(f"objective={spec.objective.name} runs in one process for now; launch it without torchrun / "
                         "mlx.launch")
     tok = prepare(spec, tokenizer)
@@ -72,9 +78,10 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
                         f"raise train.seq_len (e.g. train.seq_len={tok.longest}) or shorten the prompts")
     if not tok.ids:
         raise UserError("no sample has any target token after tokenizing; check the data format or train.seq_len")
-    if tok.truncated:
+    if tok.truncated:  # pairs: 2 samples a record
         log.warning("%d of %d samples were longer than train.seq_len=%d and were truncated (longest %d tokens); "
-                    "raise train.seq_len to keep them whole", tok.truncated, tok.records, t.seq_len, tok.longest)
+                    "raise train.seq_len to keep them whole", tok.truncated, tok.records * (2 if pairs else 1),
+                    t.seq_len, tok.longest)
     if tok.dropped_no_target and pairs:
         log.warning("%d pairs had a completion with no target token within train.seq_len, or the same tokens in "
                     "both, and were dropped; raise train.seq_len to keep them", tok.dropped_no_target)
@@ -92,6 +99,10 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     if pairs:  # a step's effective batch counts pairs (finetune/data/pairs.py)
         src: DataSource = PairSource(tok, int(pad), t.effective_batch, t.seed, spec.data.val_fraction,
                                      spec.data.max_val_samples, multiple, t.seq_len)
+    elif obj.unpaired:  # KTO: a row a record, and the step's KL rows
+        src = UnpairedSource(tok, int(pad), t.effective_batch, t.seed, spec.data.val_fraction,
+                             spec.data.max_val_samples, multiple, t.seq_len)
+        _check_kto_weights(spec, tok)
     else:
         src = DataSource(tok, int(pad), t.effective_batch * spec.world.world_size, t.seed, spec.data.val_fraction,
                          spec.data.max_val_samples, multiple, t.seq_len)
@@ -123,6 +134,24 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
     head = float((targets / np.maximum(lens, 1)).max()) if cap else int(targets.max()) / stats["max_padded_tokens"]
     stats["head_fraction"] = min(1.0, head)
     return src, stats
+
+
+def _check_kto_weights(spec: RunSpec, tok: Tokenized) -> None:
+    """Warn, as TRL's KTOTrainer does (``_prepare_dataset``), when the class weights leave
+    lambda_D * desirable / (lambda_U * undesirable) outside [1, 4/3] (the KTO paper's eq. 8),
+    naming a weight that would bring it inside."""
+    m = tok.masks  # each record's label in its first mask entry (tokens.py ``_unpaired_chunk``)
+    first = (np.asarray(m.flat)[m.offsets[:-1]] if isinstance(m, Ragged) else
+             np.array([np.asarray(x)[0] for x in m]))
+    nd = max(int((first == 1).sum()), 1)
+    nu = max(int((first != 1).sum()), 1)
+    o = spec.objective
+    ratio = o.desirable_weight * nd / (o.undesirable_weight * nu)
+    if not 1.0 <= ratio <= 4 / 3:
+        lo, hi = o.undesirable_weight * nu / nd, o.undesirable_weight * nu / nd * 4 / 3
+        log.warning("objective=kto: %d desirable and %d undesirable records weigh %.2f to 1 at these weights; the KTO "
+                    "paper (eq. 8) keeps it in [1, 4/3]: set objective.desirable_weight in [%.2f, %.2f]", nd, nu,
+                    ratio, lo, hi)
 
 
 def describe(spec: RunSpec, stats: dict[str, Any]) -> str:

@@ -285,8 +285,8 @@ def check_record(rec: Any, where: str) -> None:
         check_pair(rec, where)
         return
     if "label" in rec and "completion" in rec:
-        raise UserError(f"{where}: an unpaired record (prompt/completion/label, KTO's format) is not trained here; "
-                        'give preference pairs {"prompt", "chosen", "rejected"} with objective=dpo (or orpo, simpo)')
+        check_unpaired(rec, where)
+        return
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -310,6 +310,7 @@ def check_record(rec: Any, where: str) -> None:
 
 
 PAIR_FORMAT = "preference pairs"  # record_format's name for {"prompt", "chosen", "rejected"}
+UNPAIRED_FORMAT = "unpaired (KTO)"  # record_format's name for {"prompt", "completion", "label"}
 
 
 def _turns_text(value: Any) -> str:
@@ -351,11 +352,31 @@ def check_pair(rec: dict[str, Any], where: str) -> None:
                         "one: fix or remove it")
 
 
+def check_unpaired(rec: dict[str, Any], where: str) -> None:
+    """UserError naming ``where`` (file:line) for a KTO record that cannot train: a missing or
+    empty prompt or completion (strings or chat turns), or a label that is not true or false."""
+    for key in ("prompt", "completion"):
+        if key not in rec:  # (a record without a completion is not read as KTO's)
+            raise UserError(f"{where}: a labelled (KTO) record without '{key}'; give every record a prompt, a "
+                            "completion and a label (true: desirable, false: undesirable)")
+        if not isinstance(rec[key], str):
+            _check_turns(rec[key], where, key)
+        if not _turns_text(rec[key]).strip():
+            # the prompt's first token carries the label (finetune/data/tokens.py ``_unpaired_chunk``)
+            raise UserError(f"{where}: '{key}' is empty; a KTO record needs a prompt and a non-empty completion: fix "
+                            "or remove it")
+    if not isinstance(rec["label"], bool):
+        raise UserError(f"{where}: 'label' is {rec['label']!r}; give true (a desirable completion) or false (an "
+                        "undesirable one)")
+
+
 def record_format(record: dict[str, Any]) -> str:
     """The format a (checked) record is read as, in ``_render``'s order: "preference pairs",
-    "chat messages", "prompt/completion", "question/answer" or "text"."""
+    "unpaired (KTO)", "chat messages", "prompt/completion", "question/answer" or "text"."""
     if "chosen" in record:
         return PAIR_FORMAT
+    if "label" in record and "completion" in record:
+        return UNPAIRED_FORMAT
     if "messages" in record:
         return "chat messages"
     if "prompt" in record and "completion" in record:

@@ -1,5 +1,6 @@
 """Preference pairs as batches (``objective=dpo|orpo|simpo``): the step -> pairs schedule and
-batches whose rows keep each pair side by side.
+batches whose rows keep each pair side by side; and KTO's labelled records (``objective=kto``):
+their labels and the mismatched rows its KL estimate reads (``UnpairedSource``).
 
 The tokens hold each pair as two samples, 2i (chosen) and 2i + 1 (rejected)
 (finetune/data/tokens.py ``_pair_chunk``). ``PairSource`` is ``DataSource`` over pairs: the
@@ -75,3 +76,33 @@ def pair_counts(batch: Batch) -> tuple[int, int]:
 def stats(src: PairSource, tok: Tokenized) -> dict[str, Any]:
     """The pair counts ``build``'s stats add."""
     return {"pairs": len(src.lengths), "train_pairs": len(src.train_idx), "val_pairs": len(src.val_idx)}
+
+
+class UnpairedSource(DataSource):
+    """``DataSource`` over KTO's labelled records (one row each), with the rows of its KL estimate.
+
+    KTO's reference point z0 = max(0, mean KL(policy || reference)) is estimated, as TRL's
+    KTOTrainer does (trl/trainer/kto_trainer.py ``_prepare_dataset``, ``add_kl_completion_ids``),
+    from mismatched (prompt, completion) rows of the same records: row i's prompt with row i - 1's
+    completion (row 0 with the last one's). TRL rotates within each device batch; we rotate
+    within the whole optimizer step, so the estimate, and the loss, do not depend on how the
+    governor splits the step (the loop computes it once a step, before its micro-batches)."""
+
+    def _prompt_len(self, i: int) -> int:
+        m = np.asarray(self.tok.masks[i])
+        return 1 + int(np.argmax(m[1:] > 0))  # the first target after the label entry: the completion
+
+    def kl_batch(self, batch: Batch) -> Batch:
+        """The KL rows of ``batch``'s records: prompt of row i + completion of row i - 1, cut to
+        train.seq_len; only the completion's tokens are targets. ``indices``: the prompt's record."""
+        idx = np.asarray(batch.indices)
+        ids, masks = [], []
+        for i, j in zip(idx, np.roll(idx, 1)):
+            a, b = np.asarray(self.tok.ids[i]), np.asarray(self.tok.ids[j])
+            pa, pb = self._prompt_len(int(i)), self._prompt_len(int(j))
+            row = np.concatenate([a[:pa], b[pb:]])
+            m = np.concatenate([np.zeros(pa, np.int8), np.ones(len(b) - pb, np.int8)])
+            cap = self.pad.get("max_len") or len(row)
+            ids.append(row[:cap])
+            masks.append(m[:cap])
+        return collate(ids, masks, idx, self.pad_id, **self.pad)

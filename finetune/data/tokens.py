@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from typing import Any
 
@@ -24,9 +24,9 @@ import numpy as np
 
 from finetune import synthetic
 from finetune.data import cache as tokcache
-from finetune.data.formats import (_BOM, PAIR_FORMAT, READERS, _hf_dataset, _hf_records, _jsonl_path, _jsonl_records,
-                                   _unreadable, check_pair, check_record, compression, is_pipe, iter_records,
-                                   record_format)
+from finetune.data.formats import (_BOM, PAIR_FORMAT, READERS, UNPAIRED_FORMAT, _hf_dataset, _hf_records, _jsonl_path,
+                                   _jsonl_records, _unreadable, check_pair, check_record, check_unpaired, compression,
+                                   is_pipe, iter_records, record_format)
 from finetune.errors import UserError
 from finetune.prompting import QA_PROMPT
 from finetune.spec import DataSpec, RunSpec
@@ -186,17 +186,16 @@ def _chunk_samples(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, 
                   int((~kept).sum()), int(n.max(initial=0)), kept)
 
 
-def _render_pair(record: dict[str, Any], tokenizer: Any) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) text of a preference record. Chat turns go through the
-    tokenizer's chat template as TRL's DPOTrainer renders them (trl/data_utils.py
-    ``apply_chat_template``): the prompt with the generation prompt added, each completion as
-    what the whole conversation adds after it, so only the completion's tokens are targets."""
-    p, c, r = record["prompt"], record["chosen"], record["rejected"]
-    if isinstance(p, str) and isinstance(c, str) and isinstance(r, str):
-        return p, c, r
+def _render_prompted(p: Any, completions: list[Any], tokenizer: Any, fix: str) -> tuple[str, list[str]]:
+    """(prompt, [completion, ...]) text of a record whose completions answer one prompt. Chat
+    turns go through the tokenizer's chat template as TRL's DPOTrainer and KTOTrainer render them
+    (trl/data_utils.py ``apply_chat_template``): the prompt with the generation prompt added, each
+    completion as what the whole conversation adds after it, so only the completion's tokens are
+    targets. ``fix``: what to do without a chat template."""
+    if isinstance(p, str) and all(isinstance(c, str) for c in completions):
+        return p, list(completions)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError("preference records hold chat turns but the model's tokenizer has no chat template; give "
-                        "prompt, chosen and rejected as strings, or use a chat model")
+        raise UserError(f"the records hold chat turns but the model's tokenizer has no chat template; {fix}")
     turns = (lambda v: [{"role": "user", "content": v}] if isinstance(v, str) else list(v))
     prompt = tokenizer.apply_chat_template(turns(p), tokenize=False, add_generation_prompt=True)
 
@@ -205,7 +204,14 @@ def _render_pair(record: dict[str, Any], tokenizer: Any) -> tuple[str, str, str]
         whole = tokenizer.apply_chat_template(turns(p) + msgs, tokenize=False)
         return whole[len(prompt):] if whole.startswith(prompt) else whole
 
-    return prompt, completion(c), completion(r)
+    return prompt, [completion(c) for c in completions]
+
+
+def _render_pair(record: dict[str, Any], tokenizer: Any) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) text of a preference record (``_render_prompted``)."""
+    p, (c, r) = _render_prompted(record["prompt"], [record["chosen"], record["rejected"]], tokenizer,
+                                 "give prompt, chosen and rejected as strings, or use a chat model")
+    return p, c, r
 
 
 def _pair_chunk(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, char_cap: int | None) -> _Chunk:
@@ -234,19 +240,49 @@ def _pair_chunk(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, cha
                   keep_rows)
 
 
-def _check_objective(fmt: str, pairs: bool) -> None:
+def _unpaired_chunk(records: list[dict[str, Any]], tokenizer: Any, seq_len: int, char_cap: int | None) -> _Chunk:
+    """``_chunk_samples`` over KTO's labelled records: only completion tokens targets, and the
+    record's label in the mask of its first token, which is always a prompt token (a KTO
+    record's prompt is never empty: formats.py ``check_unpaired``) and never a target (nothing
+    predicts it: ``Tokenized.targets`` and the backends skip it). 1: desirable, 0: undesirable
+    (``finetune.data.pairs.unpaired_labels`` reads it back). The token cache keeps it as it
+    keeps any mask, under its own key (``prepare``: settings ``unpaired``)."""
+    rows = []
+    for rec in records:
+        p, (c,) = _render_prompted(rec["prompt"], [rec["completion"]], tokenizer,
+                                   "give prompt and completion as strings, or use a chat model")
+        rows.append({"prompt": p, "completion": c})
+    ch = _chunk_samples(rows, tokenizer, seq_len, True, char_cap)
+    labels = np.array([bool(r["label"]) for r in records], np.int8)[ch.kept]
+    mask = ch.mask.copy()
+    mask[np.cumsum(ch.lengths) - ch.lengths] = labels
+    return replace(ch, mask=mask)
+
+
+def _check_objective(fmt: str, pairs: bool, unpaired: bool = False) -> None:
     """One line naming the fix for records the objective cannot train on."""
     if fmt == PAIR_FORMAT and not pairs:
         raise UserError('the data holds preference pairs ({"prompt", "chosen", "rejected"}); train them with '
-                        "objective=dpo (or orpo, simpo), or give objective=sft prompt/completion records")
+                        "objective=dpo (or orpo, simpo), or give objective=sft prompt/completion records"
+                        if not unpaired else
+                        'objective=kto needs labelled records {"prompt", "completion", "label"}, and the data holds '
+                        "preference pairs; train them with objective=dpo (or orpo, simpo), or write each pair as two "
+                        "records (chosen: label true, rejected: label false)")
+    if fmt == UNPAIRED_FORMAT and not unpaired:
+        raise UserError('the data holds labelled records ({"prompt", "completion", "label"}, KTO\'s); train them '
+                        "with objective=kto" + (", or give pairs {\"prompt\", \"chosen\", \"rejected\"}" if pairs
+                                                  else ""))
     if pairs and fmt != PAIR_FORMAT:
         raise UserError(f'a preference objective needs pairs {{"prompt", "chosen", "rejected"}}, and the data holds '
                         f"{fmt} records; train those with objective=sft")
+    if unpaired and fmt not in (UNPAIRED_FORMAT, PAIR_FORMAT):
+        raise UserError(f'objective=kto needs labelled records {{"prompt", "completion", "label"}}, and the data '
+                        f"holds {fmt} records; train those with objective=sft")
 
 
 def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool,
                    writer: TokenWriter, progress: Callable[[int], None] | None = None,
-                   pairs: bool = False) -> dict[str, int]:
+                   pairs: bool = False, unpaired: bool = False) -> dict[str, int]:
     """Stream records through ``_chunk_samples`` ``TOKENIZE_CHUNK`` at a time into ``writer``:
     memory holds one chunk's Python objects (one call over every record would hold all their
     offset tuples, ~100 B a token, and the heap that leaves behind stays in the process's RSS).
@@ -257,11 +293,13 @@ def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: i
     while chunk := list(islice(it, TOKENIZE_CHUNK)):
         for r in chunk:
             f = record_format(r)
-            _check_objective(f, pairs)
+            _check_objective(f, pairs, unpaired)
             formats[f] = formats.get(f, 0) + 1
-        # pairs: samples 2i (chosen) and 2i + 1 (rejected) of each kept pair
-        c = _pair_chunk(chunk, tokenizer, seq_len, cap) if pairs else _chunk_samples(chunk, tokenizer, seq_len,
-                                                                                      mask_prompt, cap)
+        # pairs: samples 2i (chosen) and 2i + 1 (rejected) of each kept pair; unpaired: the label rides
+        # in each sample's first mask entry
+        c = (_pair_chunk(chunk, tokenizer, seq_len, cap) if pairs else
+             _unpaired_chunk(chunk, tokenizer, seq_len, cap) if unpaired else
+             _chunk_samples(chunk, tokenizer, seq_len, mask_prompt, cap))
         writer.add(c.ids, c.mask, c.lengths)
         stats["records"] += len(chunk)
         stats["truncated"] += c.truncated
@@ -278,13 +316,14 @@ def _tokenized(ids: Ragged, masks: Ragged, stats: dict[str, Any]) -> Tokenized:
 
 
 def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool,
-             progress: Callable[[int], None] | None = None, pairs: bool = False) -> Tokenized:
+             progress: Callable[[int], None] | None = None, pairs: bool = False,
+             unpaired: bool = False) -> Tokenized:
     """Tokenize records (EOS appended, counted in the loss), truncate to ``seq_len``, in memory.
 
     ``records`` may be any iterable (a list, ``iter_records``); the samples are one flat array
     of ids and one of masks, each sample a view (``Ragged``)."""
     writer = TokenWriter(tokcache.ids_dtype(tokenizer))
-    stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, progress, pairs)
+    stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, progress, pairs, unpaired)
     return _tokenized(*writer.finish_in_memory(), stats)
 
 
@@ -293,7 +332,8 @@ def tokenize(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: int, ma
 def _code_fingerprint(name: str) -> str:
     """A hash of the code that decides which records are read and what tokens they become: an
     edit to it (a new format, a changed mask rule) is a new cache entry, never a stale one."""
-    funcs: list[Any] = [check_record, check_pair, _render, _render_pair, _pair_chunk, _encode, record_char_cap,
+    funcs: list[Any] = [check_record, check_pair, check_unpaired, _render, _render_prompted, _render_pair, _pair_chunk,
+                        _unpaired_chunk, _encode, record_char_cap,
                         _chunk_samples, _tokenize_into, *READERS]
     if name == "synthetic":
         funcs.append(synthetic)
@@ -356,16 +396,19 @@ def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
     tokenizer and settings exists; else tokenized chunk by chunk straight into a new entry
     (``data.cache=false``: into memory, nothing written). Says which in one line on stderr."""
     d, seq_len, mask_prompt = spec.data, spec.train.seq_len, spec.data.mask_prompt
-    pairs = spec.objective.preference  # samples 2i, 2i + 1: a pair's chosen and rejected
+    pairs = spec.objective.paired  # samples 2i, 2i + 1: a pair's chosen and rejected
+    unpaired = spec.objective.unpaired  # KTO: each sample's label in its first mask entry
     seed, show, t0 = spec.train.seed, spec.train.progress, time.perf_counter()
     label, source_key, records, total = _source(d, seed, keyed=bool(d.cache))
     _remove_stale_temporaries(d.cache_dir)
     if not d.cache or source_key is None:
         why = ("data.cache=false" if not d.cache else "data.path is a pipe, read once" if d.name == "jsonl"
                else "the data set has no fingerprint")
-        return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, f"{why}: nothing cached", pairs)
+        return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, f"{why}: nothing cached", pairs,
+                          unpaired)
     key = {"source": source_key, "tokenizer": tokcache.tokenizer_fingerprint(tokenizer),
-           "settings": {"seq_len": seq_len, "mask_prompt": mask_prompt, **({"pairs": True} if pairs else {})},
+           "settings": {"seq_len": seq_len, "mask_prompt": mask_prompt, **({"pairs": True} if pairs else {}),
+                        **({"unpaired": True} if unpaired else {})},
            "code": _code_fingerprint(d.name)}
     path = tokcache.entry_path(tokcache.cache_dir(d.cache_dir), label, key)
     built = False
@@ -393,7 +436,7 @@ def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
         bar = _progress_bar(show, total)
         try:
             stats = _tokenize_into(records, tokenizer, seq_len, mask_prompt, writer, None if bar is None else bar.update,
-                                   pairs)
+                                   pairs, unpaired)
             path = writer.publish(stats, key)
         except OSError as e:  # disk full, the dir removed under us: the run goes on without a cache
             writer.abort()
@@ -409,7 +452,7 @@ def prepare(spec: RunSpec, tokenizer: Any) -> Tokenized:
     # No usable entry (an unwritable dir, a failed write, an entry damaged as soon as written):
     # tokenize into memory, from the start of the data again.
     _, _, records, _ = _source(d, seed, keyed=False)
-    return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, "not cached", pairs)
+    return _in_memory(records, tokenizer, seq_len, mask_prompt, show, total, t0, "not cached", pairs, unpaired)
 
 
 def _remove_stale_temporaries(cache_dir: str | None) -> None:
@@ -422,10 +465,10 @@ def _remove_stale_temporaries(cache_dir: str | None) -> None:
 
 
 def _in_memory(records: Iterator[dict[str, Any]], tokenizer: Any, seq_len: int, mask_prompt: bool, show: bool,
-               total: int | None, t0: float, why: str, pairs: bool = False) -> Tokenized:
+               total: int | None, t0: float, why: str, pairs: bool = False, unpaired: bool = False) -> Tokenized:
     bar = _progress_bar(show, total)
     try:
-        tok = tokenize(records, tokenizer, seq_len, mask_prompt, None if bar is None else bar.update, pairs)
+        tok = tokenize(records, tokenizer, seq_len, mask_prompt, None if bar is None else bar.update, pairs, unpaired)
     finally:
         if bar is not None:
             bar.close()

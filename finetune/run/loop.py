@@ -28,7 +28,7 @@ from finetune.backends.base import Batch, Comm, PairBackend, pack, pack_figures
 from finetune.backends.runtimes import get_backend
 from finetune.run.checkpoint import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
 from finetune.data.batches import rank_slice
-from finetune.data.pairs import PairSource, pair_counts
+from finetune.data.pairs import PairSource, UnpairedSource, pair_counts
 from finetune.objectives import PairSums
 from finetune.errors import UserError
 from finetune.run.faults import Faults, StopOnSignal
@@ -167,9 +167,11 @@ class Trainer:
             print(self._backend_reason + (f"; {self.comm.world_size} ranks ({self.spec.backend.strategy})"
                                           if self.comm.world_size > 1 else ""), file=sys.stderr)
         obj = self.spec.objective
-        if obj.preference and not hasattr(self.backend, "forward_backward_pairs"):
-            raise UserError(f"objective={obj.name} runs on backend=cuda and backend=mlx for now; use one of them "
-                            "(cuda runs on the CPU too) or objective=sft")
+        if obj.preference and not hasattr(self.backend, "forward_backward_unpaired" if obj.unpaired
+                                          else "forward_backward_pairs"):
+            raise UserError(f"objective={obj.name} runs on " + ("backend=cuda for now; use backend=cuda (it runs on the "
+                            "CPU too)" if obj.unpaired else "backend=cuda and backend=mlx for now; use one of them "
+                            "(cuda runs on the CPU too)") + " or objective=sft")
         self.governor = Governor(self.spec, self.backend_name, self._event)
         # Before any download: stop if even the weights and state cannot fit the budget.
         self.governor.before_load(seq_len=8, only_check=True)
@@ -213,7 +215,7 @@ class Trainer:
         self.acct = Accountant(self.backend, sample_every=mem.sample_every, rank=self.comm.rank,
                                phase_every=mem.phase_every)
         self.acct.run_facts = {"adaptations": self.events, "adapt": mem.adapt, "budget_set": mem.budget is not None}
-        if obj.preference:  # method=full's reference: every sample's log-prob, once, before step 1
+        if obj.paired:  # method=full's reference: every sample's log-prob, once, before step 1
             pairs = cast(PairSource, self.data)
             self.ref_table_bytes = cast(PairBackend, self.backend).precompute_reference(
                 pairs.all_batches(self.governor.micro), len(pairs.samples.ids))
@@ -321,6 +323,8 @@ class Trainer:
     def _train_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Run optimizer step ``step`` (1-based); redo it with a smaller micro-batch on OOM."""
         self.faults.abort_at(step, self.governor.micro)
+        if self.spec.objective.unpaired:
+            return self._unpaired_step(step)
         if self.spec.objective.preference:
             return self._pair_step(step)
         batch = self.data.train_batch(step - 1)  # the whole step's samples, every rank's
@@ -360,6 +364,52 @@ class Trainer:
         if every and step % every == 0:  # memory.empty_cache_every: the cache back to the device
             self.backend.release_cache()
         return loss_sum / batch.label_tokens, batch.tokens, len(batch.lengths), grad_norm
+
+    def _unpaired_step(self, step: int) -> tuple[float, int, int, float | None]:
+        """Optimizer step ``step`` of KTO (finetune/objectives.py ``kto_terms``): its reference
+        point z0 first, once, over the whole step's records (their mismatched KL rows, no grad),
+        then the step's records in micro-batches of ``micro`` rows, each scaled by 1 / the
+        step's records at that z0: any split gives the same loss. Redone on OOM with fewer rows
+        a micro-batch. Returns (loss, tokens, records, grad norm)."""
+        batch = self.data.train_batch(step - 1)
+        records = len(batch.lengths)
+        self._step_max_len = int(batch.input_ids.shape[1])
+        self._step_rows = None
+        backend = cast(PairBackend, self.backend)
+        kl_rows = cast(UnpairedSource, self.data).kl_batch(batch)
+
+        def hook(phase: str) -> None:
+            self.acct.sample(step, phase)
+
+        while True:
+            sums = PairSums()
+            try:
+                kl = backend.kto_kl(kl_rows, self.governor.micro)
+                for micro in batch.split(self.governor.micro):
+                    sums = sums.add(backend.forward_backward_unpaired(micro, 1.0 / records, kl, hook))
+                break
+            except OutOfMemory as e:
+                self.backend.zero_grad()
+                self.backend.release_cache()
+                self.governor.on_oom(step, e, row_tokens=int(batch.input_ids.shape[1]))
+        grad_norm = self.backend.optimizer_step(self._lr(step))
+        self.pair_metrics["train"] = sums.metrics()
+        return sums.loss, batch.tokens, records, grad_norm
+
+    def _evaluate_unpaired(self) -> float | None:
+        """Validation of KTO: the mean record loss over the validation records, each batch at
+        its own z0 (TRL's eval), and TRL's eval_ metrics."""
+        batches = self.data.val_batches(self.governor.micro, self.spec.train.eval_batches)
+        if not batches:
+            return None
+        records = sum(len(b.lengths) for b in batches)
+        backend, src = cast(PairBackend, self.backend), cast(UnpairedSource, self.data)
+        sums = PairSums()
+        for b in batches:
+            kl = backend.kto_kl(src.kl_batch(b), self.governor.micro)
+            sums = sums.add(backend.eval_unpaired(b, 1.0 / records, kl))
+        self.pair_metrics["eval"] = sums.metrics("eval_")
+        return sums.loss
 
     def _pair_step(self, step: int) -> tuple[float, int, int, float | None]:
         """Optimizer step ``step`` of a preference objective (finetune/objectives.py): the step's
@@ -447,6 +497,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.spec.train.eval_every <= 0:
             return None
+        if self.spec.objective.unpaired:
+            return self._evaluate_unpaired()
         if self.spec.objective.preference:
             return self._evaluate_pairs()
         batches = self.data.val_batches(self.governor.micro, self.spec.train.eval_batches)
