@@ -25,7 +25,11 @@ from finetune.io import atomic_write_json
 PROMPT_FORMATS = ("chat", "raw", "question/answer")
 # a record's format (finetune/data/formats.py record_format) -> the shape its prompt trained in
 FORMAT_OF_RECORDS = {"chat messages": "chat", "prompt/completion": "raw", "text": "raw",
-                     "question/answer": "question/answer"}
+                     "question/answer": "question/answer",
+                     # preference records (finetune/data/formats.py): string prompts as they are,
+                     # chat turns through the template
+                     "preference pairs": "raw", "preference pairs, chat turns": "chat",
+                     "unpaired (KTO)": "raw", "unpaired (KTO), chat turns": "chat"}
 # what a question/answer record's prompt becomes (GSM8K's shape); the answer follows directly
 QA_PROMPT = "Question: {}\nAnswer: "
 # the run's note beside its adapter (adapter/finetune.json): PEFT and mlx-lm read only their own

@@ -112,6 +112,25 @@ def test_wrong_format_for_objective_is_one_line(tiny):
         tokenize([{"prompt": "a", "completion": "b"}], tok, 128, True, pairs=True)
 
 
+def test_preference_records_name_the_prompt_format_generation_uses(tiny):
+    """adapter/finetune.json's prompt_format (what mode=generate formats a prompt as) of a run on
+    pairs or KTO records: string prompts trained as they are ("raw"), chat turns through the chat
+    template ("chat"), as SFT's prompt/completion and messages records do."""
+    from finetune.data.tokens import tokenize
+    from finetune.prompting import prompt_format
+
+    _, tok = tiny
+    chat = [{**p, "prompt": [{"role": "user", "content": p["prompt"]}]} for p in _pairs(3)]
+    kto = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True} for p in _pairs(3)]
+    kto_chat = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in kto]
+    got = {name: tokenize(recs, tok, 128, True, pairs=pairs, unpaired=not pairs).formats
+           for name, recs, pairs in (("pairs", _pairs(3), True), ("chat", chat, True), ("kto", kto, False),
+                                     ("kto_chat", kto_chat, False))}
+    assert got == {"pairs": {"preference pairs": 3}, "chat": {"preference pairs, chat turns": 3},
+                   "kto": {"unpaired (KTO)": 3}, "kto_chat": {"unpaired (KTO), chat turns": 3}}
+    assert [prompt_format(got[k]) for k in ("pairs", "chat", "kto", "kto_chat")] == ["raw", "chat", "raw", "chat"]
+
+
 def test_dpo_step_one_is_ln2_and_split_by_whole_pairs_keeps_loss(tiny, tmp_path):
     from conftest import make_spec
     from finetune.backends.cuda.runtime import CudaBackend

@@ -311,6 +311,9 @@ def check_record(rec: Any, where: str) -> None:
 
 PAIR_FORMAT = "preference pairs"  # record_format's name for {"prompt", "chosen", "rejected"}
 UNPAIRED_FORMAT = "unpaired (KTO)"  # record_format's name for {"prompt", "completion", "label"}
+# the run's count of preference records says which rendered through the chat template (their
+# prompt, as mode=generate formats it, is a chat prompt): "preference pairs, chat turns"
+CHAT_TURNS = ", chat turns"
 
 
 def _turns_text(value: Any) -> str:

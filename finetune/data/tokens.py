@@ -24,7 +24,7 @@ import numpy as np
 
 from finetune import synthetic
 from finetune.data import cache as tokcache
-from finetune.data.formats import (_BOM, PAIR_FORMAT, READERS, UNPAIRED_FORMAT, _hf_dataset, _hf_records, _jsonl_path,
+from finetune.data.formats import (_BOM, CHAT_TURNS, PAIR_FORMAT, READERS, UNPAIRED_FORMAT, _hf_dataset, _hf_records, _jsonl_path,
                                    _jsonl_records, _unreadable, check_pair, check_record, check_unpaired, compression,
                                    is_pipe, iter_records, record_format)
 from finetune.errors import UserError
@@ -294,6 +294,9 @@ def _tokenize_into(records: Iterable[dict[str, Any]], tokenizer: Any, seq_len: i
         for r in chunk:
             f = record_format(r)
             _check_objective(f, pairs, unpaired)
+            if f in (PAIR_FORMAT, UNPAIRED_FORMAT) and not all(
+                    isinstance(r.get(k), str) for k in ("prompt", "chosen", "rejected", "completion") if k in r):
+                f += CHAT_TURNS  # rendered through the chat template (_render_prompted): a chat prompt
             formats[f] = formats.get(f, 0) + 1
         # pairs: samples 2i (chosen) and 2i + 1 (rejected) of each kept pair; unpaired: the label rides
         # in each sample's first mask entry
