@@ -177,10 +177,25 @@ def expert_adapters(lin: Linear, rank: int) -> list[tuple[str, tuple[int, ...]]]
     return [(".lora_A", (lin.experts * rank, lin.in_f)), (".lora_B", (lin.out_f, lin.experts * rank))]
 
 
+def bnb4_storage(t: Tensor, s: Setup) -> tuple[int, int]:
+    """(rows, bytes a row) of a 4-bit weight as FSDP2 shards it: the runtime stores the packed
+    bytes viewed as the dtype FSDP gathers in (``bnb_4bit_quant_storage``: the autocast dtype,
+    else the weights'; bitsandbytes Params4bit._quantize ``w_4bit.view(quant_storage)``), a
+    [packed / itemsize, 1] tensor whose rows FSDP splits like any other's."""
+    item = s.a if s.autocast else s.wd
+    return -(-((t.numel + 1) // 2) // item), item
+
+
 def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
-    """(bytes of the tensor itself on one rank, bytes of its quantization constants)."""
-    if t.quant == "bnb4":  # never sharded: fsdp refuses method=qlora
-        return bnb4_bytes(t.numel, s.double_quant)
+    """(bytes of the tensor itself on one rank, bytes of its quantization constants). Under
+    fsdp a 4-bit weight's rows are sharded; its QuantState (absmax, codes) is not a parameter,
+    so every rank keeps all of it (Linear4bit.quant_state)."""
+    if t.quant == "bnb4":
+        packed, consts = bnb4_bytes(t.numel, s.double_quant)
+        if t.shards > 1:
+            rows, item = bnb4_storage(t, s)
+            packed = -(-rows // t.shards) * item
+        return packed, consts
     return t.local_numel * t.dtype_bytes, 0
 
 
@@ -392,10 +407,6 @@ def _refuse_fsdp(s: Setup) -> None:
         raise UserError(f"optim={s.optim} is not supported under backend.strategy=fsdp (bitsandbytes' 8-bit/paged "
                         "optimizers and adafactor do not take FSDP's DTensor parameters); use optim=adamw, adam or "
                         "sgd, or backend.strategy=ddp")
-    if s.method == "qlora":
-        # bitsandbytes' Params4bit keeps its QuantState beside the tensor, which FSDP2's DTensor drops
-        raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights; use backend.strategy=ddp "
-                        "with method=qlora, or method=lora with fsdp")
 
 
 def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
@@ -466,7 +477,8 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         return 4 if s.autocast else t.dtype_bytes
 
     def gathered(ts: list[Tensor]) -> int:
-        return sum(_padded_numel(t, N) * unsharded_bytes(t) for t in ts)
+        return sum(_padded_numel(t, N) * unsharded_bytes(t) if t.quant != "bnb4"
+                   else -(-bnb4_storage(t, s)[0] // N) * N * bnb4_storage(t, s)[1] for t in ts)
 
     root = gathered(units.get(None, []))
     layer = max((gathered(ts) for k, ts in units.items() if k is not None), default=0)

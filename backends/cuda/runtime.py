@@ -198,7 +198,10 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         split = spec.backend.device_map == "auto" and device.type == "cuda"
         kwargs["device_map"] = "auto" if split else {"": str(device)}
         if m.name == "qlora":
-            kwargs["quantization_config"] = bnb_config(m, self.autocast_dtype or self.weight_dtype)
+            # fsdp: the packed bytes viewed as the dtype FSDP gathers in (its MixedPrecisionPolicy
+            # param_dtype, else the weights'), so its cast to param_dtype leaves them as they are
+            storage = (self.autocast_dtype or self.weight_dtype) if self.sharded else None
+            kwargs["quantization_config"] = bnb_config(m, self.autocast_dtype or self.weight_dtype, storage)
 
         try:
             with lean_host_heap():  # the load's host peak is what is live (the plan's figure)
@@ -267,9 +270,6 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         from finetune.backends.cuda import distributed
 
         if self.strategy == "fsdp":
-            if spec.method.name == "qlora":
-                raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights here; use "
-                                "backend.strategy=ddp with method=qlora, or method=lora with fsdp")
             if spec.optim.name not in FSDP_OPTIMIZERS:
                 raise UserError(f"optim={spec.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
