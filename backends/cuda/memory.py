@@ -23,7 +23,7 @@ from finetune.model.types import (
 from finetune.model.inventory import MIB, Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
-from finetune.backends.cuda import trace
+from finetune.backends.cuda import host_offload, trace
 from finetune.backends.cuda.activations import OFFLOAD_MIN_BYTES, layer_bytes, layer_tensors, offloaded  # noqa: F401  (the memory model's names)
 from finetune.backends.cuda.alloc_config import parse_alloc_conf
 from finetune.backends.cuda.capabilities import CAPABILITIES
@@ -395,6 +395,8 @@ def ranks(spec: RunSpec) -> tuple[int, str]:
         raise UserError("backend.strategy=fsdp shards the model over ranks and backend.device_map=auto splits one "
                         "process over GPUs; drop backend.device_map=auto (or use backend.strategy=ddp)")
     n = spec.world.num_devices
+    # the world's size is known once a launcher's ranks connect: the ranks are checked on the setup
+    host_offload.check(spec.backend.cpu_offload, strategy, 2)
     return (n if n and not split else 1), strategy
 
 
@@ -420,6 +422,7 @@ def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
     optimizer's state (zeros_like the local shard) are as large.
     """
     _refuse_fsdp(s)
+    host_offload.check(s.cpu_offload, s.strategy, s.world_size)
     if s.strategy != "fsdp" or s.world_size <= 1:
         return tensors
     return [dataclasses.replace(t, shards=s.world_size) for t in tensors]
@@ -502,6 +505,8 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         # Its output is the rank's sharded gradient, counted in grads (the runtime reduces
         # every micro-batch and FSDP2 adds it into the sharded .grad: no unsharded accumulation).
         "reduce_scatter": {"bytes": unit_reduce, "phase": "forward_backward"},
+        # backend.cpu_offload: a unit's shards and sharded gradients, copied to and from the host
+        **host_offload.copy_buffer(tensors, s, sys.modules[__name__]),
     }
 
 
@@ -600,18 +605,25 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                                 # of the host, the checkpoint's pages (file-backed: the kernel drops
                                 # them under pressure rather than running out)
                                 "host_file_bytes": file_bytes if name == "load" else 0}
+            moved = host_offload.host_bytes(held, s, mm)  # backend.cpu_offload: the shards, grads and state
+            host_offload.move_phases(s, moved, host_offload.whole_model_bytes(held, s, mm), phases)
             out.append({"phases": phases, "non_allocator": extra, "step2_reserved_leap_bytes": leap,
                         "alloc_conf": s.alloc_conf, "device_level_planned": True,
                         # paged state NVML counts while it fits, and pages out to the host when
                         # the device runs short: not what makes a run fail
                         "evictable_bytes": extra.get("paged_optimizer_state", 0)})
+            if s.cpu_offload:
+                out[-1].update(host_offload.device_peaks(dev, moved))
         else:
             for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
                 host = host_base + alloc + (file_bytes if name == "load" else off)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
                                 "host_bytes": host}
+            moved = host_offload.host_bytes(held, s, mm)  # on the CPU already in the host's figures
             out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
                         "device_level_planned": False, "evictable_bytes": 0})
+            if s.cpu_offload:
+                out[-1]["cpu_offload_host_bytes"] = moved["weights"] + moved["grads"] + moved["optimizer_state"]
     return out
 
 

@@ -112,6 +112,9 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         set_alloc_conf(spec.backend.alloc_conf)
         world = distributed.launched_world()
         if world is None:
+            if spec.backend.cpu_offload:
+                raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
+                                "--nproc-per-node N (N >= 2) -m finetune ... backend.strategy=fsdp")
             return self.comm
         rank, size, local_rank = world
         b = spec.backend
@@ -196,7 +199,10 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
                                   "use_safetensors": None if spec.model.allow_pickle else True}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
         split = spec.backend.device_map == "auto" and device.type == "cuda"
-        kwargs["device_map"] = "auto" if split else {"": str(device)}
+        # backend.cpu_offload: loaded (and quantized) in host memory, where FSDP keeps the shards;
+        # fully_shard takes one unit at a time through the GPU (backends/cuda/host_offload.py)
+        on_host = self.sharded and spec.backend.cpu_offload
+        kwargs["device_map"] = "auto" if split else {"": "cpu" if on_host else str(device)}
         if m.name == "qlora":
             # fsdp: the packed bytes viewed as the dtype FSDP gathers in (its MixedPrecisionPolicy
             # param_dtype, else the weights'), so its cast to param_dtype leaves them as they are
@@ -276,7 +282,8 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
             autocast = self.autocast_dtype
             comm = cast(distributed.TorchComm, self.comm)  # strategy=fsdp over ranks: connect() made a TorchComm
             self.units = distributed.shard_model(self.model, self.hf, comm, param_dtype=autocast,
-                                                 reduce_dtype=torch.float32 if autocast is not None else None)
+                                                 reduce_dtype=torch.float32 if autocast is not None else None,
+                                                 cpu_offload=spec.backend.cpu_offload)
             self.device = comm.device
         else:
             distributed.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])

@@ -182,6 +182,7 @@ LEVER_COSTS: tuple[tuple[str, str], ...] = (
     ("method.lora.num_layers", "adapters on the top layers only"),
     ("train.seq_len", "samples cut shorter: their tails not trained"),
     ("backend.device_map", "more GPUs, the layers split over them"),
+    ("backend.cpu_offload", "FSDP's shards, gradients and optimizer state in host memory: transfers each step"),
 )
 # the largest micro-batch a plan looks for above the effective batch (a bound on the search)
 MICRO_BATCH_SEARCH_MAX = 4096

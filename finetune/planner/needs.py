@@ -1,5 +1,6 @@
 """What a run needs to fit (``mode=plan``'s ``needs``): the fewest levers, of the loss in chunks,
-checkpointing, activation offload, FSDP and the layers split over the devices, that fit a budget
+checkpointing, activation offload, FSDP, the layers split over the devices and FSDP's state in
+host memory (backend.cpu_offload), that fit a budget
 on each device, with the host RAM they take; and the primitives the levers share with
 ``finetune.planner.fit`` (a Setup changed, whether a plan fits, the micro-batch search)."""
 
@@ -56,9 +57,11 @@ def _largest_true(candidates: list[int], ok: Any) -> int | None:
 # the loss a chunk at a time (no slower), checkpointing (a third more compute), activation
 # offload (transfers over the host link each step), FSDP over the devices (collectives each
 # layer), then the layers split over the devices in one process (device_map=auto: one GPU
-# computes at a time). A smaller micro-batch comes with any of them (the same math, slower
-# steps); it is searched for each set, the largest that fits.
-NEED_LEVERS: tuple[str, ...] = ("loss_chunk", "ckpt", "offload", "fsdp", "split")
+# computes at a time), last FSDP's shards, gradients and optimizer state in host memory
+# (backend.cpu_offload: every layer's shards over the host link each step, the optimizer on the
+# CPU). A smaller micro-batch comes with any of them (the same math, slower steps); it is
+# searched for each set, the largest that fits.
+NEED_LEVERS: tuple[str, ...] = ("loss_chunk", "ckpt", "offload", "fsdp", "split", "cpu_offload")
 
 
 # the most devices "what would fit" looks for
@@ -77,22 +80,28 @@ def _need_changes(lever: str, s: Setup) -> dict[str, Any] | None:
     if lever == "fsdp":
         return {"strategy": "fsdp"} if s.world_size > 1 and s.strategy != "fsdp" and "fsdp" in caps.strategies else None
     if lever == "split":  # every rank's samples in one process whose layers span the devices
-        if s.world_size <= 1 or s.device != caps.gpu_device:
+        if s.world_size <= 1 or s.device != caps.gpu_device or s.cpu_offload:
             return None
         return {"world_size": 1, "n_devices": s.world_size, "grad_accum": s.grad_accum * s.world_size}
+    if lever == "cpu_offload":  # FSDP's shards on the host: with fsdp, over ranks
+        if s.cpu_offload or s.world_size <= 1 or "fsdp" not in caps.strategies or caps.no_cpu_offload:
+            return None
+        return {"cpu_offload": True, "strategy": "fsdp"}
     raise ValueError(lever)
 
 
 _NEED_OVERRIDES = {"loss_chunk": f"train.loss_chunk={LOSS_CHUNK_LEVER}", "ckpt": "train.grad_checkpointing=true",
                    "offload": "train.activation_offload=true", "fsdp": "backend.strategy=fsdp",
-                   "split": "backend.device_map=auto"}
+                   "split": "backend.device_map=auto", "cpu_offload": "backend.cpu_offload=true"}
 
 
 _NEED_COSTS = {"loss_chunk": "the output head and loss a chunk of tokens at a time: the same loss, no slower",
                "ckpt": "each layer's forward recomputed in backward: about a third more compute",
                "offload": "saved activations to host memory and back: host RAM and transfers each step",
                "fsdp": "weights, gradients and state sharded over the ranks: gathered layer by layer each step",
-               "split": "the layers split over the devices in one process: one device computes at a time"}
+               "split": "the layers split over the devices in one process: one device computes at a time",
+               "cpu_offload": "parameters, gradients and optimizer state in host memory: every layer's shards over "
+                              "the host link each step, the optimizer step on the CPU"}
 
 
 def _host_figures(p: PlanCore) -> tuple[int, int]:
@@ -113,6 +122,8 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
     applicable = [lv for lv in NEED_LEVERS if _need_changes(lv, s) is not None]
 
     def setup_of(levers: tuple[str, ...]) -> Setup | None:
+        if "split" in levers and "cpu_offload" in levers:  # one process, or FSDP's ranks: not both
+            return None
         kw: dict[str, Any] = {}
         for lv in levers:
             kw.update(_need_changes(lv, s) or {})
@@ -140,9 +151,15 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
         d = _largest_true(cands, ok) if cands else None
         return None if d is None else (d, got[d] if d in got else priced(_setup_with(x, batch=d, grad_accum=eff // d)))  # type: ignore[return-value]
 
-    every = setup_of(tuple(applicable))
-    every_one = None if every is None else priced(_setup_with(every, batch=1, grad_accum=every.effective_batch)
-                                                  if not every.packed else every)
+    def at_one(x: Setup | None) -> PlanCore | None:
+        return None if x is None else priced(_setup_with(x, batch=1, grad_accum=x.effective_batch)
+                                             if not x.packed else x)
+
+    # every lever at once (the layers split in one process, or FSDP's state on the host: the
+    # one that peaks lower)
+    alls = [tuple(lv for lv in applicable if lv != drop) for drop in ("cpu_offload", "split")]
+    tried = [(p, x) for x in (setup_of(a) for a in dict.fromkeys(alls)) for p in [at_one(x)] if p is not None]
+    every_one, every = min(tried, key=lambda px: px[0]["fits_bytes"]) if tried else (None, None)
     found = None
     if every_one is not None and _fits(every_one, budget):
         for k in range(len(applicable) + 1):
