@@ -92,7 +92,7 @@ def _need_changes(lever: str, s: Setup) -> dict[str, Any] | None:
 
 _NEED_OVERRIDES = {"loss_chunk": f"train.loss_chunk={LOSS_CHUNK_LEVER}", "ckpt": "train.grad_checkpointing=true",
                    "offload": "train.activation_offload=true", "fsdp": "backend.strategy=fsdp",
-                   "split": "backend.device_map=auto", "cpu_offload": "backend.cpu_offload=true"}
+                   "split": "backend.device_map=auto", "cpu_offload": "backend.strategy=fsdp backend.cpu_offload=true"}
 
 
 _NEED_COSTS = {"loss_chunk": "the output head and loss a chunk of tokens at a time: the same loss, no slower",
@@ -183,7 +183,7 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
         more = None
         if every is not None and every.device == capabilities(s.backend).gpu_device:
             for n in range(devices + 1, NEED_DEVICES_MAX + 1):  # the layers split over n devices of this size
-                x = _setup_with(every, world_size=1, n_devices=n, batch=1,
+                x = _setup_with(every, world_size=1, n_devices=n, batch=1, cpu_offload=False,
                                 grad_accum=s.effective_batch * s.world_size)
                 p = priced(x)
                 if p is not None and _fits(p, budget):
@@ -191,12 +191,13 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
                     break
         out["would_fit"] = ([f"memory.budget={every_one['fits_bytes']} bytes per device (every lever, "
                              f"{devices} device{'s' if devices > 1 else ''})"] if every_one is not None else []) + \
-            ([f"backend.num_devices={more} with {' '.join(_NEED_OVERRIDES[lv] for lv in applicable if lv != 'split')} "
+            ([f"backend.num_devices={more} with {' '.join(_NEED_OVERRIDES[lv] for lv in applicable if lv not in ('split', 'cpu_offload'))} "
               "backend.device_map=auto train.batch_size=1"] if more else [])
         return out
     levers, x, d, p = found
     eff = x.effective_batch
-    change = [_NEED_OVERRIDES[lv] for lv in levers]
+    # each override once (cpu_offload names the strategy fsdp too)
+    change = list(dict.fromkeys(w for lv in levers for w in _NEED_OVERRIDES[lv].split()))
     if d != s.batch or eff != s.effective_batch:
         change.append(_micro_change(d, eff))
     anon, mapped = _host_figures(p)
