@@ -73,18 +73,27 @@ def copy_buffer(tensors: list[Tensor], s: Setup, mm: Any) -> dict[str, dict[str,
     return {"cpu_offload_copies": {"bytes": sum(top), "phase": "forward_backward"}}
 
 
+def loads_on_host(s: Setup) -> bool:
+    """Whether the runtime loads the model in host memory before FSDP shards it: with
+    cpu_offload (the shards stay there), and for qlora (bitsandbytes quantizes it there; then
+    fully_shard takes one unit at a time to the device, never the whole 4-bit model)."""
+    return s.strategy == "fsdp" and s.world_size > 1 and (s.cpu_offload or s.method == "qlora")
+
+
 def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dict[str, Any]]) -> None:
     """A GPU's phases with the offloaded bytes in the host's figure (the device's replay,
     backends/cuda/trace.py, already leaves them out): at the load the whole model the runtime
     loads there (``whole``: every weight as loaded, 4-bit ones packed with their constants), from
     step 1 on the shards and their gradients, in the steady state the optimizer state too."""
+    if loads_on_host(s):
+        phases["load"]["host_bytes"] += whole
     if not s.cpu_offload:
         return
-    held = {"load": whole, "step1": off["weights"] + off["grads"],
+    held = {"load": 0, "step1": off["weights"] + off["grads"],
             "steady": off["weights"] + off["grads"] + off["optimizer_state"]}
     for name, ph in phases.items():
         ph["host_bytes"] += held.get(name, 0)
-        ph["host_offload_bytes"] = held.get(name, 0)
+        ph["host_offload_bytes"] = held.get(name, 0) or (whole if name == "load" else 0)
 
 
 def whole_model_bytes(held: list[Tensor], s: Setup, mm: Any) -> int:

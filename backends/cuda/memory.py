@@ -677,7 +677,11 @@ def notes(s: Setup) -> list[str]:
     if s.world_size > 1 and s.device == "cuda":
         out.append("several ranks: NCCL's buffers are an estimate on the device level (2 peers x 16 channels x its "
                    "three protocols' buffers), not measured")
-    if s.world_size > 1 and s.strategy == "fsdp":
+    if host_offload.loads_on_host(s):
+        out.append("fsdp: every rank loads (and quantizes) the whole model in host memory before fully_shard takes "
+                   "it a unit at a time through the device and keeps its rows: the load phase holds the whole model "
+                   "in each rank's host memory, one unit whole on the device (meta-device initialization is not done)")
+    elif s.world_size > 1 and s.strategy == "fsdp":
         out.append("fsdp: every rank loads the whole model before fully_shard keeps its rows, so the load phase "
                    "holds the whole model on each device (meta-device initialization is not done)")
     if s.device == "cuda":

@@ -150,9 +150,9 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)
-        self.set_activation_offload(spec.train.activation_offload)
         if self.comm.world_size > 1:
             self._distribute(spec)
+        self.set_activation_offload(spec.train.activation_offload)  # on the device the model computes on
         self._setup_loss(spec)
         trainable = self._setup_optimizer(spec)
         return self._model_info(spec, model_dir, trainable)
@@ -199,9 +199,10 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
                                   "use_safetensors": None if spec.model.allow_pickle else True}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
         split = spec.backend.device_map == "auto" and device.type == "cuda"
-        # backend.cpu_offload: loaded (and quantized) in host memory, where FSDP keeps the shards;
-        # fully_shard takes one unit at a time through the GPU (backends/cuda/host_offload.py)
-        on_host = self.sharded and spec.backend.cpu_offload
+        # fsdp with qlora or backend.cpu_offload: loaded (and quantized) in host memory, where
+        # cpu_offload keeps the shards; fully_shard takes one unit at a time through the GPU, so no
+        # GPU ever holds the whole model (backends/cuda/host_offload.py loads_on_host)
+        on_host = self.sharded and (spec.backend.cpu_offload or m.name == "qlora")
         kwargs["device_map"] = "auto" if split else {"": "cpu" if on_host else str(device)}
         if m.name == "qlora":
             # fsdp: the packed bytes viewed as the dtype FSDP gathers in (its MixedPrecisionPolicy

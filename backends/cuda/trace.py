@@ -188,18 +188,21 @@ def _load(tr: Trace, s: Setup, mine: list[Tensor], mm: Any) -> list[int | None]:
     # byte an element), so the load carves every weight out of that one cached segment
     warm = sum(mm.weight_bytes(t, s)[0] for t in base)
     sharded = s.strategy == "fsdp" and s.world_size > 1
-    if sharded and s.cpu_offload:
-        # backend.cpu_offload: the runtime loads (and quantizes) the whole model on the host;
-        # fully_shard moves a unit at a time to the device, keeps its rows and sends them back
-        # to the host (backends/cuda/host_offload.py): the device keeps the 4-bit weights'
-        # quantization constants, and briefly the largest unit whole
+    if mm.host_offload.loads_on_host(s):
+        # qlora or backend.cpu_offload under fsdp: the runtime loads (and quantizes) the whole
+        # model on the host; fully_shard moves a unit at a time to the device and keeps its rows
+        # there, or sends them back to the host under cpu_offload (backends/cuda/host_offload.py):
+        # the device keeps the 4-bit weights' quantization constants and the shards it is not
+        # offloading, and briefly the largest unit whole
         units: dict[int | None, int] = {}
         for t in base:
             w, q = mm.bnb4_bytes(t.numel, s.double_quant) if t.quant == "bnb4" else (t.numel * t.dtype_bytes, 0)
             units[t.layer] = units.get(t.layer, 0) + w
             if q:
                 keys.append(tr.alloc(q))
-        tr.free(tr.alloc(max(units.values(), default=0)))
+        if not s.cpu_offload:  # the shards stay on the device, the adapters' too
+            keys += [tr.alloc(mm.weight_bytes(t, s)[0]) for t in base + adapters]
+        tr.free(tr.alloc(max(units.values(), default=0)))  # one unit whole while fully_shard splits it
         return keys
     if sharded:
         # the runtime loads the whole model on every rank (from_pretrained), then FSDP2's

@@ -142,6 +142,11 @@ def format_table(plan: Plan) -> str:
         lines.append(f"  {'activation offload':32s}{_gib(off['device_saving_bytes'])}  (device saving; host "
                      f"{off['host_bytes'] / GIB:.2f} GiB{' pinned' if off['pinned'] else ''}; moved "
                      f"{off['transfer_bytes_per_step'] / GIB:.2f} GiB a step, to the host and back)")
+    cpu_off = plan["per_device"][0].get("cpu_offload_host_bytes")
+    if cpu_off is not None:  # backend.cpu_offload: FSDP's shards, their gradients and the state
+        lines.append(f"  {'cpu offload (host, per rank)':32s}{_gib(cpu_off)}  (shards, gradients and optimizer "
+                     "state in host memory" + ("; on the CPU the device is the host)" if plan["device"] == "cpu"
+                                                else ")"))
     if plan["devices"] > 1:
         budget = plan.get("budget_bytes")
         lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"
