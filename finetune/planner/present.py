@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from finetune.io import atomic_write_json
 from finetune.planner.fit import plan
@@ -142,8 +142,8 @@ def format_table(plan: Plan) -> str:
         lines.append(f"  {'activation offload':32s}{_gib(off['device_saving_bytes'])}  (device saving; host "
                      f"{off['host_bytes'] / GIB:.2f} GiB{' pinned' if off['pinned'] else ''}; moved "
                      f"{off['transfer_bytes_per_step'] / GIB:.2f} GiB a step, to the host and back)")
-    cpu_off = plan["per_device"][0].get("cpu_offload_host_bytes")
-    if cpu_off is not None:  # backend.cpu_offload: FSDP's shards, their gradients and the state
+    cpu_off = cast(dict[str, Any], plan["per_device"][0]).get("cpu_offload_host_bytes")
+    if isinstance(cpu_off, int):  # backend.cpu_offload: FSDP's shards, their gradients and the state
         lines.append(f"  {'cpu offload (host, per rank)':32s}{_gib(cpu_off)}  (shards, gradients and optimizer "
                      "state in host memory" + ("; on the CPU the device is the host)" if plan["device"] == "cpu"
                                                 else ")"))
