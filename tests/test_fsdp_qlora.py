@@ -162,3 +162,24 @@ def test_plan_on_a_gpu_moves_the_shards_to_the_host(tmp_path: Path) -> None:
     # the device keeps the 4-bit constants, not the shards: its steady allocation is below them
     assert steady["allocated_bytes"] < shards
     assert math.isclose(off["quant_constants_bytes"], p["quant_constants_bytes"])
+
+
+def test_governor_takes_cpu_offload_last_before_loading(tmp_path: Path) -> None:
+    """Llama-2-70B QLoRA sharded over 2 GPUs with a 16 GiB budget: a smaller micro-batch,
+    checkpointing and activation offload do not fit it (each rank's load alone holds its shards
+    and one layer whole), so the governor's plan before loading takes CPU offload, says why, and
+    the plan it fits is the offloaded one. Every rank runs this same function on the same spec,
+    so every rank takes the same lever (the CPU cannot show it on a run: there the device is
+    the host, and offload saves nothing)."""
+    from finetune import planner
+
+    spec = make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama2-70b", "method=qlora",
+                     "backend.strategy=fsdp", "backend.num_devices=2", "train.batch_size=2", "train.grad_accum=2")
+    budget = 16 * 2**30
+    res = planner.fit_to_budget(spec, budget, suggest=False)
+    assert res.fits and res.cpu_offload
+    ev = res.events[-1]
+    assert ev["action"] == "enable_cpu_offload" and "nothing cheaper fits" in ev["reason"]
+    assert ev["after"]["peak_bytes"] == res.plan["fits_bytes"] <= budget < ev["before"]["peak_bytes"]
+    assert ev["after"]["batch_size"] * ev["after"]["grad_accum"] == 4  # the same effective batch
+    assert res.plan["per_device"][0]["cpu_offload_host_bytes"] > 0

@@ -24,6 +24,7 @@ from finetune.planner.needs import (
     _needs,
     _offload,
     _setup_with,
+    fit_cpu_offload,
 )
 from finetune.planner.price import _core
 from finetune.planner.setup import SCHEMA_VERSION, Setup, resolve
@@ -373,6 +374,8 @@ def _governor_advice(spec: RunSpec, budget: int, s: Setup, **fit: Any) -> dict[s
         change.append("train.grad_checkpointing=true")
     if res.activation_offload and not s.offload:
         change.append("train.activation_offload=true")
+    if res.cpu_offload and not s.cpu_offload:
+        change.append("backend.cpu_offload=true")
     return {"adapt": bool(spec.memory.adapt), "fits": res.fits, "change": " ".join(change) if res.fits else None,
             "peak_bytes": res.plan["fits_bytes"] if res.fits else None}
 
@@ -390,6 +393,7 @@ class FitResult:
     loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
     activation_offload: bool = False  # train.activation_offload the fitted run uses
+    cpu_offload: bool = False  # backend.cpu_offload the fitted run uses
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
                   head_fraction: float | None = None, pair_span: float | None = None,
@@ -465,6 +469,15 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
         d, evs = offloaded
         return FitResult(True, full_plan(d, True, True), d, eff // d, True, evs, loss_chunk=s.loss_chunk,
                          activation_offload=True)
+    hosted = fit_cpu_offload(arch, s, budget, before, events)  # the last lever: FSDP's state on the host
+    if hosted is not None:
+        on, evs = hosted
+        return FitResult(True, plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
+                                    state=base.with_(micro_batch=on.batch, grad_checkpointing=on.ckpt,
+                                                     loss_chunk=s.loss_chunk, activation_offload=s.offload,
+                                                     cpu_offload=True)),
+                         on.batch, on.grad_accum, on.ckpt, evs, loss_chunk=s.loss_chunk, activation_offload=s.offload,
+                         cpu_offload=True)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)] if suggest else []
     return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)

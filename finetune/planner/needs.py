@@ -222,3 +222,37 @@ def _offload(s: Setup, core: PlanCore) -> dict[str, Any] | None:
             "device_saving_bytes": moved - d.get("offload_back", 0), "host_bytes": moved,
             "pinned": s.device == capabilities(s.backend).gpu_device,  # pinned host pages where a GPU copies
             "transfer_bytes_per_micro_batch": 2 * moved, "transfer_bytes_per_step": 2 * moved * s.grad_accum}
+
+
+def fit_cpu_offload(arch: ModelDesc, s: Setup, budget: int, before: dict[str, Any],
+                    events: list[dict[str, Any]]) -> tuple[Setup, list[dict[str, Any]]] | None:
+    """The governor's last lever before loading (``LEVER_COSTS``' order, after activation
+    offload): FSDP's shards, gradients and optimizer state in host memory, on a run that is
+    sharded over ranks already (the strategy is the launch's: no lever changes it), at the
+    largest micro-batch that fits with it (checkpointing and activation offload as the run has
+    them, then with checkpointing). (the setup it takes, the events that say what and why), or
+    None where it does not apply or nothing fits. Every rank plans the same: the same lever."""
+    if (s.cpu_offload or s.strategy != "fsdp" or s.world_size <= 1
+            or capabilities(s.backend).no_cpu_offload is not None):
+        return None
+    eff = s.effective_batch
+    for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
+        for d in _divisors_desc(eff):
+            if d > s.batch:
+                continue
+            on = _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt, cpu_offload=True)
+            p = _core(arch, on)
+            if not _fits(p, budget):
+                continue
+            prev = {k: v for k, v in before.items() if k != "budget_bytes"}
+            host = max(ph["host_bytes"] for ph in p["phases"].values())
+            return on, [*events, {
+                "trigger": "plan_over_budget", "action": "enable_cpu_offload",
+                "before": {**prev, "cpu_offload": False},
+                "after": {**prev, "batch_size": d, "grad_accum": eff // d, "grad_checkpointing": ckpt,
+                          "cpu_offload": True, "peak_bytes": p["fits_bytes"], "host_bytes": host},
+                "reason": f"nothing cheaper fits the budget of {budget} B (the smaller micro-batch, checkpointing, "
+                          "activation offload); FSDP's shards, gradients and optimizer state go to host memory "
+                          f"({host} B on the host per rank at its highest phase), each layer's shards copied over "
+                          "the host link every step and the optimizer stepping on the CPU"}]
+    return None

@@ -235,7 +235,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         loss_chunk=state.loss_chunk if state is not None else t.loss_chunk,
         padding_mask=spec.model.trust_remote_code,
         alloc_conf=mm.alloc_conf(spec), empty_cache_every=spec.memory.empty_cache_every, fused=o.fused,
-        cpu_offload=spec.backend.cpu_offload,
+        cpu_offload=spec.backend.cpu_offload or bool(state is not None and state.cpu_offload),
     )
     if head_fraction is not None:
         setup.target_fraction = max(0.0, min(1.0, float(head_fraction)))
