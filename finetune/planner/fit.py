@@ -610,7 +610,10 @@ def _host_check(core: PlanCore) -> dict[str, Any] | None:
     if not ram:
         return None
     anon = max(p["host_bytes"] - p.get("host_file_bytes", 0) for p in core["phases"].values())
-    return {"ram_bytes": ram, "peak_anonymous_bytes": anon, "fits": anon <= ram}
+    # the ranks of a launch on one machine (torchrun --nproc-per-node) share its RAM: each holds
+    # its own (FSDP loads the whole model in each rank's host memory; cpu_offload keeps the shards)
+    ranks = (core.get("per_rank") or {}).get("world_size", 1)
+    return {"ram_bytes": ram, "peak_anonymous_bytes": anon, "ranks_on_host": ranks, "fits": anon * ranks <= ram}
 
 
 def _model_name(model: ModelSpec) -> str:

@@ -189,8 +189,11 @@ def _needs_lines(need: dict[str, Any]) -> list[str]:
                                                    if every else "")]
         out += [f"    would fit: {w}" for w in need.get("would_fit", [])]
         return out
+    # ranks (one process a device) unless the layers are split in one process
+    ranks = 1 if "split" in need.get("levers", []) else n
+    each = f" per rank ({ranks * need['host_bytes'] / GIB:.2f} GiB for {ranks} ranks on one machine)" if ranks > 1 else ""
     out = [f"  needs, to fit {where}: {need['change'] or 'nothing changed'} (peak {need['peak_bytes'] / GIB:.2f} GiB "
-           f"per device); host RAM {need['host_bytes'] / GIB:.2f} GiB the process cannot give back"
+           f"per device); host RAM {need['host_bytes'] / GIB:.2f} GiB the process cannot give back{each}"
            + (f", plus the checkpoint's mapped pages at the load ({need['host_file_bytes'] / GIB:.2f} GiB, dropped under "
               "pressure)" if need.get("host_file_bytes") else "")]
     if need.get("transfer_bytes_per_step"):
@@ -284,8 +287,11 @@ def _phase_lines(plan: Plan) -> list[str]:
                                                           for k, v in extra.items() if v))
     host = plan.get("host")
     if host:
+        ranks = host.get("ranks_on_host", 1)
+        each = (f" per rank, {ranks * host['peak_anonymous_bytes'] / GIB:.2f} GiB for {ranks} ranks on one machine"
+                if ranks > 1 else "")
         out.append(f"  host: {host['peak_anonymous_bytes'] / GIB:.2f} GiB the process cannot give back (the checkpoint's "
-                   f"mapped pages left out) against {host['ram_bytes'] / GIB:.2f} GiB of RAM here: "
+                   f"mapped pages left out){each} against {host['ram_bytes'] / GIB:.2f} GiB of RAM here: "
                    + ("fits" if host["fits"] else "does NOT fit"))
     leap = plan.get("step2_reserved_leap_bytes") or 0
     if replayed:
