@@ -273,6 +273,7 @@ class Capabilities:
     packed_block_mask: bool = False  # a packed row's attention is a [1, 1, T, T] bool block mask
     # train.activation_offload: why it does not apply here (None: it runs)
     no_activation_offload: str | None = None
+    no_cpu_offload: str | None = None  # backend.cpu_offload: why it does not apply here (None: it runs)
     pre_quantized: bool = False  # trains on a pre-quantized checkpoint (config.json 'quantization') as stored
     gpu_device: str | None = None  # the run device whose optimizer state may page and whose layers may split
     adapter_format: str = "peft"  # the adapter format its library loads (finetune.export's names)

@@ -170,22 +170,37 @@ def decoder_layers(hf: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, hf: torch.nn.Module, comm: TorchComm, param_dtype: torch.dtype | None,
-                reduce_dtype: torch.dtype | None) -> list[torch.nn.Module]:
+                reduce_dtype: torch.dtype | None, cpu_offload: bool = False) -> list[torch.nn.Module]:
     """FSDP2 ``fully_shard`` each decoder layer, then the root (``model``: the PeftModel for
     adapters, else the transformers model). Mixed precision through FSDP's policy: unsharded
-    parameters in ``param_dtype`` for compute, gradients reduced in ``reduce_dtype``. Returns
-    the units, first to last."""
+    parameters in ``param_dtype`` for compute, gradients reduced in ``reduce_dtype``.
+    ``cpu_offload``: FSDP's ``CPUOffloadPolicy`` (the shards, their gradients and so the
+    optimizer's state in host memory, pinned where a GPU copies them). Returns the units, first
+    to last."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = init_device_mesh(comm.device.type, (comm.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=comm.device.type == "cuda") if cpu_offload else OffloadPolicy()
     units = []
     for layer in decoder_layers(hf):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
         units.append(layer)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     units.append(model)
+    # bitsandbytes' QuantState is no parameter: fully_shard moved each Params4bit to the mesh's
+    # device (Params4bit.to moves its state in place); make sure of it where the model loaded on
+    # the host (cpu_offload), since the layer computes on the device with it
+    for mod in model.modules():
+        qs = getattr(mod, "quant_state", None) if hasattr(mod, "quant_storage") else None
+        if qs is not None:
+            qs.to(comm.device)
     for u in units:
         # sum, not mean, over ranks: the loss is already scaled for the whole step
         u.set_gradient_divide_factor(1.0)

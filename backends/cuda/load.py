@@ -107,7 +107,10 @@ def check_loadable(spec: RunSpec, model_dir: Path, quantization: dict[str, Any] 
     _check_architecture(model_dir, spec.model.trust_remote_code)
 
 
-def bnb_config(m: MethodSpec, compute_dtype: torch.dtype) -> Any:
+def bnb_config(m: MethodSpec, compute_dtype: torch.dtype, storage: torch.dtype | None = None) -> Any:
+    """bitsandbytes' 4-bit config. ``storage``: the float dtype the packed 4-bit bytes are viewed
+    as (``bnb_4bit_quant_storage``), so FSDP2 can shard them as it shards any float parameter
+    (PEFT's and TRL's FSDP-QLoRA recipe); None keeps bitsandbytes' uint8."""
     from transformers import BitsAndBytesConfig
 
     q = m.quant
@@ -121,7 +124,8 @@ def bnb_config(m: MethodSpec, compute_dtype: torch.dtype) -> Any:
         raise UserError("method=qlora needs bitsandbytes: pip install '.[cuda]'") from e
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.type,
                               bnb_4bit_use_double_quant=q.double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_compute_dtype=compute_dtype,
+                              bnb_4bit_quant_storage=storage or torch.uint8)
 
 
 # ---- after it: adapters, packed rows, what the model holds --------------------------------

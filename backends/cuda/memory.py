@@ -23,7 +23,7 @@ from finetune.model.types import (
 from finetune.model.inventory import MIB, Setup, Tensor
 from finetune.records import PlanData
 from finetune.spec import RunSpec
-from finetune.backends.cuda import trace
+from finetune.backends.cuda import host_offload, trace
 from finetune.backends.cuda.activations import (  # noqa: F401  (the memory model's names)
     OFFLOAD_MIN_BYTES,
     layer_bytes,
@@ -183,10 +183,25 @@ def expert_adapters(lin: Linear, rank: int) -> list[tuple[str, tuple[int, ...]]]
     return [(".lora_A", (lin.experts * rank, lin.in_f)), (".lora_B", (lin.out_f, lin.experts * rank))]
 
 
+def bnb4_storage(t: Tensor, s: Setup) -> tuple[int, int]:
+    """(rows, bytes a row) of a 4-bit weight as FSDP2 shards it: the runtime stores the packed
+    bytes viewed as the dtype FSDP gathers in (``bnb_4bit_quant_storage``: the autocast dtype,
+    else the weights'; bitsandbytes Params4bit._quantize ``w_4bit.view(quant_storage)``), a
+    [packed / itemsize, 1] tensor whose rows FSDP splits like any other's."""
+    item = s.a if s.autocast else s.wd
+    return -(-((t.numel + 1) // 2) // item), item
+
+
 def weight_bytes(t: Tensor, s: Setup) -> tuple[int, int]:
-    """(bytes of the tensor itself on one rank, bytes of its quantization constants)."""
-    if t.quant == "bnb4":  # never sharded: fsdp refuses method=qlora
-        return bnb4_bytes(t.numel, s.double_quant)
+    """(bytes of the tensor itself on one rank, bytes of its quantization constants). Under
+    fsdp a 4-bit weight's rows are sharded; its QuantState (absmax, codes) is not a parameter,
+    so every rank keeps all of it (Linear4bit.quant_state)."""
+    if t.quant == "bnb4":
+        packed, consts = bnb4_bytes(t.numel, s.double_quant)
+        if t.shards > 1:
+            rows, item = bnb4_storage(t, s)
+            packed = -(-rows // t.shards) * item
+        return packed, consts
     return t.local_numel * t.dtype_bytes, 0
 
 
@@ -393,6 +408,8 @@ def ranks(spec: RunSpec) -> tuple[int, str]:
         raise UserError("backend.strategy=fsdp shards the model over ranks and backend.device_map=auto splits one "
                         "process over GPUs; drop backend.device_map=auto (or use backend.strategy=ddp)")
     n = spec.world.num_devices
+    # the world's size is known once a launcher's ranks connect: the ranks are checked on the setup
+    host_offload.check(spec.backend.cpu_offload, strategy, 2)
     return (n if n and not split else 1), strategy
 
 
@@ -405,10 +422,6 @@ def _refuse_fsdp(s: Setup) -> None:
         raise UserError(f"optim={s.optim} is not supported under backend.strategy=fsdp (bitsandbytes' 8-bit/paged "
                         "optimizers and adafactor do not take FSDP's DTensor parameters); use optim=adamw, adam or "
                         "sgd, or backend.strategy=ddp")
-    if s.method == "qlora":
-        # bitsandbytes' Params4bit keeps its QuantState beside the tensor, which FSDP2's DTensor drops
-        raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights; use backend.strategy=ddp "
-                        "with method=qlora, or method=lora with fsdp")
 
 
 def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
@@ -422,6 +435,7 @@ def rank_tensors(tensors: list[Tensor], s: Setup) -> list[Tensor]:
     optimizer's state (zeros_like the local shard) are as large.
     """
     _refuse_fsdp(s)
+    host_offload.check(s.cpu_offload, s.strategy, s.world_size)
     if s.strategy != "fsdp" or s.world_size <= 1:
         return tensors
     return [dataclasses.replace(t, shards=s.world_size) for t in tensors]
@@ -479,7 +493,8 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         return 4 if s.autocast else t.dtype_bytes
 
     def gathered(ts: list[Tensor]) -> int:
-        return sum(_padded_numel(t, N) * unsharded_bytes(t) for t in ts)
+        return sum(_padded_numel(t, N) * unsharded_bytes(t) if t.quant != "bnb4"
+                   else -(-bnb4_storage(t, s)[0] // N) * N * bnb4_storage(t, s)[1] for t in ts)
 
     root = gathered(units.get(None, []))
     layer = max((gathered(ts) for k, ts in units.items() if k is not None), default=0)
@@ -503,6 +518,8 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         # Its output is the rank's sharded gradient, counted in grads (the runtime reduces
         # every micro-batch and FSDP2 adds it into the sharded .grad: no unsharded accumulation).
         "reduce_scatter": {"bytes": unit_reduce, "phase": "forward_backward"},
+        # backend.cpu_offload: a unit's shards and sharded gradients, copied to and from the host
+        **host_offload.copy_buffer(tensors, s, sys.modules[__name__]),
     }
 
 
@@ -601,18 +618,25 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                                 # of the host, the checkpoint's pages (file-backed: the kernel drops
                                 # them under pressure rather than running out)
                                 "host_file_bytes": file_bytes if name == "load" else 0}
+            moved = host_offload.host_bytes(held, s, mm)  # backend.cpu_offload: the shards, grads and state
+            host_offload.move_phases(s, moved, host_offload.whole_model_bytes(held, s, mm), phases)
             out.append({"phases": phases, "non_allocator": extra, "step2_reserved_leap_bytes": leap,
                         "alloc_conf": s.alloc_conf, "device_level_planned": True,
                         # paged state NVML counts while it fits, and pages out to the host when
                         # the device runs short: not what makes a run fail
                         "evictable_bytes": extra.get("paged_optimizer_state", 0)})
+            if s.cpu_offload:
+                out[-1].update(host_offload.device_peaks(dev, moved))
         else:
             for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
                 host = host_base + alloc + (file_bytes if name == "load" else off)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
                                 "host_bytes": host}
+            moved = host_offload.host_bytes(held, s, mm)  # on the CPU already in the host's figures
             out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
                         "device_level_planned": False, "evictable_bytes": 0})
+            if s.cpu_offload:
+                out[-1]["cpu_offload_host_bytes"] = moved["weights"] + moved["grads"] + moved["optimizer_state"]
     return out
 
 
@@ -666,7 +690,11 @@ def notes(s: Setup) -> list[str]:
     if s.world_size > 1 and s.device == "cuda":
         out.append("several ranks: NCCL's buffers are an estimate on the device level (2 peers x 16 channels x its "
                    "three protocols' buffers), not measured")
-    if s.world_size > 1 and s.strategy == "fsdp":
+    if host_offload.loads_on_host(s):
+        out.append("fsdp: every rank loads (and quantizes) the whole model in host memory before fully_shard takes "
+                   "it a unit at a time through the device and keeps its rows: the load phase holds the whole model "
+                   "in each rank's host memory, one unit whole on the device (meta-device initialization is not done)")
+    elif s.world_size > 1 and s.strategy == "fsdp":
         out.append("fsdp: every rank loads the whole model before fully_shard keeps its rows, so the load phase "
                    "holds the whole model on each device (meta-device initialization is not done)")
     if s.device == "cuda":

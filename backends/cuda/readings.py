@@ -118,6 +118,11 @@ class CudaReadings:
             if type(p).__name__ == "Params4bit" and p.quant_state is not None:
                 for t in quant_tensors(p.quant_state):
                     add("quant_buffers", t)
+        for mod in self.model.modules():  # fsdp: the shards are DTensors; Linear4bit keeps the state
+            qs = getattr(mod, "quant_state", None) if hasattr(mod, "quant_storage") else None
+            if qs is not None:
+                for t in quant_tensors(qs):
+                    add("quant_buffers", t)
         for p in params:
             add("grads", p.grad)
         for p, state in self.optimizer.state.items():

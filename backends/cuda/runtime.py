@@ -112,6 +112,9 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         set_alloc_conf(spec.backend.alloc_conf)
         world = distributed.launched_world()
         if world is None:
+            if spec.backend.cpu_offload:
+                raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
+                                "--nproc-per-node N (N >= 2) -m finetune ... backend.strategy=fsdp")
             return self.comm
         rank, size, local_rank = world
         b = spec.backend
@@ -147,9 +150,9 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)
-        self.set_activation_offload(spec.train.activation_offload)
         if self.comm.world_size > 1:
             self._distribute(spec)
+        self.set_activation_offload(spec.train.activation_offload)  # on the device the model computes on
         self._setup_loss(spec)
         trainable = self._setup_optimizer(spec)
         return self._model_info(spec, model_dir, trainable)
@@ -196,9 +199,16 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
                                   "use_safetensors": None if spec.model.allow_pickle else True}
         # device_map=auto splits layers over every visible GPU; on CPU there is nothing to split.
         split = spec.backend.device_map == "auto" and device.type == "cuda"
-        kwargs["device_map"] = "auto" if split else {"": str(device)}
+        # fsdp with qlora or backend.cpu_offload: loaded (and quantized) in host memory, where
+        # cpu_offload keeps the shards; fully_shard takes one unit at a time through the GPU, so no
+        # GPU ever holds the whole model (backends/cuda/host_offload.py loads_on_host)
+        on_host = self.sharded and (spec.backend.cpu_offload or m.name == "qlora")
+        kwargs["device_map"] = "auto" if split else {"": "cpu" if on_host else str(device)}
         if m.name == "qlora":
-            kwargs["quantization_config"] = bnb_config(m, self.autocast_dtype or self.weight_dtype)
+            # fsdp: the packed bytes viewed as the dtype FSDP gathers in (its MixedPrecisionPolicy
+            # param_dtype, else the weights'), so its cast to param_dtype leaves them as they are
+            storage = (self.autocast_dtype or self.weight_dtype) if self.sharded else None
+            kwargs["quantization_config"] = bnb_config(m, self.autocast_dtype or self.weight_dtype, storage)
 
         try:
             with lean_host_heap():  # the load's host peak is what is live (the plan's figure)
@@ -267,16 +277,14 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         from finetune.backends.cuda import distributed
 
         if self.strategy == "fsdp":
-            if spec.method.name == "qlora":
-                raise UserError("backend.strategy=fsdp cannot shard bitsandbytes 4-bit weights here; use "
-                                "backend.strategy=ddp with method=qlora, or method=lora with fsdp")
             if spec.optim.name not in FSDP_OPTIMIZERS:
                 raise UserError(f"optim={spec.optim.name} cannot update FSDP's sharded (DTensor) parameters; use "
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
             autocast = self.autocast_dtype
             comm = cast(distributed.TorchComm, self.comm)  # strategy=fsdp over ranks: connect() made a TorchComm
             self.units = distributed.shard_model(self.model, self.hf, comm, param_dtype=autocast,
-                                                 reduce_dtype=torch.float32 if autocast is not None else None)
+                                                 reduce_dtype=torch.float32 if autocast is not None else None,
+                                                 cpu_offload=spec.backend.cpu_offload)
             self.device = comm.device
         else:
             distributed.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])

@@ -155,6 +155,9 @@ def build(arch: ModelDesc, s: Setup, held: list[Tensor], mm: Any, assign: dict[s
             if b["phase"] == "grad_sync":
                 tr.free(tr.alloc(b["bytes"]))
         tr.mark(f"step{step}:optimizer")
+        if s.cpu_offload:  # backend.cpu_offload: gradients, state and the step on the host
+            tr.free(*grads.values())
+            continue
         if step == 1:  # lazy optimizer state (torch _init_group, bitsandbytes init_state)
             for t in trainable:
                 state_keys += [tr.alloc(b) for b in _state_tensors(s, t, mm)]
@@ -185,15 +188,40 @@ def _load(tr: Trace, s: Setup, mine: list[Tensor], mm: Any) -> list[int | None]:
     # byte an element), so the load carves every weight out of that one cached segment
     warm = sum(mm.weight_bytes(t, s)[0] for t in base)
     sharded = s.strategy == "fsdp" and s.world_size > 1
+    if mm.host_offload.loads_on_host(s):
+        # qlora or backend.cpu_offload under fsdp: the runtime loads (and quantizes) the whole
+        # model on the host; fully_shard moves a unit at a time to the device and keeps its rows
+        # there, or sends them back to the host under cpu_offload (backends/cuda/host_offload.py):
+        # the device keeps the 4-bit weights' quantization constants and the shards it is not
+        # offloading, and briefly the largest unit whole
+        units: dict[int | None, int] = {}
+        for t in base:
+            w, q = mm.bnb4_bytes(t.numel, s.double_quant) if t.quant == "bnb4" else (t.numel * t.dtype_bytes, 0)
+            units[t.layer] = units.get(t.layer, 0) + w
+            if q:
+                keys.append(tr.alloc(q))
+        if not s.cpu_offload:  # the shards stay on the device, the adapters' too
+            keys += [tr.alloc(mm.weight_bytes(t, s)[0]) for t in base + adapters]
+        tr.free(tr.alloc(max(units.values(), default=0)))  # one unit whole while fully_shard splits it
+        return keys
     if sharded:
         # the runtime loads the whole model on every rank (from_pretrained), then FSDP2's
         # fully_shard keeps each rank's rows and frees the rest (backends/cuda/runtime.py
         # _distribute): the load peaks at the whole model, not the shard
-        whole = [tr.alloc(t.numel * t.dtype_bytes) for t in base]
+        whole, consts = [], []
+        for t in base:  # a 4-bit weight quantized as it loads (one compute-dtype copy at a time)
+            if t.quant == "bnb4":
+                tmp = tr.alloc(t.numel * s.a)
+                packed, q = mm.bnb4_bytes(t.numel, s.double_quant)
+                whole.append(tr.alloc(packed))
+                consts.append(tr.alloc(q))  # its QuantState: not a parameter, kept whole
+                tr.free(tmp)
+            else:
+                whole.append(tr.alloc(t.numel * t.dtype_bytes))
         tr.free(tr.alloc(warm))
         shards = [tr.alloc(mm.weight_bytes(t, s)[0]) for t in base]
         tr.free(*whole)
-        keys += shards
+        keys += shards + consts
         base = []
     else:
         tr.free(tr.alloc(warm))
@@ -297,7 +325,7 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
             logits_keys = []
             g3 = tr.alloc(nt * V * s.a)  # back through .float()
             tr.free(g2)
-            _grads(tr, [t for t in by_layer.get(None, []) if t.role != "embed"], grads, done, accumulate)
+            _grads(tr, [t for t in by_layer.get(None, []) if t.role != "embed"], grads, done, accumulate, s.cpu_offload)
             tr.free(g3)
         if s.offload:  # the final norm's saved tensors come back for its backward
             head_keys += [tr.alloc(b) for b in norm if b >= thr]
@@ -318,15 +346,15 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
         cut = max((j + 1 for j, (kind, _) in enumerate(kept) if kind == "attention"), default=0)
         params = by_layer.get(i, [])
         ws = [tr.alloc(n * w * s.a) for _ in range(3)]  # grads of the MLP's intermediates
-        _grads(tr, [t for t in params if _after_attention(t)], grads, done, accumulate)
+        _grads(tr, [t for t in params if _after_attention(t)], grads, done, accumulate, s.cpu_offload)
         mid = tr.alloc(n * h * st)  # the gradient at the MLP's input
         tr.free(*ws, *(k for _, k in kept[cut:]))
         ws = [tr.alloc(n * h * 4) for _ in range(2)]  # the fp32 residual stream's gradients
-        _grads(tr, [t for t in params if not _after_attention(t)], grads, done, accumulate)
+        _grads(tr, [t for t in params if not _after_attention(t)], grads, done, accumulate, s.cpu_offload)
         nxt = tr.alloc(n * h * st)
         tr.free(*ws, *(k for _, k in kept[:cut]), mid, grad_h)
         grad_h = nxt
-    _grads(tr, by_layer.get(None, []), grads, done, accumulate)  # the embeddings' (and a chunked head's)
+    _grads(tr, by_layer.get(None, []), grads, done, accumulate, s.cpu_offload)  # the embeddings' (and a chunked head's)
     tr.free(grad_h, *bufs)
 
 
@@ -390,15 +418,20 @@ def _phase(tr: Trace, phase: str) -> str:
     return f"{step}:{phase}"
 
 
-def _grads(tr: Trace, ts: list[Tensor], grads: dict[str, int | None], done: set[str], accumulate: bool) -> None:
+def _grads(tr: Trace, ts: list[Tensor], grads: dict[str, int | None], done: set[str], accumulate: bool,
+           offload: bool = False) -> None:
     """Parameters' gradients as their layer's backward produces them: the first micro-batch's
     become ``.grad`` (AccumulateGrad keeps the computed tensor); a later one's is added in place
-    (the computed gradient is a temporary)."""
+    (the computed gradient is a temporary). ``offload`` (backend.cpu_offload): each is copied to
+    the host as it is reduced, so on the device it is a temporary."""
     for t in ts:
         if t.name in done:
             continue
         done.add(t.name)
         b = t.local_numel * t.dtype_bytes
+        if offload:
+            tr.free(tr.alloc(b))
+            continue
         if t.name in grads:
             if accumulate:
                 tr.free(tr.alloc(b))

@@ -88,6 +88,8 @@ class Setup:
     step_widths: tuple[int, ...] = ()
     # train.activation_offload: what the model's body saves for backward goes to host memory
     offload: bool = False
+    # backend.cpu_offload: FSDP's shards, their gradients and the optimizer state on the host
+    cpu_offload: bool = False
     fused: bool = True  # optim.fused: adam/adamw through torch's fused kernel (cuda backend)
     # objective (finetune/planner/preference.py): a preference objective's ``batch`` counts
     # pairs, each ``pair_rows`` rows of the model's batch (chosen and rejected, one forward);

@@ -24,6 +24,7 @@ from finetune.planner.needs import (
     _needs,
     _offload,
     _setup_with,
+    fit_cpu_offload,
 )
 from finetune.planner import preference
 from finetune.planner.price import _core
@@ -183,6 +184,7 @@ LEVER_COSTS: tuple[tuple[str, str], ...] = (
     ("method.lora.num_layers", "adapters on the top layers only"),
     ("train.seq_len", "samples cut shorter: their tails not trained"),
     ("backend.device_map", "more GPUs, the layers split over them"),
+    ("backend.cpu_offload", "FSDP's shards, gradients and optimizer state in host memory: transfers each step"),
 )
 # the largest micro-batch a plan looks for above the effective batch (a bound on the search)
 MICRO_BATCH_SEARCH_MAX = 4096
@@ -373,6 +375,8 @@ def _governor_advice(spec: RunSpec, budget: int, s: Setup, **fit: Any) -> dict[s
         change.append("train.grad_checkpointing=true")
     if res.activation_offload and not s.offload:
         change.append("train.activation_offload=true")
+    if res.cpu_offload and not s.cpu_offload:
+        change.append("backend.cpu_offload=true")
     return {"adapt": bool(spec.memory.adapt), "fits": res.fits, "change": " ".join(change) if res.fits else None,
             "peak_bytes": res.plan["fits_bytes"] if res.fits else None}
 
@@ -390,6 +394,7 @@ class FitResult:
     loss_chunk: int = 0  # train.loss_chunk the fitted run uses (0: the whole logits)
     tokens_per_micro: int = 0  # train.packing: tokens per packed micro-batch the fitted run uses (0: not packed)
     activation_offload: bool = False  # train.activation_offload the fitted run uses
+    cpu_offload: bool = False  # backend.cpu_offload the fitted run uses
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
                   head_fraction: float | None = None, pair_span: float | None = None,
@@ -465,6 +470,15 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
         d, evs = offloaded
         return FitResult(True, full_plan(d, True, True), d, eff // d, True, evs, loss_chunk=s.loss_chunk,
                          activation_offload=True)
+    hosted = fit_cpu_offload(arch, s, budget, before, events)  # the last lever: FSDP's state on the host
+    if hosted is not None:
+        on, evs = hosted
+        return FitResult(True, plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
+                                    state=base.with_(micro_batch=on.batch, grad_checkpointing=on.ckpt,
+                                                     loss_chunk=s.loss_chunk, activation_offload=s.offload,
+                                                     cpu_offload=True)),
+                         on.batch, on.grad_accum, on.ckpt, evs, loss_chunk=s.loss_chunk, activation_offload=s.offload,
+                         cpu_offload=True)
     smallest = _setup_with(s, batch=1, grad_accum=eff, ckpt=True)
     suggestions = [lv["change"] for lv in _levers(arch, smallest, budget)] if suggest else []
     return FitResult(False, full_plan(1, True), 1, eff, True, [], suggestions, loss_chunk=s.loss_chunk)
@@ -597,7 +611,10 @@ def _host_check(core: PlanCore) -> dict[str, Any] | None:
     if not ram:
         return None
     anon = max(p["host_bytes"] - p.get("host_file_bytes", 0) for p in core["phases"].values())
-    return {"ram_bytes": ram, "peak_anonymous_bytes": anon, "fits": anon <= ram}
+    # the ranks of a launch on one machine (torchrun --nproc-per-node) share its RAM: each holds
+    # its own (FSDP loads the whole model in each rank's host memory; cpu_offload keeps the shards)
+    ranks = (core.get("per_rank") or {}).get("world_size", 1)
+    return {"ram_bytes": ram, "peak_anonymous_bytes": anon, "ranks_on_host": ranks, "fits": anon * ranks <= ram}
 
 
 def _model_name(model: ModelSpec) -> str:

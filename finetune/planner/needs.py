@@ -1,5 +1,6 @@
 """What a run needs to fit (``mode=plan``'s ``needs``): the fewest levers, of the loss in chunks,
-checkpointing, activation offload, FSDP and the layers split over the devices, that fit a budget
+checkpointing, activation offload, FSDP, the layers split over the devices and FSDP's state in
+host memory (backend.cpu_offload), that fit a budget
 on each device, with the host RAM they take; and the primitives the levers share with
 ``finetune.planner.fit`` (a Setup changed, whether a plan fits, the micro-batch search)."""
 
@@ -57,9 +58,11 @@ def _largest_true(candidates: list[int], ok: Any) -> int | None:
 # the loss a chunk at a time (no slower), checkpointing (a third more compute), activation
 # offload (transfers over the host link each step), FSDP over the devices (collectives each
 # layer), then the layers split over the devices in one process (device_map=auto: one GPU
-# computes at a time). A smaller micro-batch comes with any of them (the same math, slower
-# steps); it is searched for each set, the largest that fits.
-NEED_LEVERS: tuple[str, ...] = ("loss_chunk", "ckpt", "offload", "fsdp", "split")
+# computes at a time), last FSDP's shards, gradients and optimizer state in host memory
+# (backend.cpu_offload: every layer's shards over the host link each step, the optimizer on the
+# CPU). A smaller micro-batch comes with any of them (the same math, slower steps); it is
+# searched for each set, the largest that fits.
+NEED_LEVERS: tuple[str, ...] = ("loss_chunk", "ckpt", "offload", "fsdp", "split", "cpu_offload")
 
 
 # the most devices "what would fit" looks for
@@ -79,22 +82,28 @@ def _need_changes(lever: str, s: Setup) -> dict[str, Any] | None:
     if lever == "fsdp":
         return {"strategy": "fsdp"} if s.world_size > 1 and s.strategy != "fsdp" and "fsdp" in caps.strategies else None
     if lever == "split":  # every rank's samples in one process whose layers span the devices
-        if s.world_size <= 1 or s.device != caps.gpu_device:
+        if s.world_size <= 1 or s.device != caps.gpu_device or s.cpu_offload:
             return None
         return {"world_size": 1, "n_devices": s.world_size, "grad_accum": s.grad_accum * s.world_size}
+    if lever == "cpu_offload":  # FSDP's shards on the host: with fsdp, over ranks
+        if s.cpu_offload or s.world_size <= 1 or "fsdp" not in caps.strategies or caps.no_cpu_offload:
+            return None
+        return {"cpu_offload": True, "strategy": "fsdp"}
     raise ValueError(lever)
 
 
 _NEED_OVERRIDES = {"loss_chunk": f"train.loss_chunk={LOSS_CHUNK_LEVER}", "ckpt": "train.grad_checkpointing=true",
                    "offload": "train.activation_offload=true", "fsdp": "backend.strategy=fsdp",
-                   "split": "backend.device_map=auto"}
+                   "split": "backend.device_map=auto", "cpu_offload": "backend.strategy=fsdp backend.cpu_offload=true"}
 
 
 _NEED_COSTS = {"loss_chunk": "the output head and loss a chunk of tokens at a time: the same loss, no slower",
                "ckpt": "each layer's forward recomputed in backward: about a third more compute",
                "offload": "saved activations to host memory and back: host RAM and transfers each step",
                "fsdp": "weights, gradients and state sharded over the ranks: gathered layer by layer each step",
-               "split": "the layers split over the devices in one process: one device computes at a time"}
+               "split": "the layers split over the devices in one process: one device computes at a time",
+               "cpu_offload": "parameters, gradients and optimizer state in host memory: every layer's shards over "
+                              "the host link each step, the optimizer step on the CPU"}
 
 
 def _host_figures(p: PlanCore) -> tuple[int, int]:
@@ -115,6 +124,8 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
     applicable = [lv for lv in NEED_LEVERS if _need_changes(lv, s) is not None]
 
     def setup_of(levers: tuple[str, ...]) -> Setup | None:
+        if "split" in levers and "cpu_offload" in levers:  # one process, or FSDP's ranks: not both
+            return None
         kw: dict[str, Any] = {}
         for lv in levers:
             kw.update(_need_changes(lv, s) or {})
@@ -142,9 +153,15 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
         d = _largest_true(cands, ok) if cands else None
         return None if d is None else (d, got[d] if d in got else priced(_setup_with(x, batch=d, grad_accum=eff // d)))  # type: ignore[return-value]
 
-    every = setup_of(tuple(applicable))
-    every_one = None if every is None else priced(_setup_with(every, batch=1, grad_accum=every.effective_batch)
-                                                  if not every.packed else every)
+    def at_one(x: Setup | None) -> PlanCore | None:
+        return None if x is None else priced(_setup_with(x, batch=1, grad_accum=x.effective_batch)
+                                             if not x.packed else x)
+
+    # every lever at once (the layers split in one process, or FSDP's state on the host: the
+    # one that peaks lower)
+    alls = [tuple(lv for lv in applicable if lv != drop) for drop in ("cpu_offload", "split")]
+    tried = [(p, x) for x in (setup_of(a) for a in dict.fromkeys(alls)) for p in [at_one(x)] if p is not None]
+    every_one, every = min(tried, key=lambda px: px[0]["fits_bytes"]) if tried else (None, None)
     found = None
     if every_one is not None and _fits(every_one, budget):
         for k in range(len(applicable) + 1):
@@ -168,7 +185,7 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
         more = None
         if every is not None and every.device == capabilities(s.backend).gpu_device:
             for n in range(devices + 1, NEED_DEVICES_MAX + 1):  # the layers split over n devices of this size
-                x = _setup_with(every, world_size=1, n_devices=n, batch=1,
+                x = _setup_with(every, world_size=1, n_devices=n, batch=1, cpu_offload=False,
                                 grad_accum=s.effective_batch * s.world_size)
                 p = priced(x)
                 if p is not None and _fits(p, budget):
@@ -176,12 +193,13 @@ def _needs(arch: ModelDesc, s: Setup, budget: int) -> dict[str, Any]:
                     break
         out["would_fit"] = ([f"memory.budget={every_one['fits_bytes']} bytes per device (every lever, "
                              f"{devices} device{'s' if devices > 1 else ''})"] if every_one is not None else []) + \
-            ([f"backend.num_devices={more} with {' '.join(_NEED_OVERRIDES[lv] for lv in applicable if lv != 'split')} "
+            ([f"backend.num_devices={more} with {' '.join(_NEED_OVERRIDES[lv] for lv in applicable if lv not in ('split', 'cpu_offload'))} "
               "backend.device_map=auto train.batch_size=1"] if more else [])
         return out
     levers, x, d, p = found
     eff = x.effective_batch
-    change = [_NEED_OVERRIDES[lv] for lv in levers]
+    # each override once (cpu_offload names the strategy fsdp too)
+    change = list(dict.fromkeys(w for lv in levers for w in _NEED_OVERRIDES[lv].split()))
     if d != s.batch or eff != s.effective_batch:
         change.append(_micro_change(d, eff))
     anon, mapped = _host_figures(p)
@@ -206,3 +224,37 @@ def _offload(s: Setup, core: PlanCore) -> dict[str, Any] | None:
             "device_saving_bytes": moved - d.get("offload_back", 0), "host_bytes": moved,
             "pinned": s.device == capabilities(s.backend).gpu_device,  # pinned host pages where a GPU copies
             "transfer_bytes_per_micro_batch": 2 * moved, "transfer_bytes_per_step": 2 * moved * s.grad_accum}
+
+
+def fit_cpu_offload(arch: ModelDesc, s: Setup, budget: int, before: dict[str, Any],
+                    events: list[dict[str, Any]]) -> tuple[Setup, list[dict[str, Any]]] | None:
+    """The governor's last lever before loading (``LEVER_COSTS``' order, after activation
+    offload): FSDP's shards, gradients and optimizer state in host memory, on a run that is
+    sharded over ranks already (the strategy is the launch's: no lever changes it), at the
+    largest micro-batch that fits with it (checkpointing and activation offload as the run has
+    them, then with checkpointing). (the setup it takes, the events that say what and why), or
+    None where it does not apply or nothing fits. Every rank plans the same: the same lever."""
+    if (s.cpu_offload or s.strategy != "fsdp" or s.world_size <= 1
+            or capabilities(s.backend).no_cpu_offload is not None):
+        return None
+    eff = s.effective_batch
+    for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
+        for d in _divisors_desc(eff):
+            if d > s.batch:
+                continue
+            on = _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt, cpu_offload=True)
+            p = _core(arch, on)
+            if not _fits(p, budget):
+                continue
+            prev = {k: v for k, v in before.items() if k != "budget_bytes"}
+            host = max(ph["host_bytes"] for ph in p["phases"].values())
+            return on, [*events, {
+                "trigger": "plan_over_budget", "action": "enable_cpu_offload",
+                "before": {**prev, "cpu_offload": False},
+                "after": {**prev, "batch_size": d, "grad_accum": eff // d, "grad_checkpointing": ckpt,
+                          "cpu_offload": True, "peak_bytes": p["fits_bytes"], "host_bytes": host},
+                "reason": f"nothing cheaper fits the budget of {budget} B (the smaller micro-batch, checkpointing, "
+                          "activation offload); FSDP's shards, gradients and optimizer state go to host memory "
+                          f"({host} B on the host per rank at its highest phase), each layer's shards copied over "
+                          "the host link every step and the optimizer stepping on the CPU"}]
+    return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from finetune.io import atomic_write_json
 from finetune.planner import preference
@@ -145,6 +145,11 @@ def format_table(plan: Plan) -> str:
         lines.append(f"  {'activation offload':32s}{_gib(off['device_saving_bytes'])}  (device saving; host "
                      f"{off['host_bytes'] / GIB:.2f} GiB{' pinned' if off['pinned'] else ''}; moved "
                      f"{off['transfer_bytes_per_step'] / GIB:.2f} GiB a step, to the host and back)")
+    cpu_off = cast(dict[str, Any], plan["per_device"][0]).get("cpu_offload_host_bytes")
+    if isinstance(cpu_off, int):  # backend.cpu_offload: FSDP's shards, their gradients and the state
+        lines.append(f"  {'cpu offload (host, per rank)':32s}{_gib(cpu_off)}  (shards, gradients and optimizer "
+                     "state in host memory" + ("; on the CPU the device is the host)" if plan["device"] == "cpu"
+                                                else ")"))
     if plan["devices"] > 1:
         budget = plan.get("budget_bytes")
         lines.append(f"  per device (GiB){'':6s}{'weights':>9s}{'grads':>9s}{'optim':>9s}{'paged':>9s}{'activ':>9s}"
@@ -187,8 +192,11 @@ def _needs_lines(need: dict[str, Any]) -> list[str]:
                                                    if every else "")]
         out += [f"    would fit: {w}" for w in need.get("would_fit", [])]
         return out
+    # ranks (one process a device) unless the layers are split in one process
+    ranks = 1 if "split" in need.get("levers", []) else n
+    each = f" per rank ({ranks * need['host_bytes'] / GIB:.2f} GiB for {ranks} ranks on one machine)" if ranks > 1 else ""
     out = [f"  needs, to fit {where}: {need['change'] or 'nothing changed'} (peak {need['peak_bytes'] / GIB:.2f} GiB "
-           f"per device); host RAM {need['host_bytes'] / GIB:.2f} GiB the process cannot give back"
+           f"per device); host RAM {need['host_bytes'] / GIB:.2f} GiB the process cannot give back{each}"
            + (f", plus the checkpoint's mapped pages at the load ({need['host_file_bytes'] / GIB:.2f} GiB, dropped under "
               "pressure)" if need.get("host_file_bytes") else "")]
     if need.get("transfer_bytes_per_step"):
@@ -282,8 +290,11 @@ def _phase_lines(plan: Plan) -> list[str]:
                                                           for k, v in extra.items() if v))
     host = plan.get("host")
     if host:
+        ranks = host.get("ranks_on_host", 1)
+        each = (f" per rank, {ranks * host['peak_anonymous_bytes'] / GIB:.2f} GiB for {ranks} ranks on one machine"
+                if ranks > 1 else "")
         out.append(f"  host: {host['peak_anonymous_bytes'] / GIB:.2f} GiB the process cannot give back (the checkpoint's "
-                   f"mapped pages left out) against {host['ram_bytes'] / GIB:.2f} GiB of RAM here: "
+                   f"mapped pages left out){each} against {host['ram_bytes'] / GIB:.2f} GiB of RAM here: "
                    + ("fits" if host["fits"] else "does NOT fit"))
     leap = plan.get("step2_reserved_leap_bytes") or 0
     if replayed:

@@ -216,6 +216,8 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
     offload = state.activation_offload if state is not None else t.activation_offload
     if offload and capabilities(backend).no_activation_offload:
         raise UserError(f"train.activation_offload=true: {capabilities(backend).no_activation_offload}")
+    if spec.backend.cpu_offload and capabilities(backend).no_cpu_offload:
+        raise UserError(f"backend.cpu_offload=true: {capabilities(backend).no_cpu_offload}")
     setup = Setup(
         backend=backend, device=device, n_devices=n_devices, method=method, optim=optim, precision=precision,
         weight_dtype=weight_dtype, adapter_dtype=adapter_dtype, compute_dtype=compute_dtype, autocast=autocast,
@@ -233,6 +235,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
         loss_chunk=state.loss_chunk if state is not None else t.loss_chunk,
         padding_mask=spec.model.trust_remote_code,
         alloc_conf=mm.alloc_conf(spec), empty_cache_every=spec.memory.empty_cache_every, fused=o.fused,
+        cpu_offload=spec.backend.cpu_offload or bool(state is not None and state.cpu_offload),
     )
     if head_fraction is not None:
         setup.target_fraction = max(0.0, min(1.0, float(head_fraction)))

@@ -214,6 +214,7 @@ class Governor:
         self.micro = res.batch_size
         self.grad_checkpointing = res.grad_checkpointing
         self.state.activation_offload = res.activation_offload or self.state.activation_offload
+        self.state.cpu_offload = res.cpu_offload or self.state.cpu_offload
         self.state.loss_chunk = res.loss_chunk
         if self.state.tokens_per_micro:
             self.state.tokens_per_micro = res.tokens_per_micro

@@ -205,7 +205,8 @@ class Trainer:
         # the budget included), never flipped once built
         state = self.governor.state
         built = replace(self.spec, train=replace(self.spec.train, grad_checkpointing=state.grad_checkpointing,
-                                                 activation_offload=state.activation_offload))
+                                                 activation_offload=state.activation_offload),
+                        backend=replace(self.spec.backend, cpu_offload=state.cpu_offload or self.spec.backend.cpu_offload))
         self.info = self.backend.setup(built, self.model_dir)
         self.governor.attach(self.backend)
         # a chunked loss the plan chose to fit the budget: a lever on the built model, whose

@@ -24,6 +24,7 @@ class RunState:
     # used to split a step); 0: not packed
     tokens_per_micro: int = 0
     activation_offload: bool = False  # train.activation_offload: saved activations in host memory
+    cpu_offload: bool = False  # backend.cpu_offload: FSDP's shards, grads and state in host memory
 
     @property
     def grad_accum(self) -> int:
@@ -35,7 +36,8 @@ class RunState:
         t = spec.train
         return cls(backend=backend, micro_batch=t.batch_size, effective_batch=t.effective_batch,
                    grad_checkpointing=t.grad_checkpointing, loss_chunk=t.loss_chunk,
-                   tokens_per_micro=t.packed_tokens, activation_offload=t.activation_offload)
+                   tokens_per_micro=t.packed_tokens, activation_offload=t.activation_offload,
+                   cpu_offload=spec.backend.cpu_offload)
 
     def with_(self, **changes: Any) -> RunState:
         """A copy with ``changes`` (micro_batch, grad_checkpointing, ...)."""

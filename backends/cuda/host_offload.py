@@ -1,0 +1,120 @@
+"""``backend.cpu_offload`` as the cuda memory model prices it (torch-free): FSDP2's
+``CPUOffloadPolicy`` keeps every rank's parameter shards, their gradients and the optimizer's
+state in host memory, and the optimizer steps there.
+
+What moves where (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _fsdp_collectives.py):
+- at ``fully_shard`` each sharded parameter is copied to the CPU (pinned where a GPU copies);
+- before a unit's all-gather its shards are copied to the device (``sharded_param.to(device)``),
+  gathered, used and freed: the device holds the unit's gathered parameters (the all-gather
+  buffer the plan already has) plus, briefly, its local shards;
+- after the reduce-scatter the unit's sharded gradients are copied to the host, where they
+  accumulate (``sharded_param.grad`` is a CPU tensor): briefly the device holds them too;
+- the optimizer's state is created beside its (CPU) parameters.
+
+What stays on the device: bitsandbytes' QuantState (absmax, codes: not parameters, so FSDP does
+not move them), activations, logits, the collectives' buffers. The census counts a tensor
+wherever it lies, so the plan's categories (weights, grads, optimizer_state) stay what the rank
+holds; the phases move the offloaded part from the device's figures to the host's. ``mm`` is
+the cuda memory model (backends/cuda/memory.py), which calls these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.errors import UserError
+from finetune.model.inventory import Setup, Tensor
+
+
+def check(cpu_offload: bool, strategy: str, world_size: int) -> None:
+    """The refusals: cpu_offload offloads FSDP's shards, so it needs fsdp over ranks."""
+    if not cpu_offload:
+        return
+    if strategy != "fsdp":
+        raise UserError("backend.cpu_offload=true offloads FSDP2's shards to host memory; add backend.strategy=fsdp "
+                        "(launched with torchrun --nproc-per-node N)")
+    if world_size <= 1:
+        raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
+                        "--nproc-per-node N (N >= 2), or plan it with backend.num_devices=N")
+
+
+def host_bytes(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
+    """One rank's offloaded bytes by category: its parameter shards (4-bit ones as stored; their
+    quantization constants stay on the device), their gradients and the optimizer state, and
+    the allocator rounding those would have cost on a GPU (nothing on the host)."""
+    out = {"weights": 0, "grads": 0, "optimizer_state": 0, "round": 0}
+    if not s.cpu_offload:
+        return out
+    for t in held:
+        w, _ = mm.weight_bytes(t, s)
+        out["weights"] += w
+        out["round"] += mm.rounding_bytes(w, s)
+        if t.trainable:
+            out["grads"] += w
+            st, paged = mm.optimizer_state_bytes(s.optim, t.local_shape, t.dtype_bytes, False, s.momentum,
+                                                 host_step=True)
+            out["optimizer_state"] += st + paged
+            out["round"] += 2 * mm.rounding_bytes(w, s)
+    return out
+
+
+def copy_buffer(tensors: list[Tensor], s: Setup, mm: Any) -> dict[str, dict[str, Any]]:
+    """The device's transient copies of one unit under cpu_offload: its local shards on their
+    way to the all-gather and its sharded gradients on their way to the host, the largest unit's
+    (the next unit's gather is prefetched: two units' shards at once)."""
+    if not s.cpu_offload or s.world_size <= 1:
+        return {}
+    units: dict[int | None, int] = {}
+    for t in tensors:
+        local = Tensor(t.name, t.shape, t.layer, t.role, t.trainable, t.dtype_bytes, t.quant, s.world_size)
+        w, _ = mm.weight_bytes(local, s)
+        units[t.layer] = units.get(t.layer, 0) + w + (w if t.trainable else 0)
+    top = sorted(units.values(), reverse=True)[:2]
+    return {"cpu_offload_copies": {"bytes": sum(top), "phase": "forward_backward"}}
+
+
+def loads_on_host(s: Setup) -> bool:
+    """Whether the runtime loads the model in host memory before FSDP shards it: with
+    cpu_offload (the shards stay there), and for qlora (bitsandbytes quantizes it there; then
+    fully_shard takes one unit at a time to the device, never the whole 4-bit model)."""
+    return s.strategy == "fsdp" and s.world_size > 1 and (s.cpu_offload or s.method == "qlora")
+
+
+def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dict[str, Any]]) -> None:
+    """A GPU's phases with the offloaded bytes in the host's figure (the device's replay,
+    backends/cuda/trace.py, already leaves them out): at the load the whole model the runtime
+    loads there (``whole``: every weight as loaded, 4-bit ones packed with their constants), from
+    step 1 on the shards and their gradients, in the steady state the optimizer state too."""
+    if loads_on_host(s):
+        phases["load"]["host_bytes"] += whole
+    if not s.cpu_offload:
+        return
+    held = {"load": 0, "step1": off["weights"] + off["grads"],
+            "steady": off["weights"] + off["grads"] + off["optimizer_state"]}
+    for name, ph in phases.items():
+        ph["host_bytes"] += held.get(name, 0)
+        ph["host_offload_bytes"] = held.get(name, 0) or (whole if name == "load" else 0)
+
+
+def whole_model_bytes(held: list[Tensor], s: Setup, mm: Any) -> int:
+    """The model as the runtime loads it on the host before fully_shard: every base weight whole
+    (4-bit ones packed, with their constants)."""
+    total = 0
+    for t in held:
+        if t.role in ("lora_A", "lora_B", "dora_m"):
+            total += t.numel * t.dtype_bytes
+        elif t.quant == "bnb4":
+            total += sum(mm.bnb4_bytes(t.numel, s.double_quant))
+        else:
+            total += t.numel * t.dtype_bytes
+    return total
+
+
+def device_peaks(dev: dict[str, Any], off: dict[str, int]) -> dict[str, Any]:
+    """A GPU's allocated peaks (the categories' sums) less what lives on the host, plus the figure
+    the host takes: the per-device entries the plan prints and fits on."""
+    moved = off["weights"] + off["grads"] + off["optimizer_state"] + off["round"]
+    return {"peak_bytes": max(0, dev["peak_bytes"] - moved),
+            "peak_allocated_bytes": max(0, dev["peak_allocated_bytes"] - moved),
+            "steady_state_allocated_bytes": max(0, dev["steady_state_allocated_bytes"] - moved),
+            "cpu_offload_host_bytes": moved - off["round"]}

@@ -1,0 +1,56 @@
+"""A cuda-backend run under torchrun that writes what each rank held, run by
+tests/test_fsdp_qlora.py: the run's summary.json carries rank 0's census only, so every rank
+writes its own to RANK_MEMORY_DIR/rank{R}.json, with its RSS (``/proc/self/statm``) just before
+the model loads and after its last optimizer step (the growth the plan's host figure is
+compared with).
+
+    RANK_MEMORY_DIR=DIR torchrun --standalone --nproc-per-node 2 tests/dist_scripts/torch_rank_memory.py OVERRIDES...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from finetune.run import loop
+from finetune.backends.cuda.runtime import CudaBackend
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RankMemory(CudaBackend):
+    record: dict = {}
+
+    def setup(self, spec, model_dir):
+        # what the load would import lazily, imported first: the growth is the run's memory
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import transformers
+        import transformers.integrations.bitsandbytes  # noqa: F401
+
+        arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+        getattr(transformers, arch)
+        self.record = {"rss_before_load": rss_bytes()}
+        return super().setup(spec, model_dir)
+
+    def optimizer_step(self, lr):
+        norm = super().optimizer_step(lr)
+        # after every step: the last one's is what the file keeps
+        self.record.update({"rss_after_step": rss_bytes(), "census": dict(self.census())})
+        out = Path(os.environ["RANK_MEMORY_DIR"]) / f"rank{os.environ['RANK']}.json"
+        out.write_text(json.dumps(self.record))
+        return norm
+
+
+if __name__ == "__main__":
+    loop.get_backend = lambda name: RankMemory()
+    from finetune.cli import main
+
+    sys.argv = ["finetune", *sys.argv[1:]]
+    main()
