@@ -127,6 +127,58 @@ def test_mlx_steps_equal_cuda_steps(case: str, qwen2: Path, tmp_path: Path) -> N
         assert m.metrics() == pytest.approx(c.metrics(), abs=TOL)
 
 
+def _kto(n: int) -> list[dict]:
+    return [{"prompt": f"Question {i}: what is {i} + {i}?\nAnswer:\n",
+             "completion": f"{i} + {i} = {2 * i}\n#### {2 * i if i % 2 else 2 * i + 1}", "label": bool(i % 2)}
+            for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_mlx_kto_steps_equal_cuda_steps(family: str, qwen2: Path, tmp_path: Path) -> None:
+    """KTO (objective=kto, LoRA) as the loop runs it (finetune/run/loop.py ``_unpaired_step``):
+    z0 once a step over the step's mismatched rows, then the step's records in micro-batches of
+    2; from the same adapter, each step's loss, z0 and metrics on mlx equal cuda's; a step split
+    into one record a micro-batch keeps the loss (the same z0)."""
+    from families import build_family
+    from transformers import AutoTokenizer
+
+    from finetune.data.pairs import UnpairedSource
+    from finetune.data.tokens import tokenize
+    from finetune.objectives import PairSums
+
+    model_dir = build_family("llama") if family == "llama" else qwen2
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    src = UnpairedSource(tokenize(_kto(12), tok, 128, True, unpaired=True), tok.pad_token_id, 4, 0, 0.0, 0, 1, 128)
+    cb, mb = _cuda_and_mlx(tmp_path, model_dir, ("objective=kto",))
+    out: dict[str, list[PairSums]] = {}
+    for name, be in (("cuda", cb), ("mlx", mb)):
+        out[name] = []
+        for step in range(STEPS):
+            batch = src.train_batch(step)
+            records = len(batch.lengths)
+            kl = be.kto_kl(src.kl_batch(batch), 2)
+            sums = PairSums()
+            for micro in batch.split(2):
+                sums = sums.add(be.forward_backward_unpaired(micro, 1 / records, kl))
+            if step == STEPS - 1:  # the last step again, one record a micro-batch: the same loss
+                be.zero_grad()
+                one = PairSums()
+                for micro in batch.split(1):
+                    one = one.add(be.forward_backward_unpaired(micro, 1 / records, be.kto_kl(src.kl_batch(batch), 1)))
+                assert one.loss == pytest.approx(sums.loss, abs=1e-6), name
+            be.optimizer_step(1e-2)
+            out[name].append(sums)
+    cuda, mlx = out["cuda"], out["mlx"]
+    assert mlx[-1].loss != pytest.approx(mlx[0].loss, abs=1e-4)  # it trained
+    assert max(m.kl for m in mlx) > 0  # z0 moved off 0 as the policy left the reference
+    diffs = [abs(c.loss - m.loss) for c, m in zip(cuda, mlx)]
+    print(f"kto {family}: max |cuda - mlx| step loss {max(diffs):.3g}")
+    assert max(diffs) < TOL, diffs
+    for c, m in zip(cuda, mlx):
+        assert m.kl == pytest.approx(c.kl, abs=TOL)
+        assert m.metrics() == pytest.approx(c.metrics(), abs=TOL, nan_ok=True)
+
+
 @pytest.mark.parametrize("method, more", [("lora", ()), ("full", ()), ("qlora", ("train.grad_checkpointing=true",))])
 def test_split_by_whole_pairs_keeps_loss_metrics_and_gradients(method: str, more: tuple[str, ...], qwen2: Path,
                                                                tmp_path: Path) -> None:

@@ -1,6 +1,9 @@
-"""The mlx backend's preference step (``objective=dpo|orpo|simpo``): chosen and rejected rows
+"""The mlx backend's preference step (``objective=dpo|orpo|simpo|kto``): chosen and rejected rows
 through the model as one batch, the reference's log-probabilities, the loss of
-finetune/objectives.py. The shape of backends/cuda/preference.py, in MLX's words.
+finetune/objectives.py. The shape of backends/cuda/preference.py, in MLX's words. KTO's records
+are rows of their own, labelled in their first mask entry (``objectives.unpaired_labels``); its
+KL reference point is taken once a step over the step's mismatched rows (``kto_kl``), before
+the step's micro-batches, as on cuda.
 
 A micro-batch holds whole pairs, interleaved (finetune/data/pairs.py): even rows the chosen
 completions, odd rows the rejected. One forward gives every row's summed completion
@@ -34,7 +37,7 @@ from mlx import nn
 from mlx.utils import tree_map
 
 from finetune import objectives
-from finetune.objectives import PairSums, PairTerms
+from finetune.objectives import PairSums, PairTerms, unpaired_labels
 
 
 def _wrapped(module: Any) -> Any:
@@ -94,6 +97,7 @@ class MlxPreference:
     _micro: int
     _ref_logps: np.ndarray | None = None  # precompute_reference's table: sample id -> reference log-prob
     _pair_vg: Callable | None = None  # nn.value_and_grad of _pair_loss, built on first use
+    _kto_vg: Callable | None = None  # nn.value_and_grad of _kto_loss, built on first use
 
     # provided by MlxBackend
     _arrays: Callable[[Batch], tuple[mx.array, mx.array]]
@@ -193,3 +197,85 @@ class MlxPreference:
         finally:
             self.model.train()
         return self._sums(*out)
+
+    # -- KTO ---------------------------------------------------------------------------------
+    def kto_kl(self, kl_rows: Batch, rows: int) -> float:
+        """KTO's reference point z0 of a step (``objectives.kto_kl``) from its mismatched rows,
+        ``rows`` rows a forward, no gradient: the policy as it is, then the base with the
+        adapters off. Once per optimizer step, before its micro-batches (backends/cuda/
+        preference.py ``kto_kl``: every split of the step sees the same z0).
+
+        Raises:
+            OutOfMemory: a forward of ``rows`` rows did not fit.
+        """
+        pol, ref = [], []
+        try:
+            for micro in kl_rows.split(rows):
+                ids, mask = self._arrays(micro)
+                p = mx.stop_gradient(row_logps(self.model, ids, mask)[0])
+                mx.eval(p)
+                with adapters_off(self.model):
+                    r = mx.stop_gradient(row_logps(self.model, ids, mask)[0])
+                    mx.eval(r)
+                pol.append(p)
+                ref.append(r)
+            return float(objectives.kto_kl(mx, mx.concatenate(pol), mx.concatenate(ref)))
+        except RuntimeError as e:
+            if self.is_oom(e):
+                raise OutOfMemory(f"KTO's KL pass: {e}") from e
+            raise
+
+    def _kto_loss(self, ids: mx.array, mask: mx.array, ref: mx.array, desirable: mx.array, kl: float,
+                  per_record: float) -> tuple[mx.array, ...]:
+        """(the micro-batch's share of its step's loss, then what the metrics read): what
+        ``nn.value_and_grad`` differentiates (its first output only)."""
+        logps, _ = row_logps(self.model, ids, mask)
+        terms = objectives.kto_terms(self.spec.objective, mx, logps, ref, desirable, kl)
+        return terms.losses.sum() * per_record, terms.chosen_rewards, terms.chosen_logps
+
+    @staticmethod
+    def _kto_sums(loss: mx.array, rewards: mx.array, logps: mx.array, desirable: np.ndarray, kl: float) -> PairSums:
+        r, lp, d = np.array(rewards, np.float64), np.array(logps, np.float64), desirable
+        return PairSums(float(loss), 0, float(r[d].sum()), float(r[~d].sum()), 0.0, float(lp[d].sum()),
+                        float(lp[~d].sum()), chosen_n=int(d.sum()), rejected_n=int((~d).sum()), kl=kl)
+
+    def forward_backward_unpaired(self, batch: Batch, per_record: float, kl: float,
+                                  on_phase: PhaseHook | None = None) -> PairSums:
+        """KTO: accumulate the gradients of this micro-batch's share of its step's loss (its
+        records' losses times ``per_record``, 1 / the step's records) at the step's ``kl``;
+        return that share and the metrics' sums.
+
+        Raises:
+            OutOfMemory: as ``forward_backward``.
+        """
+        self._reseed()
+        ids, mask = self._arrays(batch)
+        labels = unpaired_labels(batch)
+        if self._kto_vg is None:
+            self._kto_vg = nn.value_and_grad(self.model, self._kto_loss)
+        try:
+            ref = self._reference(batch, ids, mask)
+            out, grads = self._kto_vg(ids, mask, ref, mx.array(labels), kl, per_record)
+            total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
+            mx.eval(out, total)
+        except RuntimeError as e:
+            if self.is_oom(e):
+                raise OutOfMemory(str(e)) from e
+            raise
+        self._grads = total
+        self._micro += 1
+        if on_phase is not None:
+            on_phase("backward")
+        return self._kto_sums(out[0], out[1], out[2], labels, kl)
+
+    def eval_unpaired(self, batch: Batch, per_record: float, kl: float) -> PairSums:
+        """``forward_backward_unpaired``'s sums in eval mode, without gradients."""
+        ids, mask = self._arrays(batch)
+        labels = unpaired_labels(batch)
+        self.model.eval()
+        try:
+            out = self._kto_loss(ids, mask, self._reference(batch, ids, mask), mx.array(labels), kl, per_record)
+            mx.eval(out)
+        finally:
+            self.model.train()
+        return self._kto_sums(out[0], out[1], out[2], labels, kl)

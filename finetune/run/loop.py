@@ -169,9 +169,8 @@ class Trainer:
         obj = self.spec.objective
         if obj.preference and not hasattr(self.backend, "forward_backward_unpaired" if obj.unpaired
                                           else "forward_backward_pairs"):
-            raise UserError(f"objective={obj.name} runs on " + ("backend=cuda for now; use backend=cuda (it runs on the "
-                            "CPU too)" if obj.unpaired else "backend=cuda and backend=mlx for now; use one of them "
-                            "(cuda runs on the CPU too)") + " or objective=sft")
+            raise UserError(f"objective={obj.name} runs on backend=cuda and backend=mlx for now; use one of them "
+                            "(cuda runs on the CPU too) or objective=sft")
         self.governor = Governor(self.spec, self.backend_name, self._event)
         # Before any download: stop if even the weights and state cannot fit the budget.
         self.governor.before_load(seq_len=8, only_check=True)
