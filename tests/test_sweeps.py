@@ -118,9 +118,11 @@ def test_sweep_peaks_do_not_depend_on_job_order_mlx(mlx_sweeps) -> None:
         # The allocated peak (~7 MB on this model, in step 1) is not exact between identical runs:
         # MLX runs the graph on its stream's thread and frees an input when the last reference
         # drops, so whether a temporary is freed before the next is allocated depends on the two
-        # threads' timing. Measured: 6963220 or 7053328 at rest, 6373680 once in CI under load.
+        # threads' timing. Measured: 6963220 or 7053328 at rest, 6373680 once in CI under load,
+        # 5834760 once on a loaded 2-core box (17% under 7053328): within 20%. What a job carried
+        # over from the one before would show exactly in "last" above.
         pa, pb = ma["peaks"]["allocated_bytes"], mb["peaks"]["allocated_bytes"]
-        assert abs(pa - pb) <= max(0.05 * max(pa, pb), 1 << 20), (optim, pa, pb)
+        assert abs(pa - pb) <= 0.20 * max(pa, pb), (optim, pa, pb)
         _census_close(ma["census_first_optimizer"], mb["census_first_optimizer"])
 
 
