@@ -172,11 +172,19 @@ class MlxPreference:
         ids, mask = self._arrays(batch)
         if self._pair_vg is None:
             self._pair_vg = nn.value_and_grad(self.model, self._pair_loss)
+        vg = self._pair_vg
+        out = self._accumulate(lambda: vg(ids, mask, self._reference(batch, ids, mask), per_pair, per_chosen_token),
+                               on_phase)
+        return self._sums(*out)
+
+    def _accumulate(self, run: Callable[[], tuple[Any, Any]], on_phase: PhaseHook | None) -> Any:
+        """``run()``'s (outputs, gradients), the gradients added to the step's so far and both
+        evaluated (memory figures are real after this); the outputs. An MLX out-of-memory error
+        becomes OutOfMemory, the step's earlier gradients kept."""
         try:
-            ref = self._reference(batch, ids, mask)
-            out, grads = self._pair_vg(ids, mask, ref, per_pair, per_chosen_token)
+            out, grads = run()
             total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
-            mx.eval(out, total)  # materialize: memory figures are real after this
+            mx.eval(out, total)
         except RuntimeError as e:
             if self.is_oom(e):
                 raise OutOfMemory(str(e)) from e
@@ -185,7 +193,7 @@ class MlxPreference:
         self._micro += 1
         if on_phase is not None:
             on_phase("backward")
-        return self._sums(*out)
+        return out
 
     def eval_pairs(self, batch: Batch, per_pair: float, per_chosen_token: float) -> PairSums:
         """``forward_backward_pairs``' sums in eval mode, without gradients."""
@@ -253,19 +261,9 @@ class MlxPreference:
         labels = unpaired_labels(batch)
         if self._kto_vg is None:
             self._kto_vg = nn.value_and_grad(self.model, self._kto_loss)
-        try:
-            ref = self._reference(batch, ids, mask)
-            out, grads = self._kto_vg(ids, mask, ref, mx.array(labels), kl, per_record)
-            total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
-            mx.eval(out, total)
-        except RuntimeError as e:
-            if self.is_oom(e):
-                raise OutOfMemory(str(e)) from e
-            raise
-        self._grads = total
-        self._micro += 1
-        if on_phase is not None:
-            on_phase("backward")
+        vg = self._kto_vg
+        out = self._accumulate(lambda: vg(ids, mask, self._reference(batch, ids, mask), mx.array(labels), kl,
+                                          per_record), on_phase)
         return self._kto_sums(out[0], out[1], out[2], labels, kl)
 
     def eval_unpaired(self, batch: Batch, per_record: float, kl: float) -> PairSums:

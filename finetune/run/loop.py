@@ -373,20 +373,32 @@ class Trainer:
         a micro-batch. Returns (loss, tokens, records, grad norm)."""
         batch = self.data.train_batch(step - 1)
         records = len(batch.lengths)
-        self._step_max_len = int(batch.input_ids.shape[1])
-        self._step_rows = None
         backend = cast(PairBackend, self.backend)
         kl_rows = cast(UnpairedSource, self.data).kl_batch(batch)
+
+        def accumulate(hook: Callable[[str], None]) -> PairSums:
+            kl, sums = backend.kto_kl(kl_rows, self.governor.micro), PairSums()
+            for micro in batch.split(self.governor.micro):
+                sums = sums.add(backend.forward_backward_unpaired(micro, 1.0 / records, kl, hook))
+            return sums
+
+        return self._governed_step(step, batch, records, accumulate)
+
+    def _governed_step(self, step: int, batch: Batch, count: int,
+                       accumulate: Callable[[Callable[[str], None]], PairSums]) -> tuple[float, int, int, float | None]:
+        """A preference step's shared frame: ``accumulate`` (given the accountant's phase hook)
+        runs the step's micro-batches at the governor's current size and returns their sums;
+        on OOM the gradients are dropped, the governor lowers the size and the step is redone;
+        then the optimizer steps. Returns (loss, tokens, ``count``, grad norm)."""
+        self._step_max_len = int(batch.input_ids.shape[1])
+        self._step_rows = None
 
         def hook(phase: str) -> None:
             self.acct.sample(step, phase)
 
         while True:
-            sums = PairSums()
             try:
-                kl = backend.kto_kl(kl_rows, self.governor.micro)
-                for micro in batch.split(self.governor.micro):
-                    sums = sums.add(backend.forward_backward_unpaired(micro, 1.0 / records, kl, hook))
+                sums = accumulate(hook)
                 break
             except OutOfMemory as e:
                 self.backend.zero_grad()
@@ -394,7 +406,7 @@ class Trainer:
                 self.governor.on_oom(step, e, row_tokens=int(batch.input_ids.shape[1]))
         grad_norm = self.backend.optimizer_step(self._lr(step))
         self.pair_metrics["train"] = sums.metrics()
-        return sums.loss, batch.tokens, records, grad_norm
+        return sums.loss, batch.tokens, count, grad_norm
 
     def _evaluate_unpaired(self) -> float | None:
         """Validation of KTO: the mean record loss over the validation records, each batch at
@@ -418,26 +430,15 @@ class Trainer:
         redone with fewer pairs a micro-batch on OOM. Returns (loss, tokens, pairs, grad norm)."""
         batch = self.data.train_batch(step - 1)
         pairs, chosen_tokens = pair_counts(batch)
-        self._step_max_len = int(batch.input_ids.shape[1])
-        self._step_rows = None
+        backend = cast(PairBackend, self.backend)
 
-        def hook(phase: str) -> None:
-            self.acct.sample(step, phase)
-
-        while True:
+        def accumulate(hook: Callable[[str], None]) -> PairSums:
             sums = PairSums()
-            try:
-                for micro in batch.split(2 * self.governor.micro):
-                    sums = sums.add(cast(PairBackend, self.backend).forward_backward_pairs(micro, 1.0 / pairs, 1.0 / max(1, chosen_tokens),
-                                                                        hook))
-                break
-            except OutOfMemory as e:
-                self.backend.zero_grad()
-                self.backend.release_cache()
-                self.governor.on_oom(step, e, row_tokens=int(batch.input_ids.shape[1]))
-        grad_norm = self.backend.optimizer_step(self._lr(step))
-        self.pair_metrics["train"] = sums.metrics()
-        return sums.loss, batch.tokens, pairs, grad_norm
+            for micro in batch.split(2 * self.governor.micro):
+                sums = sums.add(backend.forward_backward_pairs(micro, 1.0 / pairs, 1.0 / max(1, chosen_tokens), hook))
+            return sums
+
+        return self._governed_step(step, batch, pairs, accumulate)
 
     def _evaluate_pairs(self) -> float | None:
         """Validation of a preference objective: the mean pair loss over the validation pairs
