@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.base import Batch, Comm, ModelInfo, PhaseHook
 from finetune.backends.mlx import distributed
 from finetune.backends.mlx.capabilities import CAPABILITIES
 from finetune.backends.mlx.distributed import sum_over_ranks
@@ -457,23 +457,17 @@ class MlxBackend(MlxPreference):
         forward and backward, so only the "backward" phase is reported."""
         self._reseed()
         ids, mask = self._arrays(batch)
-        try:
+
+        def run() -> tuple[mx.array, Any]:
             with self._packed(batch):
                 if self._compile:  # the scale as an array: a Python float would be traced as a constant
                     (_, loss_sum), grads = self._compiled_vg()(ids, mask, mx.array(loss_scale, mx.float32))
                 else:
                     (_, loss_sum), grads = self._vg(ids, mask, loss_scale)
-            total = grads if self._grads is None else tree_map(mx.add, self._grads, grads)
-            mx.eval(loss_sum, total)  # materialize: memory figures are real after this
-        except RuntimeError as e:
-            if _is_oom(e):  # self._grads still holds the previous, already evaluated sums
-                raise OutOfMemory(str(e)) from e
-            raise
-        self._grads = total
-        self._micro += 1
-        if on_phase is not None:
-            on_phase("backward")
-        return float(loss_sum)
+            return loss_sum, grads
+
+        # the gradients added to the step's and evaluated; on OOM self._grads keeps the earlier sums
+        return float(self._accumulate(run, on_phase))
 
     def optimizer_step(self, lr: float) -> float | None:
         """Under several ranks the accumulated gradients are first summed over them (every rank
