@@ -51,11 +51,11 @@ window's tokens were counted). Each run is a fresh process; runs alternate (A B,
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -264,7 +264,7 @@ def mlx_lm_lora(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
         sys.exit(f"could not read mlx-lm-lora's batches and report:\n{out[-3000:]}")
     # step k (1-based) runs between the requests of batches k and k + 1; the last step (with its
     # validation) has no next request and is not measured
-    secs = [b["t"] - a["t"] for a, b in zip(recs, recs[1:])]
+    secs = [b["t"] - a["t"] for a, b in itertools.pairwise(recs)]
     r = _measured([sum(x["lengths"]) for x in recs[:-1]], [len(x["lengths"]) // 2 for x in recs[:-1]], secs, job.skip)
     return {**r, "rss": rss, "wall": wall, "mlx_peak": reps[-1]["peak_memory"] * 1e9, "loss_last": reps[-1]["train_loss"]}
 
@@ -320,7 +320,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     pairs, skipped = build_pairs(tok, a.pairs, SEQ)
     check = token_check(pairs, tok, SEQ)
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"pairs: {len(pairs)} GSM8K records (chosen: the answer; rejected: its final number + 1), {skipped} passed "
           f"over as longer than {SEQ} tokens; uptime at start: {load}")
     print("token check (every pair, each side's tokenization): sequences / tokens / completion tokens")
@@ -353,7 +353,7 @@ def main() -> None:
             ls, summary = summarize(res)
             lines += [f"\nbackend={backend}, model {a.model}, DPO sigmoid beta {BETA}: medians of {a.runs} runs", *ls]
             report["backends"][backend] = {"runs": res, **summary}
-    report["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    report["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"\nmachine: {report['machine']}; {report['versions']}; {a.runs} runs each, {a.steps} steps (first "
           f"{a.skip} not measured), {a.batch} pairs a step, max length {SEQ}, {len(pairs)} pairs, model {a.model} "
           f"({model.name}); {report['date']}; {time.perf_counter() - t0:.0f} s; uptime at end: {report['uptime_end']}")
