@@ -154,7 +154,9 @@ def ours(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
     _, rss, wall = _run(cmd, job.work)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.startswith('{"step"')]
     r = _measured([x["tokens"] for x in recs], [x["samples"] for x in recs], [x["step_seconds"] for x in recs], job.skip)
-    return {**r, "rss": rss, "wall": wall, "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
+    peaks = [x["peak_allocated_bytes"] for x in recs if x.get("mlx_peak_bytes") is not None]
+    return {**r, "rss": rss, "wall": wall, "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+            "mlx_peak": max(peaks) if peaks else None}  # mlx: MLX's allocator peak of the run so far
 
 
 TRL_PEER = r'''
@@ -287,7 +289,9 @@ def summarize(res: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[str
         lines.append(f"  ours vs {LABEL[b]}: real tokens/s {med['ours']['tps']:,.0f} vs {med[b]['tps']:,.0f} = {t:.2f}x; "
                      f"peak RSS {_gib(med['ours']['rss'])} vs {_gib(med[b]['rss'])} GiB = {m:.2f}x")
     if "mlx_lm_lora" in res:
-        lines.append(f"  mlx-lm-lora's own report: mlx peak {_gib(_med(res['mlx_lm_lora'], 'mlx_peak'))} GiB")
+        lines.append(f"  MLX allocator peak (mx.get_peak_memory over the run, both sides; ours: metrics.jsonl "
+                     f"peak_allocated_bytes): ours {_gib(_med(res['ours'], 'mlx_peak'))} vs mlx-lm-lora "
+                     f"{_gib(_med(res['mlx_lm_lora'], 'mlx_peak'))} GiB")
     return lines, {"medians": med, "ratios": ratios}
 
 
