@@ -145,14 +145,18 @@ def cuda_backend_with_oom(raise_when: Any, on: str = "model") -> Any:
 # collection order, so a long file collected last kept one worker busy while the other sat
 # idle. Within a file the order is unchanged. By the seconds each took in a full run on two
 # cores (test_slurm: where a cluster answers, as in CI).
-LONGEST_FIRST = ("test_sweeps.py", "test_dist_torch.py", "test_security.py", "test_planner.py", "test_train_e2e.py",
-                 "test_families.py", "test_gpu_bench_smoke.py", "test_slurm.py", "test_dist_mlx.py", "test_full_disk.py",
-                 "test_inputs_as_they_come.py", "test_sweep_failures.py", "test_sweep_secrets.py", "test_compile.py",
-                 "test_family_plans.py", "test_governor.py", "test_chunked_loss.py", "test_faults.py", "test_signals.py",
-                 "test_planner_dist.py", "test_cli_runs.py", "test_rundir.py", "test_data_cache.py", "test_generate_format.py",
-                 "test_export.py",
-                 "test_bad_input.py", "test_cli_config.py", "test_packing.py", "test_third_backend.py",
-                 "test_plan_data.py", "test_backend_cuda.py", "test_governor_reactions.py", "test_loggers.py",
+LONGEST_FIRST = ("test_sweeps.py", "test_security.py", "test_evaluate.py", "test_families.py", "test_slurm.py",
+                 "test_generate_format.py", "test_planner.py", "test_compile.py", "test_dist_torch.py",
+                 "test_first_hour.py", "test_gpu_bench_smoke.py", "test_family_plans.py", "test_dist_mlx.py",
+                 "test_packed_plan.py", "test_model_handle.py", "test_inputs_as_they_come.py", "test_sweep_failures.py",
+                 "test_train_e2e.py", "test_resume_finished.py", "test_fsdp_qlora.py", "test_sweep_secrets.py",
+                 "test_reserved_plan.py", "test_full_disk.py", "test_umask.py", "test_chunked_loss.py",
+                 "test_data_cache.py", "test_cli_runs.py", "test_rundir.py", "test_governor.py", "test_faults.py",
+                 "test_signals.py", "test_planner_dist.py", "test_bad_input.py", "test_cli_config.py",
+                 "test_third_backend.py", "test_plan_data.py", "test_generate.py", "test_preference_sweep.py",
+                 "test_preference_plan.py", "test_loggers.py", "test_preference_mlx.py", "test_plan_golden.py",
+                 "test_packing.py", "test_multimodal.py", "test_export.py", "test_defaults_and_targets.py",
+                 "test_gguf_export.py", "test_model_source.py", "test_preference_trl.py", "test_governor_reactions.py",
                  "test_packing_families.py")
 
 
