@@ -218,7 +218,8 @@ def test_mode_plan_prints_and_writes_the_preference_figures(tmp_path, pairs_file
     assert p["preference"]["pairs_total"] == PAIRS and p["preference"]["reference_table_bytes"] == 8 * PAIRS
     out = capsys.readouterr().out
     assert "objective dpo: micro-batch 2 pairs = 4 rows" in out and f"{8 * PAIRS} B on the host" in out
-    assert f"data: {p['data']['samples']} training pairs" in out and "head runs on every position" in out
+    # cuda's pair step runs the head on the completion's targets (backends/cuda/preference.py)
+    assert f"data: {p['data']['samples']} training pairs" in out and "head runs on target positions only" in out
     assert p["data"]["pairs"] == PAIRS and p["data"]["samples"] < PAIRS  # the validation pairs left out
 
 

@@ -323,9 +323,13 @@ def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:
     st = 4 if s.autocast else s.wd
     w = max(b.mlp_width * (max(arch.top_k, 1) if b.moe else 1) for b in arch.blocks)
     layer = 2 * n * h * st + 3 * n * w * a
-    logits = n * V * a + n * V * 4 + n * V * 4
-    head = n * h * st + logits  # the final hidden states, then the logits
-    cap = 2 * V * a * n if arch.final_softcap else 0  # Gemma-2's soft-cap: the capped logits and tanh's output
+    # the head on the targets only (s.target_head: the gathered rows are contiguous, so fp32
+    # logits are log-softmaxed as they are) or on every position (the view's fp32 copy)
+    nt = s.head_rows(n)
+    copy = nt * V * 4 if (a != 4 or not s.target_head) else 0
+    logits = nt * V * a + copy + nt * V * 4
+    head = n * h * st + (nt * h * st if s.target_head else 0) + logits  # final hidden states (+ gathered), logits
+    cap = 2 * V * a * nt if arch.final_softcap else 0  # Gemma-2's soft-cap: the capped logits and tanh's output
     transient = max(layer, head + cap)
-    return {"layer": layer, "head": head + cap, "transient": transient, "forward_end": 4 * n * V + transient,
+    return {"layer": layer, "head": head + cap, "transient": transient, "forward_end": 4 * nt * V + transient,
             "with_logits": 0}

@@ -295,10 +295,11 @@ def optimizer_transient(s: Setup, trainable: list[Tensor]) -> int:
 
 # ---- activations -----------------------------------------------------------------------------------
 
-# A preference step (backends/cuda/preference.py ``_row_logps``) takes every position's whole
-# logits (log_softmax over the vocabulary, then the targets gathered), whatever the target share
-# or train.loss_chunk: its head is priced so (finetune/planner/preference.py rows_setup).
-PAIR_HEAD_WHOLE = True
+# A preference step (backends/cuda/preference.py ``_row_logps``) runs the head on the
+# completion's target positions only (the SFT target head's gathered rows, then log_softmax and
+# the targets gathered), never chunked: priced as SFT's target head at 2P rows with
+# train.loss_chunk off (finetune/planner/preference.py rows_setup).
+PAIR_HEAD_WHOLE = False
 # precompute_reference keeps its table as a numpy array: host memory, never the device's
 REFERENCE_TABLE_WHERE = "host"
 

@@ -27,6 +27,7 @@ import torch
 
 from finetune import objectives
 from finetune.backends.base import Batch, OutOfMemory
+from finetune.backends.cuda.loss import _body, _head_applies, head_call, output_head
 from finetune.objectives import PairSums, PairTerms, unpaired_labels
 
 
@@ -46,14 +47,31 @@ class CudaPreference:
 
     def _row_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """([rows] summed log p of each row's targets, fp32, [rows] target tokens): one forward
-        of every row, the head's logits upcast to fp32 before log_softmax."""
+        of every row, the head's logits upcast to fp32 before log_softmax. The head runs on the
+        completion's target positions only (backends/cuda/loss.py's target head: the model's
+        body, its hidden states at the targets gathered, the head on those), the same numbers
+        as the head on every position, where the model's logits are its head applied to its
+        hidden states (checked once per model); else on every position."""
         ids = self._to_device(batch.input_ids, np.int64)
         mask = self._to_device(batch.loss_mask, np.float32)[:, 1:]
+        if not _head_applies(self.model, ids, None, self._autocast):
+            with self._autocast():
+                logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            return (picked * mask).sum(dim=1), mask.sum(dim=1)
+        hook = output_head(self.model)
+        hidden = _body(self.model, hook, ids, None, self._autocast)
+        width = hidden.shape[1] - 1
+        at = mask.reshape(-1).nonzero().squeeze(1)  # the mask is 0/1 (a pair's completion tokens)
+        flat = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, at.to(hidden.device))
         with self._autocast():
-            logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        picked = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        return (picked * mask).sum(dim=1), mask.sum(dim=1)
+            logits = head_call(self.model, hook)(flat)
+        targets = ids[:, 1:].reshape(-1).index_select(0, at).to(logits.device)
+        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        sums = torch.zeros(ids.shape[0], dtype=picked.dtype, device=picked.device).index_add(
+            0, (at // width).to(picked.device), picked)
+        return sums.to(mask.device), mask.sum(dim=1)
 
     def _uses_table(self) -> bool:
         o = self.spec.objective

@@ -8,8 +8,8 @@ model saying what its framework holds:
 - both sequences: a micro-batch of P pairs is 2P rows through the model at the pair's width
   (chosen and rejected as one batch), so every activation and the head are priced at 2P rows
   (``rows_setup``); where the backend's preference step computes the log-probs over every
-  position's whole logits (the memory model's ``PAIR_HEAD_WHOLE``), the target-only head and
-  ``train.loss_chunk`` do not apply to it and are priced as not applied;
+  position's whole logits (the memory model's ``PAIR_HEAD_WHOLE``), the target-only head does
+  not apply to it; ``train.loss_chunk`` never applies to a pair step, and is priced as not applied;
 - the reference under LoRA/DoRA/QLoRA (objective.reference=auto): a no-grad forward of the same
   rows with the adapters off, run after the policy's forward while its saved activations and
   log-probs are alive; it keeps nothing but its [rows] log-probs, so it adds a transient: one
@@ -41,15 +41,16 @@ def rows_setup(s: Setup) -> Setup:
     so. The same setup for SFT (and idempotent: rows_setup(rows_setup(s)) == rows_setup(s))."""
     if s.pair_rows == 1 and s.objective == "sft":
         return s
-    kw: dict[str, Any] = {"batch": s.rows, "pair_rows": 1}
+    kw: dict[str, Any] = {"batch": s.rows, "pair_rows": 1, "loss_chunk": 0}  # a pair step never chunks its head
     if getattr(memory_model(s.backend), "PAIR_HEAD_WHOLE", True):
-        kw.update(target_head=False, loss_chunk=0)
+        kw.update(target_head=False)
     return replace(s, **kw)
 
 
 def whole_head(s: Setup) -> bool:
-    """A preference step whose log-probs ignore ``train.loss_chunk``: no chunked-loss lever."""
-    return s.objective != "sft" and bool(getattr(memory_model(s.backend), "PAIR_HEAD_WHOLE", True))
+    """A preference step: its log-probs ignore ``train.loss_chunk`` (the head on the targets at
+    once, or on every position), so there is no chunked-loss lever."""
+    return s.objective != "sft"
 
 
 def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:

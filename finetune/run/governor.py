@@ -101,7 +101,7 @@ class Governor:
         it is on already or the backend cannot chunk this run's loss (it says why once)."""
         if self.state.loss_chunk or self.backend is None or self._chunk_refused:
             return False
-        if self.spec.objective.preference and getattr(memory_model(self.backend_name), "PAIR_HEAD_WHOLE", True):
+        if self.spec.objective.preference:
             return False  # a preference step's log-probs read no loss_chunk (finetune/planner/preference.py)
         why = self.backend.set_loss_chunk(fit.LOSS_CHUNK_LEVER)
         if why:
