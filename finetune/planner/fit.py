@@ -25,6 +25,7 @@ from finetune.planner.needs import (
     _offload,
     _setup_with,
     fit_cpu_offload,
+    largest_fitting,
 )
 from finetune.planner import preference
 from finetune.planner.price import _core
@@ -493,40 +494,36 @@ def _fit_offload(arch: ModelDesc, s: Setup, budget: int, before: dict[str, Any],
     if s.offload or capabilities(s.backend).no_activation_offload is not None:
         return None
     eff = s.effective_batch
-    for d in _divisors_desc(eff):
-        if d > s.batch:
-            continue
-        on = _setup_with(s, batch=d, grad_accum=eff // d, ckpt=True, offload=True)
-        p = _core(arch, on)
-        if not _fits(p, budget):
-            continue
-        evs = list(events)
-        prev: dict[str, Any] = {k: v for k, v in before.items() if k != "budget_bytes"}
-        if d != s.batch:
-            after = {**prev, "batch_size": d, "grad_accum": eff // d,
-                     "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=eff // d))["fits_bytes"]}
-            evs.append({"trigger": "plan_over_budget", "action": "lower_micro_batch", "before": before, "after": after,
-                        "reason": "the same effective batch in smaller micro-batches: no throughput lost per sample"})
-            prev = after
-        ckpt_peak = _core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=True))["fits_bytes"]
-        if not s.ckpt:
-            after = {**prev, "grad_checkpointing": True, "peak_bytes": ckpt_peak}
-            evs.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing", "before": prev,
-                        "after": after, "reason": "each layer recomputed in backward: about a third more compute"})
-            prev = after
-        off = _offload(on, p) or {}
-        evs.append({"trigger": "plan_over_budget", "action": "enable_activation_offload",
-                    "before": {**prev, "activation_offload": False},
-                    "after": {**prev, "activation_offload": True, "peak_bytes": p["fits_bytes"],
-                              "host_bytes": off.get("host_bytes"),
-                              "transfer_bytes_per_step": off.get("transfer_bytes_per_step")},
-                    "reason": f"micro-batch {d} with gradient checkpointing"
-                              + (" and the chunked loss" if s.loss_chunk else "")
-                              + f" peaks at {ckpt_peak} B, over the budget of {budget} B; the saved activations go "
-                              f"to host memory ({off.get('host_bytes')} B) and back, "
-                              f"{off.get('transfer_bytes_per_step')} B moved a step"})
-        return d, evs
-    return None
+    found = largest_fitting(arch, s, budget, ckpt=True, offload=True)
+    if found is None:
+        return None
+    d, on, p = found
+    evs = list(events)
+    prev: dict[str, Any] = {k: v for k, v in before.items() if k != "budget_bytes"}
+    if d != s.batch:
+        after = {**prev, "batch_size": d, "grad_accum": eff // d,
+                 "peak_bytes": _core(arch, _setup_with(s, batch=d, grad_accum=eff // d))["fits_bytes"]}
+        evs.append({"trigger": "plan_over_budget", "action": "lower_micro_batch", "before": before, "after": after,
+                    "reason": "the same effective batch in smaller micro-batches: no throughput lost per sample"})
+        prev = after
+    ckpt_peak = _core(arch, _setup_with(s, batch=d, grad_accum=eff // d, ckpt=True))["fits_bytes"]
+    if not s.ckpt:
+        after = {**prev, "grad_checkpointing": True, "peak_bytes": ckpt_peak}
+        evs.append({"trigger": "plan_over_budget", "action": "enable_grad_checkpointing", "before": prev,
+                    "after": after, "reason": "each layer recomputed in backward: about a third more compute"})
+        prev = after
+    off = _offload(on, p) or {}
+    evs.append({"trigger": "plan_over_budget", "action": "enable_activation_offload",
+                "before": {**prev, "activation_offload": False},
+                "after": {**prev, "activation_offload": True, "peak_bytes": p["fits_bytes"],
+                          "host_bytes": off.get("host_bytes"),
+                          "transfer_bytes_per_step": off.get("transfer_bytes_per_step")},
+                "reason": f"micro-batch {d} with gradient checkpointing"
+                          + (" and the chunked loss" if s.loss_chunk else "")
+                          + f" peaks at {ckpt_peak} B, over the budget of {budget} B; the saved activations go "
+                          f"to host memory ({off.get('host_bytes')} B) and back, "
+                          f"{off.get('transfer_bytes_per_step')} B moved a step"})
+    return d, evs
 
 
 def _fit_packed(spec: RunSpec, arch: ModelDesc, s: Setup, base: Any, budget: int, before: dict[str, Any],

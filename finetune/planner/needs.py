@@ -41,6 +41,21 @@ def _micro_change(d: int, eff: int) -> str:
     return f"train.batch_size={d} train.grad_accum={eff // d}"
 
 
+def largest_fitting(arch: ModelDesc, s: Setup, budget: int, **changes: Any) -> tuple[int, Setup, PlanCore] | None:
+    """The largest micro-batch ``d`` (a divisor of the effective batch, at most ``s.batch``) at
+    which ``s`` with ``changes`` fits ``budget``, the effective batch kept: (d, that setup, its
+    plan core), or None where none fits. What each lever after the micro-batch asks."""
+    eff = s.effective_batch
+    for d in _divisors_desc(eff):
+        if d > s.batch:
+            continue
+        on = _setup_with(s, batch=d, grad_accum=eff // d, **changes)
+        p = _core(arch, on)
+        if _fits(p, budget):
+            return d, on, p
+    return None
+
+
 def _largest_true(candidates: list[int], ok: Any) -> int | None:
     """The first of ``candidates`` (largest first) where ``ok`` holds, for an ``ok`` that holds
     from some point on (memory falls with the micro-batch): bisected."""
@@ -239,22 +254,19 @@ def fit_cpu_offload(arch: ModelDesc, s: Setup, budget: int, before: dict[str, An
         return None
     eff = s.effective_batch
     for ckpt in ((s.ckpt,) if s.ckpt else (False, True)):
-        for d in _divisors_desc(eff):
-            if d > s.batch:
-                continue
-            on = _setup_with(s, batch=d, grad_accum=eff // d, ckpt=ckpt, cpu_offload=True)
-            p = _core(arch, on)
-            if not _fits(p, budget):
-                continue
-            prev = {k: v for k, v in before.items() if k != "budget_bytes"}
-            host = max(ph["host_bytes"] for ph in p["phases"].values())
-            return on, [*events, {
-                "trigger": "plan_over_budget", "action": "enable_cpu_offload",
-                "before": {**prev, "cpu_offload": False},
-                "after": {**prev, "batch_size": d, "grad_accum": eff // d, "grad_checkpointing": ckpt,
-                          "cpu_offload": True, "peak_bytes": p["fits_bytes"], "host_bytes": host},
-                "reason": f"nothing cheaper fits the budget of {budget} B (the smaller micro-batch, checkpointing, "
-                          "activation offload); FSDP's shards, gradients and optimizer state go to host memory "
-                          f"({host} B on the host per rank at its highest phase), each layer's shards copied over "
-                          "the host link every step and the optimizer stepping on the CPU"}]
+        found = largest_fitting(arch, s, budget, ckpt=ckpt, cpu_offload=True)
+        if found is None:
+            continue
+        d, on, p = found
+        prev = {k: v for k, v in before.items() if k != "budget_bytes"}
+        host = max(ph["host_bytes"] for ph in p["phases"].values())
+        return on, [*events, {
+            "trigger": "plan_over_budget", "action": "enable_cpu_offload",
+            "before": {**prev, "cpu_offload": False},
+            "after": {**prev, "batch_size": d, "grad_accum": eff // d, "grad_checkpointing": ckpt,
+                      "cpu_offload": True, "peak_bytes": p["fits_bytes"], "host_bytes": host},
+            "reason": f"nothing cheaper fits the budget of {budget} B (the smaller micro-batch, checkpointing, "
+                      "activation offload); FSDP's shards, gradients and optimizer state go to host memory "
+                      f"({host} B on the host per rank at its highest phase), each layer's shards copied over "
+                      "the host link every step and the optimizer stepping on the CPU"}]
     return None
