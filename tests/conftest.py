@@ -6,6 +6,7 @@ import copy
 import gc
 import importlib.util
 import os
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -196,3 +197,35 @@ def pytest_unconfigure(config: Any) -> None:
     """The process ends next: its last collections need not scan what the tests imported (the
     interpreter's exit took ~1.5 s more with torch and transformers loaded)."""
     gc.freeze()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    """A 4 MiB tmpfs (a real filesystem that fills) mounted at tmp_path/mnt; unmounted after the
+    test. Skips where it cannot be mounted (not root, no tmpfs)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the ENOSPC switches cover these paths elsewhere")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=False,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here ({r.stderr.strip()[-200:]})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
+
+
+def fill_disk(mnt: Path) -> Path:
+    """Fill the filesystem at ``mnt`` to the last byte (big writes, then single bytes); return
+    the filler file."""
+    filler = mnt / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\1" * size)
+            except OSError:
+                pass
+    return filler

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import finetune_cmd, make_cfg, needs_torch
+from conftest import fill_disk, finetune_cmd, make_cfg, needs_torch
 
 from finetune.run import files as checkpoints
 from finetune.errors import UserError
@@ -40,42 +40,13 @@ def reference(tmp_path_factory):
     return _losses(d)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 4 MiB tmpfs mounted at tmp_path/mnt; unmounted after the test."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root; the ENOSPC switches cover these paths elsewhere")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=False, capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"no tmpfs can be mounted here ({r.stderr.strip()[-200:]})")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
-
-
-def _fill(mnt: Path) -> Path:
-    """Fill the filesystem to the last byte (big writes, then single bytes); return the filler."""
-    filler = mnt / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        for size in (1 << 16, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\1" * size)
-            except OSError:
-                pass
-    return filler
-
-
 def _fill_when(marker: Path, mnt: Path) -> threading.Thread:
     """In the background: once the run pauses (marker written), fill the disk, let it go on."""
     def go() -> None:
         deadline = time.monotonic() + 300
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        _fill(mnt)
+        fill_disk(mnt)
         marker.unlink()
 
     t = threading.Thread(target=go, daemon=True)
@@ -105,7 +76,7 @@ def test_full_disk_at_a_metrics_line_stops_in_one_line_and_resume_continues(smal
             slack = -len(metrics) % os.statvfs(small_fs).f_frsize
             if slack < len(metrics.splitlines()[-1]) - 20:  # step numbers and floats vary a little in length
                 full_after = int(marker.read_text())
-                filler = _fill(small_fs)
+                filler = fill_disk(small_fs)
             marker.unlink()
         _, err = proc.communicate(timeout=300)
     finally:
@@ -220,7 +191,7 @@ def test_export_and_report_onto_a_full_disk_fail_in_one_line(small_fs, tmp_path,
 
     run = tmp_path / "run"
     train(resolve(make_cfg(run, *ARGS, "train.steps=1")))
-    _fill(small_fs)
+    fill_disk(small_fs)
     capsys.readouterr()
     for argv in (["--to", "mlx", str(run), str(small_fs / "mlx")], ["--merge", str(run), str(small_fs / "merged")]):
         assert export.main(argv) == 2, argv

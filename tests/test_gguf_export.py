@@ -16,15 +16,13 @@ less), and that gap is all rounding: the f32 GGUF equals the fp32 merge.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HAS_MLX, HAS_TORCH, make_cfg
+from conftest import HAS_MLX, HAS_TORCH, fill_disk, make_cfg
 
 from finetune.resolver import resolve
 
@@ -245,33 +243,6 @@ def test_what_gguf_cannot_say_is_refused_in_one_line(root, tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["taken.gguf"]
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 4 MiB tmpfs (a real filesystem that fills) at tmp_path/mnt; unmounted after the test."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=False,
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"no tmpfs can be mounted here ({r.stderr.strip()[-200:]})")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
-
-
-def _fill(mnt: Path) -> None:
-    with open(mnt / "filler", "wb", buffering=0) as f:
-        for size in (1 << 16, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\1" * size)
-            except OSError:
-                pass
-
-
 def test_a_full_disk_leaves_no_file(small_fs, tmp_path, capsys, monkeypatch):
     """The disk fills after the export's disk check passed and its header is written (a test-only
     pause, FINETUNE_FAULT_EXPORT_PAUSE): the tensors' writes meet a real ENOSPC, the command
@@ -283,7 +254,7 @@ def test_a_full_disk_leaves_no_file(small_fs, tmp_path, capsys, monkeypatch):
         deadline = time.monotonic() + 120
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        _fill(small_fs)
+        fill_disk(small_fs)
         marker.unlink()
 
     filler = threading.Thread(target=fill_when_paused, daemon=True)
