@@ -109,7 +109,8 @@ def _module_of(t: Tensor) -> str:
 
 
 def build(arch: ModelDesc, s: Setup, held: list[Tensor], mm: Any, assign: dict[str, int], device: int,
-          buffers: dict[str, dict[str, Any]], steps: int = 3, empty_cache_every: int = 0) -> Trace:
+          buffers: dict[str, dict[str, Any]], steps: int = 3, empty_cache_every: int = 0,
+          zero_grad_first: bool = False, outputs_kept: bool = False) -> Trace:
     """The load and ``steps`` training steps of one rank, as device ``device`` of a
     ``device_map=auto`` split sees them (``assign``: module -> device; one device: all 0).
 
@@ -123,6 +124,14 @@ def build(arch: ModelDesc, s: Setup, held: list[Tensor], mm: Any, assign: dict[s
         steps: steps after the load (phase marks "step1", "step2", ... ; "load" before).
         empty_cache_every: ``memory.empty_cache_every``: torch.cuda.empty_cache() after every N-th
             step (0: never), as the run does.
+        zero_grad_first, outputs_kept: another loop than ours, for planning runs others measured
+            (PEFT's method_comparison/MetaMathQA/run.py, a plain PyTorch loop): ``zero_grad_first``
+            calls ``optimizer.zero_grad()`` at the start of each step, before the forward, so the
+            gradients live on through the optimizer step and ``empty_cache`` into the next step;
+            ``outputs_kept`` holds the model's output (``outputs = model(**batch)``: the logits of
+            every position in the compute dtype and the KV cache, whose DynamicCache keeps every
+            layer's key and value states) from its forward until the next step's forward returns.
+            Our loop does neither (zero_grad after the step, the head's output freed with the loss).
     """
     tr = Trace()
     on = {m for m, d in assign.items() if d == device}
@@ -138,25 +147,31 @@ def build(arch: ModelDesc, s: Setup, held: list[Tensor], mm: Any, assign: dict[s
     first_device = assign.get("embed", 0) == device
     widths = list(s.step_widths)
     cublas: list[int | None] | None = None
+    grads: dict[str, int | None] = {}
+    outputs: list[int | None] = []  # the previous step's model output, where the loop keeps it
     for step in range(1, steps + 1):
         tr.mark(f"step{step}:forward")
         if cublas is None:  # the first GEMM's handle workspaces, kept
             cublas = [tr.alloc(CUBLAS_WORKSPACE_BYTES) for _ in range(CUBLAS_WORKSPACES)]
-        grads: dict[str, int | None] = {}
+        if zero_grad_first:  # optimizer.zero_grad(set_to_none=True) before the forward
+            tr.free(*grads.values())
+        grads = {}
         # a third micro-batch repeats the second's pattern exactly: two show the step's reserve
         # the data's own widths for its first steps where known, the planned width after them
         sk = dataclasses.replace(s, seq_len=widths[step - 1]) if step <= len(widths) else s
         n = sk.batch * sk.seq_len
         pieces = mm.activation_pieces(arch, sk, max(arch.layers - first, 1))
         for micro in range(min(s.grad_accum, 2)):
-            _micro_batch(tr, arch, sk, mm, trainable, grads, pieces, layers_here, first, n,
-                         first_device, last_device, buffers, accumulate=micro > 0)
+            outputs = _micro_batch(tr, arch, sk, mm, trainable, grads, pieces, layers_here, first, n,
+                                   first_device, last_device, buffers, accumulate=micro > 0,
+                                   outputs=outputs if outputs_kept else None)
         for b in buffers.values():
             if b["phase"] == "grad_sync":
                 tr.free(tr.alloc(b["bytes"]))
         tr.mark(f"step{step}:optimizer")
         if s.cpu_offload:  # backend.cpu_offload: gradients, state and the step on the host
             tr.free(*grads.values())
+            grads = {}
             continue
         if step == 1:  # lazy optimizer state (torch _init_group, bitsandbytes init_state)
             for t in trainable:
@@ -170,7 +185,9 @@ def build(arch: ModelDesc, s: Setup, held: list[Tensor], mm: Any, assign: dict[s
                 tr.free(*keys)
             else:
                 tr.free(tr.alloc(work))
-        tr.free(*grads.values())  # zero_grad(set_to_none=True)
+        if not zero_grad_first:
+            tr.free(*grads.values())  # zero_grad(set_to_none=True)
+            grads = {}
         if empty_cache_every and step % empty_cache_every == 0:
             tr.events.append(("empty_cache", 0, 0))
     return tr
@@ -250,8 +267,12 @@ def _state_tensors(s: Setup, t: Tensor, mm: Any) -> list[int]:
 def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[Tensor],
                  grads: dict[str, int | None], pieces: dict[str, Any], layers: list[int], first: int, n: int,
                  first_device: bool, last_device: bool, buffers: dict[str, dict[str, Any]],
-                 accumulate: bool) -> None:
-    """One micro-batch's forward and backward on this device."""
+                 accumulate: bool, outputs: list[int | None] | None = None) -> list[int | None]:
+    """One micro-batch's forward and backward on this device. ``outputs``: None where the loop
+    drops the model's output with the loss; else the output the loop still holds (freed once
+    this forward returns its own), and the return is this micro-batch's (``build``'s
+    ``outputs_kept``)."""
+    kept_out: list[int | None] = []
     h, st = arch.hidden, (4 if s.autocast else s.wd)
     by_layer: dict[int | None, list[Tensor]] = {}
     for t in trainable:
@@ -275,7 +296,8 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
             tr.free(*[tr.alloc(b) for _, b in mm.layer_tensors(arch, s, i == first, block)])
             sizes = [n * h * st]
         else:
-            saved[i] = _layer_forward(tr, arch, s, mm, block, i == first, n)
+            saved[i] = _layer_forward(tr, arch, s, mm, block, i == first, n,
+                                      kept_out if outputs is not None else None)
             tr.free(tr.alloc(n * w * s.a))  # the MLP's product before down_proj
             sizes = [b for _, b in mm.layer_tensors(arch, s, i == first, block)]
         if s.offload and i in saved:
@@ -306,8 +328,13 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
             logits_keys = [tr.alloc(nt * V * 4)]  # log_softmax's output, kept
             if arch.final_softcap:
                 logits_keys.append(tr.alloc(2 * V * s.a * nt))  # the capped logits and tanh's output
+            if outputs is not None:  # outputs.logits, held by the loop
+                kept_out.append(la)
+                la = None
             tr.free(lf, la)
     tr.free(hidden)
+    if outputs is not None:  # the loop's ``outputs`` now names this forward's: the previous one is freed
+        tr.free(*outputs)
     if s.reference == "adapters_off":  # a preference step's reference: the rows again, no graph
         _reference_forward(tr, arch, s, mm, layers, first_device, last_device)
     if not accumulate:
@@ -356,6 +383,7 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
         grad_h = nxt
     _grads(tr, by_layer.get(None, []), grads, done, accumulate, s.cpu_offload)  # the embeddings' (and a chunked head's)
     tr.free(grad_h, *bufs)
+    return kept_out
 
 
 def _reference_forward(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, layers: list[int], first_device: bool,
@@ -390,12 +418,17 @@ def _after_attention(t: Tensor) -> bool:
 
 
 def _layer_forward(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, block: Any, lowest: bool,
-                   n: int) -> list[tuple[str, int | None]]:
+                   n: int, cache: list[int | None] | None = None) -> list[tuple[str, int | None]]:
     """One layer's saved tensors in forward order, with the temporaries its forward frees as it
     goes where they are as large (transformers' modeling code, e.g. modeling_qwen2.py):
     RMSNorm's ``hidden.pow(2)`` (fp32 [n, h]) before each norm's kept tensors, and RoPE's
     ``q * cos``, ``rotate_half(q)`` and its product with ``sin`` (three [n, q_out] and three
-    [n, kv_out] in the compute dtype, beside the projections' outputs) before attention."""
+    [n, kv_out] in the compute dtype, beside the projections' outputs) before attention.
+
+    ``cache``: where the forward fills a KV cache (transformers' DynamicCache, ``use_cache``
+    true), the layer's key (after RoPE) and value states [n, kv_out] stay referenced by it and
+    are appended there: they are new tensors where attention repeats them for its own use
+    (``repeat_kv``: eager, or sdpa with a mask), else the very tensors attention keeps."""
     keys: list[tuple[str, int | None]] = []
     seen: set[str] = set()
     for kind, b in mm.layer_tensors(arch, s, lowest, block):
@@ -408,8 +441,24 @@ def _layer_forward(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, block: Any, lo
                     proj = tr.alloc(n * width * s.a)
                     tmp = [tr.alloc(n * width * s.a) for _ in range(3)]
                     tr.free(*tmp, proj)
+                if cache is not None and _kv_repeated(arch, s, block):
+                    cache += [tr.alloc(n * arch.kv_out * s.a) for _ in range(2)]
         keys.append((kind, tr.alloc(b)))
+    if cache is not None and not _kv_repeated(arch, s, block):
+        # attention's own k and v (its 3rd and 4th tensors): the cache keeps them past backward
+        att = [j for j, (kind, _) in enumerate(keys) if kind == "attention"]
+        for j in att[2:4]:
+            cache.append(keys[j][1])
+            keys[j] = (keys[j][0], None)
     return keys
+
+
+def _kv_repeated(arch: ModelDesc, s: Setup, block: Any) -> bool:
+    """Whether attention repeats k and v to every query head for itself (activations.py
+    ``_attention_kept``: eager, or sdpa given a mask), so a KV cache's states are other tensors."""
+    window = block.sliding and arch.sliding_window
+    masked = s.padding_mask or bool(window and s.seq_len >= window)
+    return arch.heads != arch.kv_heads and (s.attn == "eager" or masked)
 
 
 def _phase(tr: Trace, phase: str) -> str:
