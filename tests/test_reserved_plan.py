@@ -82,7 +82,9 @@ def test_paged_state_is_on_the_device_level_not_in_reserved(h200_plans: dict) ->
     assert abs(paged["max_device_level_bytes"] / eight["max_device_level_bytes"] - 1) < 0.05
 
 
-def _replay(spec, steps: int = 3, **changes):
+def _replay(spec, steps: int = 3, loop: dict | None = None, **changes):
+    """The run's allocations replayed: ``loop``, trace.build's options for a loop other than
+    ours; ``changes``, Setup fields changed."""
     arch, s = resolve(spec)
     for k, v in changes.items():
         setattr(s, k, v)
@@ -91,7 +93,7 @@ def _replay(spec, steps: int = 3, **changes):
     held = mm.rank_tensors(tensors, s)
     order = ["embed"] + [f"layer.{i}" for i in range(arch.layers)] + ["head"]
     tr = trace.build(arch, s, held, mm, {m: 0 for m in order}, 0, mm.collective_buffers(tensors, s), steps=steps,
-                     empty_cache_every=s.empty_cache_every)
+                     empty_cache_every=s.empty_cache_every, **(loop or {}))
     return tr, trace.replay(tr, parse_alloc_conf(s.alloc_conf))
 
 
@@ -195,3 +197,51 @@ def test_qlora_load_host_peak_within_10_percent(tmp_path: Path) -> None:
     measured = json.loads(r.stdout.strip().splitlines()[-1])["maxrss"]
     planned = p["phases"]["load"]["host_bytes"]
     assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+# PEFT's run.py loop (tests/data/measured/peft_metamathqa.json "their_loop"): zero_grad before the
+# forward, the model's output (bf16 logits of every position, the KV cache) held until the next
+# forward returns, right-padded batches with a mask
+THEIR_LOOP = {"zero_grad_first": True, "outputs_kept": True}
+
+
+def _their_step(spec, width: int) -> tuple[int, int]:
+    """(reserved peak, allocated at the end) of the steady step (after an emptied cache)."""
+    _, figs = _replay(spec, loop=THEIR_LOOP, seq_len=width, step_widths=(), padding_mask=True)
+    return max(f.peak_reserved for k, f in figs.items() if k.startswith("step3:")), figs["step3:optimizer"].end_allocated
+
+
+@pytest.mark.parametrize("run", list(METAMATH["runs"]))
+def test_metamathqa_their_loop_within_10_percent(tmp_path: Path, run: str) -> None:
+    """PEFT's MetaMathQA runs replayed with their loop: the steady step's reserved peak within
+    10% of the published 99th percentile of the steps' reserved, at both ends of the widths the
+    p99 step can have (unpublished: one step in 20 is padded to the longest of 80 samples, so the
+    p99 step is at about the 99.7th percentile sample, against the 1,300-character cap: 400 to
+    540 tokens at 3.3 to 2.5 characters a token; benchmarks/results/plan_vs_metamathqa.txt
+    prints the whole range). And their published mean allocated after a step (a figure of the
+    same runs that no reserved model enters) within 2% at the mean sample's width: the logits
+    and KV cache their loop keeps are 0.33 GB of LoRA's 6.9 GB."""
+    r = METAMATH["runs"][run]
+    spec = make_spec(tmp_path, "mode=plan", *r["command"].split())
+    for width in (400, 540):
+        reserved, _ = _their_step(spec, width)
+        assert abs(reserved / r["reserved_99th_bytes"] - 1) < 0.10, (width, reserved, r["reserved_99th_bytes"])
+    _, end = _their_step(spec, round(METAMATH["mean_sample_tokens"]))
+    assert abs(end / r["allocated_after_step_avg_bytes"] - 1) < 0.02, (end, r["allocated_after_step_avg_bytes"])
+
+
+def test_their_loop_keeps_gradients_and_outputs_past_the_step(tmp_path: Path) -> None:
+    """zero_grad before the forward: a full fine-tune's gradients are still allocated after the
+    optimizer step and through empty_cache; outputs_kept adds the logits and KV cache there."""
+    spec = make_spec(tmp_path, "mode=plan", "backend=cuda", "model=llama3.2-3b", "method=full", "train.seq_len=256",
+                     "memory.empty_cache_every=1", "backend.alloc_conf=")
+    _, ours = _replay(spec)
+    _, zg = _replay(spec, loop={"zero_grad_first": True})
+    _, both = _replay(spec, loop=THEIR_LOOP)
+    # Llama-3.2-3B's parameters in bf16 (a block the allocator did not split counts whole: a
+    # remainder of at most 1 MiB a gradient)
+    grads = 3212749824 * 2
+    assert 0 <= zg["step3:optimizer"].end_allocated - ours["step3:optimizer"].end_allocated - grads < grads * 1e-3
+    logits = 4 * 256 * 128256 * 2  # [B, T, V] bf16, B=4
+    kept = both["step3:optimizer"].end_allocated - zg["step3:optimizer"].end_allocated
+    assert logits < kept < logits * 2, kept
