@@ -99,7 +99,7 @@ def main() -> None:
     print("\nwhy ours is over on the full fine-tune: our loop frees the gradients (zero_grad) before empty_cache, so "
           "each step carves its gradients and the foreach workspace (_foreach_sqrt: one more copy of every weight, "
           "6.4 GB) anew beside the activations' cached segments, which weight-shaped tensors mostly do not fit (T=600: "
-          "8.3 GB cached when the optimizer step starts, 4.6 GB of new segments for the workspace); theirs keeps the "
+          "8.3 GB cached when the optimizer step starts, 4.7 GB of new segments for the workspace); theirs keeps the "
           "gradients through empty_cache, and the blocks zero_grad frees at the next step are weight-shaped: the new "
           "gradients and the workspace take them again. Ours is not monotonic in T where the activations' segments "
           "(rounded to 2 MiB) happen to hold weight-shaped tensors: for T in (736, 768], [4T, 8192] in bf16 is a "

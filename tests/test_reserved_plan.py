@@ -64,9 +64,35 @@ def test_h200_step2_leap_of_the_8bit_run(h200_plans: dict) -> None:
     assert planned > 0 and abs(planned / measured - 1) < 0.25, (planned, measured)
 
 
-@pytest.mark.xfail(strict=True, reason="known miss: the paged run's measured leap (72 MiB, at the backward phase) "
-                   "says step 1's backward grew reserved by at most 72 MiB beyond its forward; the replay grows it by "
-                   "~240 MiB (gradients of a full fine-tune beside the cached activations), so it plans ~290 MiB")
+def test_h200_step_peaks_of_allocated(h200_plans: dict, tmp_path: Path) -> None:
+    """The step peaks of allocated the H200 runs printed, from the replay at the data's own
+    first widths (plan.json data.step_widths, its head fraction): autograd releases each op's
+    saved tensors once its backward has run, so a layer's MLP gradients take the blocks its own
+    activations free (trace.py's backward; allocating them all first put the paged run's step 1
+    at 1041 MiB and the 8-bit run's step 2 71 MiB over its step 1)."""
+    def steps(optim: str) -> dict[int, int]:
+        data = h200_plans[optim]["plan"]["data"]
+        spec = make_spec(tmp_path, "mode=plan", *H200["command"].split(), f"optim={optim}", "backend.alloc_conf=")
+        _, figs = _replay(spec, steps=2, resolve_args=(H200["widest_of_the_ten_steps"], None, data["head_fraction"]),
+                          step_widths=tuple(data["step_widths"]))
+        return {k: max(f.peak_allocated for n, f in figs.items() if n.startswith(f"step{k}:")) for k in (1, 2)}
+
+    paged, measured = steps("paged_adamw_8bit"), H200["runs"]["paged_adamw_8bit"]["step_peak_allocated_bytes"]
+    for k in (1, 2):  # printed in MiB to 4 digits
+        assert abs(paged[k] / measured[str(k)] - 1) < 0.005, (k, paged[k], measured[str(k)])
+    eight, m8 = steps("adamw_8bit"), H200["runs"]["adamw_8bit"]
+    assert abs(eight[1] / m8["step_peak_allocated_bytes"]["1"] - 1) < 0.005, eight
+    # printed +5.03 MiB: the step-2 activations beside the 8-bit state, less the step-1 optimizer's peak
+    assert abs((eight[2] - eight[1]) - m8["step2_over_step1_peak_allocated_bytes"]) < 2**20, eight
+
+
+@pytest.mark.xfail(strict=True, reason="known miss: the runs' printed figures put step 1's forward end at 941-950 MiB "
+                   "reserved (paged: 72 MiB at the backward is the largest of the three phases' leaps, so step 1 grew at most "
+                   "72 MiB after its forward, and its backward reached the step peak of 1013 MiB; 8-bit: its step-2 forward, "
+                   "478 MiB over step 1's, is within the run's 1.39 GiB); the replay ends step 1's forward at 856 MiB (835 "
+                   "allocated), so its backward takes ~200 MiB of new segments for the fp32 gradients and it plans a ~250 MiB "
+                   "leap at the forward. What the real forward holds or caches beyond the replay (~90 MiB) needs a per-phase "
+                   "timeline on a GPU (the paged state itself is outside the allocator in both the run and the plan)")
 def test_h200_step2_leap_of_the_paged_run(h200_plans: dict) -> None:
     planned = h200_plans["paged_adamw_8bit"]["plan"]["step2_reserved_leap_bytes"]
     measured = H200["runs"]["paged_adamw_8bit"]["step2_reserved_leap_bytes"]
@@ -82,10 +108,11 @@ def test_paged_state_is_on_the_device_level_not_in_reserved(h200_plans: dict) ->
     assert abs(paged["max_device_level_bytes"] / eight["max_device_level_bytes"] - 1) < 0.05
 
 
-def _replay(spec, steps: int = 3, loop: dict | None = None, **changes):
+def _replay(spec, steps: int = 3, loop: dict | None = None, resolve_args: tuple = (), **changes):
     """The run's allocations replayed: ``loop``, trace.build's options for a loop other than
-    ours; ``changes``, Setup fields changed."""
-    arch, s = resolve(spec)
+    ours; ``resolve_args``, the planner's (seq_len, state, head_fraction) from the data;
+    ``changes``, Setup fields changed."""
+    arch, s = resolve(spec, *resolve_args)
     for k, v in changes.items():
         setattr(s, k, v)
     mm = memory_model("cuda")

@@ -373,9 +373,18 @@ def _micro_batch(tr: Trace, arch: ModelDesc, s: Setup, mm: Any, trainable: list[
         cut = max((j + 1 for j, (kind, _) in enumerate(kept) if kind == "attention"), default=0)
         params = by_layer.get(i, [])
         ws = [tr.alloc(n * w * s.a) for _ in range(3)]  # grads of the MLP's intermediates
-        _grads(tr, [t for t in params if _after_attention(t)], grads, done, accumulate, s.cpu_offload)
+        # each op's saved tensors are released once its backward has run, so the MLP half's
+        # are freed as its parameters' gradients appear, from the last op back (down_proj's
+        # input after its gradient, then the activation's, then the norm's)
+        after = [t for t in params if _after_attention(t)][::-1]
+        mine = [k for _, k in kept[cut:]][::-1]
+        for j, t in enumerate(after):
+            _grads(tr, [t], grads, done, accumulate, s.cpu_offload)
+            upto = len(mine) * (j + 1) // len(after)
+            tr.free(*mine[:upto])
+            mine = mine[upto:]
         mid = tr.alloc(n * h * st)  # the gradient at the MLP's input
-        tr.free(*ws, *(k for _, k in kept[cut:]))
+        tr.free(*ws, *mine)
         ws = [tr.alloc(n * h * 4) for _ in range(2)]  # the fp32 residual stream's gradients
         _grads(tr, [t for t in params if not _after_attention(t)], grads, done, accumulate, s.cpu_offload)
         nxt = tr.alloc(n * h * st)
