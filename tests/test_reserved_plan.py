@@ -243,9 +243,10 @@ def test_metamathqa_their_loop_within_10_percent(tmp_path: Path, run: str) -> No
     """PEFT's MetaMathQA runs replayed with their loop: the steady step's reserved peak within
     10% of the published 99th percentile of the steps' reserved, at both ends of the widths the
     p99 step can have (unpublished: one step in 20 is padded to the longest of 80 samples, so the
-    p99 step is at about the 99.7th percentile sample, against the 1,300-character cap: 400 to
-    540 tokens at 3.3 to 2.5 characters a token; benchmarks/results/plan_vs_metamathqa.txt
-    prints the whole range). And their published mean allocated after a step (a figure of the
+    p99 step is at about the 99.7th percentile sample, just under the 1,300-character cap: 400 to
+    540 tokens if the tokenizer gives 3.3 to 2.5 characters a token on this text, an assumption:
+    neither the data nor Llama-3's tokenizer is on this machine; benchmarks/results/
+    plan_vs_metamathqa.txt prints the whole range). And their published mean allocated after a step (a figure of the
     same runs that no reserved model enters) within 2% at the mean sample's width: the logits
     and KV cache their loop keeps are 0.33 GB of LoRA's 6.9 GB."""
     r = METAMATH["runs"][run]
