@@ -20,6 +20,7 @@ the cuda memory model (backends/cuda/memory.py), which calls these.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
@@ -118,3 +119,35 @@ def device_peaks(dev: dict[str, Any], off: dict[str, int]) -> dict[str, Any]:
             "peak_allocated_bytes": max(0, dev["peak_allocated_bytes"] - moved),
             "steady_state_allocated_bytes": max(0, dev["steady_state_allocated_bytes"] - moved),
             "cpu_offload_host_bytes": moved - off["round"]}
+
+
+def sharded_load_refusal(model_dir: Path | None, remote_code: bool, packing: bool) -> str | None:
+    """Why fsdp's sharded load (backends/cuda/sharded_load.py: every rank reads only its rows)
+    does not apply to this run, so every rank loads the whole model first; None where it
+    applies. From the checkpoint's own files, as the runtime finds them: per-expert tensors
+    (``experts.0.``) are ones transformers stacks as it loads, so the model's names are not the
+    checkpoint's."""
+    import json
+
+    from finetune.model.safetensors_io import read_header
+    from finetune.model.source import is_multimodal
+
+    if remote_code:
+        return "the model's own code (model.trust_remote_code)"
+    if packing:
+        return "train.packing checks the packed rows with a forward before FSDP shards the model"
+    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir is not None else []
+    if not files:
+        return "no local safetensors checkpoint"
+    try:
+        if is_multimodal(json.loads((Path(model_dir) / "config.json").read_text())):  # type: ignore[arg-type]
+            return "a multimodal checkpoint"
+    except (OSError, ValueError):
+        return "an unreadable config.json"
+    for f in files:
+        got = read_header(f)
+        if isinstance(got, str):
+            return f"an unreadable checkpoint ({got})"
+        if any(".experts.0." in n for n in got[0]):
+            return "per-expert checkpoint tensors, which transformers stacks as it loads"
+    return None
