@@ -538,6 +538,10 @@ class MemoryModel(Protocol):
         """Refuse a family the library cannot load faithfully (UserError)."""
         ...
 
+    def loads_shards(self, arch: Any, hf: dict[str, Any], s: Any) -> bool:
+        """Whether each rank of setup ``s`` loads only its shard of the model (never it whole)."""
+        ...
+
     # ---- weights and adapters --------------------------------------------------------------
     def quant_of(self, s: Setup, role: str, in_f: int) -> str | None:
         """How a weight of ``role`` with ``in_f`` inputs is quantized (None: not)."""

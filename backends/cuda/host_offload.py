@@ -20,11 +20,14 @@ the cuda memory model (backends/cuda/memory.py), which calls these.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from finetune.errors import UserError
 from finetune.model.inventory import Setup, Tensor
+
+
+# bitsandbytes' CPU 4-bit quantize (bitsandbytes/backends/default/ops.py): its temporaries an element
+BNB_CPU_QUANTIZE_BYTES_PER_ELEMENT = 10
 
 
 def check(cpu_offload: bool, strategy: str, world_size: int) -> None:
@@ -78,23 +81,27 @@ def loads_on_host(s: Setup) -> bool:
     """Whether the runtime loads the model in host memory before FSDP shards it: with
     cpu_offload (the shards stay there), and for qlora (bitsandbytes quantizes it there; then
     fully_shard takes one unit at a time to the device, never the whole 4-bit model)."""
-    return s.strategy == "fsdp" and s.world_size > 1 and (s.cpu_offload or s.method == "qlora")
+    return (s.strategy == "fsdp" and s.world_size > 1 and (s.cpu_offload or s.method == "qlora")
+            and not s.sharded_load)
 
 
 def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dict[str, Any]]) -> None:
     """A GPU's phases with the offloaded bytes in the host's figure (the device's replay,
-    backends/cuda/trace.py, already leaves them out): at the load the whole model the runtime
-    loads there (``whole``: every weight as loaded, 4-bit ones packed with their constants), from
-    step 1 on the shards and their gradients, in the steady state the optimizer state too."""
-    if loads_on_host(s):
+    backends/cuda/trace.py, already leaves them out): at the load the whole model where the
+    runtime loads it there (``whole``: every weight as loaded, 4-bit ones packed with their
+    constants), or the shards where each rank loads only its own; from step 1 on the shards and
+    their gradients, in the steady state the optimizer state too."""
+    on_host = loads_on_host(s)
+    if on_host:
         phases["load"]["host_bytes"] += whole
     if not s.cpu_offload:
         return
-    held = {"load": 0, "step1": off["weights"] + off["grads"],
+    # the sharded load puts each rank's shards on the host as it reads them
+    held = {"load": off["weights"] if s.sharded_load else 0, "step1": off["weights"] + off["grads"],
             "steady": off["weights"] + off["grads"] + off["optimizer_state"]}
     for name, ph in phases.items():
         ph["host_bytes"] += held.get(name, 0)
-        ph["host_offload_bytes"] = held.get(name, 0) or (whole if name == "load" else 0)
+        ph["host_offload_bytes"] = held.get(name, 0) or (whole if name == "load" and on_host else 0)
 
 
 def whole_model_bytes(held: list[Tensor], s: Setup, mm: Any) -> int:
@@ -121,33 +128,51 @@ def device_peaks(dev: dict[str, Any], off: dict[str, int]) -> dict[str, Any]:
             "cpu_offload_host_bytes": moved - off["round"]}
 
 
-def sharded_load_refusal(model_dir: Path | None, remote_code: bool, packing: bool) -> str | None:
-    """Why fsdp's sharded load (backends/cuda/sharded_load.py: every rank reads only its rows)
-    does not apply to this run, so every rank loads the whole model first; None where it
-    applies. From the checkpoint's own files, as the runtime finds them: per-expert tensors
-    (``experts.0.``) are ones transformers stacks as it loads, so the model's names are not the
-    checkpoint's."""
-    import json
-
-    from finetune.model.safetensors_io import read_header
+def sharded_load_refusal(experts: int, hf: dict[str, Any], remote_code: bool, packing: bool) -> str | None:
+    """Why fsdp's sharded load (backends/cuda/sharded_load.py: every rank reads only its rows of
+    the checkpoint) does not apply, so every rank loads the whole model and then shards it;
+    None where it applies. The same rule for the planner and the runtime: ``experts`` (the
+    model description's; an MoE's experts are stacked by transformers as it loads them, so the
+    model's names are not the checkpoint's), config.json ``hf`` (a multimodal checkpoint's
+    language model is renamed as it loads), the model's own code, packed rows."""
     from finetune.model.source import is_multimodal
 
     if remote_code:
         return "the model's own code (model.trust_remote_code)"
     if packing:
         return "train.packing checks the packed rows with a forward before FSDP shards the model"
-    files = sorted(Path(model_dir).glob("*.safetensors")) if model_dir is not None else []
-    if not files:
-        return "no local safetensors checkpoint"
-    try:
-        if is_multimodal(json.loads((Path(model_dir) / "config.json").read_text())):  # type: ignore[arg-type]
-            return "a multimodal checkpoint"
-    except (OSError, ValueError):
-        return "an unreadable config.json"
-    for f in files:
-        got = read_header(f)
-        if isinstance(got, str):
-            return f"an unreadable checkpoint ({got})"
-        if any(".experts.0." in n for n in got[0]):
-            return "per-expert checkpoint tensors, which transformers stacks as it loads"
+    if experts:
+        return "an MoE, whose experts transformers stacks as it loads them"
+    if is_multimodal(hf):
+        return "a multimodal checkpoint"
     return None
+
+
+def sharded_load_peak(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
+    """What fsdp's sharded load holds beside the rank's shards, at its largest (one checkpoint
+    tensor at a time, backends/cuda/sharded_load.py fill): ``host`` the host's share (a 4-bit
+    weight read whole from the mapped file and copied out of it, in the weights' dtype; another
+    weight's rows alone: read, then cast into the shard), ``file`` the file's pages it touched
+    (unmapped when the tensor is done), ``device`` the device's (a 4-bit weight whole and packed
+    where it quantizes; nothing on the CPU, where the host is the device)."""
+    best = {"host": 0, "file": 0, "device": 0}
+    for t in held:
+        if t.role in ("lora_A", "lora_B", "dora_m"):
+            continue
+        if t.quant == "bnb4":
+            whole = t.numel * s.wd
+            packed, _ = mm.bnb4_bytes(t.numel, s.double_quant)
+            # safetensors hands the tensor back as a view of the mapped file (its pages, not a
+            # copy); a GPU quantizes it in its own memory, the CPU in the host's, through
+            # bitsandbytes' torch ops (backends/default/ops.py quantize_4bit): the scaled fp32
+            # values and their int32 bucket indices (4 + 4 bytes an element), the uint8 codes and
+            # the two shifted halves packed (1 + 0.5 + 0.5), live together at their peak
+            host, file, dev = 0, whole, whole + packed
+            if s.device != "cuda":
+                host, dev = BNB_CPU_QUANTIZE_BYTES_PER_ELEMENT * t.numel + packed, 0
+        else:
+            rows = t.local_numel * t.dtype_bytes
+            host, file, dev = rows, rows, 0
+        if host + file + dev > sum(best.values()):
+            best = {"host": host, "file": file, "device": dev}
+    return best

@@ -122,6 +122,12 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
     """PEFT adapts any of the description's keys, the output head included."""
 
 
+def loads_shards(arch: ModelDesc, hf: dict[str, Any], s: Setup) -> bool:
+    """fsdp's sharded load (backends/cuda/sharded_load.py) applies: each rank reads only its rows."""
+    return s.strategy == "fsdp" and s.world_size > 1 and host_offload.sharded_load_refusal(
+        arch.experts, hf, s.padding_mask, s.packed) is None
+
+
 def check_model(hf: dict[str, Any], seq_len: int) -> None:
     """Nothing to refuse before loading: transformers builds any model_type it knows (the
     runtime names one it does not, with the fix, when it loads)."""
@@ -582,6 +588,11 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
     mm = sys.modules[__name__]  # this memory model, as the trace reads it
     host_base = HOST_BASE_CUDA_BYTES if s.device == "cuda" else HOST_BASE_CPU_BYTES
     file_bytes = sum(t.numel * s.wd if t.role not in ("lora_A", "lora_B", "dora_m") else 0 for t in held)
+    # fsdp's sharded load: one checkpoint tensor read at a time, its mapping closed after it
+    # (backends/cuda/sharded_load.py), so the file's pages never add up to the checkpoint
+    shard_peak = host_offload.sharded_load_peak(held, s, mm) if s.sharded_load else None
+    if shard_peak is not None:
+        file_bytes = shard_peak["file"]
     # train.activation_offload: one micro-batch's saved activations in host memory (pinned on a
     # GPU) from the first forward on; on the CPU the "device" is the host, so they stay in its RSS
     off = offloaded(arch, s, 0 if s.method == "full" else min(s.lora_layers))[0] if s.offload else 0
@@ -589,6 +600,10 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
     for d, dev in enumerate(devices):
         b = dev["bytes"]
         load_alloc = b["weights"] + (_qlora_load_transient(arch, s) if s.method == "qlora" else 0)
+        if shard_peak is not None:  # the shards, and one tensor's staging beside them
+            load_alloc = b["weights"] + shard_peak["host"]
+        elif s.strategy == "fsdp" and s.world_size > 1:  # the whole model on every rank, then its shards copied out
+            load_alloc += host_offload.whole_model_bytes(held, s, mm)
         step1_alloc, steady_alloc = dev["step1_allocated_bytes"], dev["peak_allocated_bytes"]
         phases: dict[str, dict[str, Any]] = {}
         if s.device == "cuda":
@@ -613,7 +628,7 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                 # at the load, the context alone: kernels load on first use, bitsandbytes pages
                 # its state at the first step, NCCL connects at the first collective
                 level = resv + (extra["cuda_context"] if name == "load" else sum(extra.values()))
-                host = host_base + (file_bytes if name == "load" else off)
+                host = host_base + (file_bytes + (shard_peak or {}).get("host", 0) if name == "load" else off)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": resv, "device_bytes": level,
                                 "host_bytes": host,
                                 # of the host, the checkpoint's pages (file-backed: the kernel drops

@@ -238,13 +238,14 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         (said why), and the whole model loads on every rank instead."""
         from finetune.backends.cuda import host_offload, sharded_load
 
-        why = host_offload.sharded_load_refusal(model_dir, spec.model.trust_remote_code, spec.train.packing)
+        why = host_offload.sharded_load_refusal(self.desc.experts, self.handle.config, spec.model.trust_remote_code,
+                                                spec.train.packing)
         if why is None:
             try:
                 config = sharded_load.config_of(model_dir, spec.model.trust_remote_code)
                 hf, self._slots = sharded_load.skeleton(
                     model_dir, config, kwargs["dtype"], kwargs["attn_implementation"],
-                    kwargs.get("quantization_config"), self.comm.device)
+                    kwargs.get("quantization_config"), cast(Any, self.comm).device)
                 return hf
             except sharded_load.Refused as e:
                 why = str(e)

@@ -82,6 +82,7 @@ def skeleton(model_dir: Path, config: Any, dtype: torch.dtype, attn: str | None,
     index = checkpoint_index(model_dir)
     with init_empty_weights(include_buffers=False):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    hf.tie_weights()  # from_pretrained ties them as it loads (tie_word_embeddings); from_config leaves them apart
     quantizer = None
     if bnb is not None:
         from transformers.quantizers import AutoHfQuantizer
@@ -158,40 +159,39 @@ def fill(slots: list[Slot], rank: int, world: int, dtype: torch.dtype, device: t
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    by_file: dict[Path, list[Slot]] = {}
     for s in slots:
-        by_file.setdefault(s.file, []).append(s)
-    for file, group in by_file.items():
-        with safe_open(str(file), framework="pt") as f:
-            for s in group:
-                p = getattr(s.module, s.attr)
-                full = f.get_tensor(s.key)
-                if s.quant is None:
-                    full = full.to(p.dtype)
-                else:
-                    import bitsandbytes as bnb
+        p = getattr(s.module, s.attr)
+        # one mapping of the file per tensor: its pages leave the process's RSS when it closes
+        with safe_open(str(s.file), framework="pt") as f:
+            if s.quant is None:  # this rank's rows alone (torch.chunk's: ceil(rows / world) each)
+                n = f.get_slice(s.key).get_shape()[0]
+                step = -(-n // world)
+                mine = f.get_slice(s.key)[min(n, rank * step):min(n, (rank + 1) * step)]
+                # a copy: safetensors may hand back a view of the mapped file
+                mine = mine.to(device=shard_device, dtype=p.dtype).clone()
+            else:
+                import bitsandbytes as bnb
 
-                    # transformers' Bnb4bitQuantize: the weight in the load's dtype, quantized where it loads
-                    q = bnb.nn.Params4bit(full.to(dtype), requires_grad=False, module=s.module,
-                                          **s.quant).to(device)
-                    full = q.data
-                    q.quant_state.to(device)
-                    s.module.quant_state = q.quant_state  # type: ignore[assignment]
-                    del q
-                rows = torch.chunk(full, world, dim=0)
-                mine = (rows[rank] if rank < len(rows) else full[:0]).to(shard_device).clone()
-                del full, rows
-                if isinstance(p, DTensor):
-                    if tuple(p.to_local().shape) != tuple(mine.shape):
-                        raise RuntimeError(f"{s.key}: rank {rank}'s shard is {tuple(p.to_local().shape)}, its "
-                                           f"rows {tuple(mine.shape)}")
-                    value = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
-                else:  # not sharded (one rank's world): the weight whole
-                    value = mine
-                new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
-                for mod, attr in [*s.aliases, (s.module, s.attr)]:
-                    mod.load_state_dict({attr: new}, strict=False, assign=True)
+                # transformers' Bnb4bitQuantize: the weight whole in the load's dtype, quantized where
+                # it loads (so every rank's constants are the one-process run's)
+                q = bnb.nn.Params4bit(f.get_tensor(s.key).to(dtype), requires_grad=False, module=s.module,
+                                      **s.quant).to(device)
+                q.quant_state.to(device)
+                s.module.quant_state = q.quant_state
+                rows = torch.chunk(q.data, world, dim=0)
+                mine = (rows[rank] if rank < len(rows) else q.data[:0]).to(shard_device).clone()
+                del q, rows
+        if isinstance(p, DTensor):
+            if tuple(p.to_local().shape) != tuple(mine.shape):
+                raise RuntimeError(f"{s.key}: rank {rank}'s shard is {tuple(p.to_local().shape)}, its "
+                                   f"rows {tuple(mine.shape)}")
+            value = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+        else:  # not sharded (one rank's world): the weight whole
+            value = mine
+        new = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+        for mod, attr in [*s.aliases, (s.module, s.attr)]:
+            mod.load_state_dict({attr: new}, strict=False, assign=True)
 
 
 def config_of(model_dir: Path, trust_remote_code: bool) -> Any:
