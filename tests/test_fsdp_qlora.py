@@ -117,7 +117,6 @@ def test_cpu_offload_puts_the_shards_and_state_on_the_host_as_planned(runs) -> N
 
 
 def test_cpu_offload_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
-    from finetune import planner
     from finetune.errors import UserError
 
     with pytest.raises(UserError, match="no offload applies on mlx") as e:
@@ -125,9 +124,29 @@ def test_cpu_offload_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="add backend.strategy=fsdp"):
         make_spec(tmp_path, "backend=cuda", "backend.cpu_offload=true")
-    with pytest.raises(UserError, match="torchrun --nproc-per-node N"):  # fsdp, but one process
-        planner.plan(make_spec(tmp_path, "mode=plan", "backend=cuda", "backend.strategy=fsdp",
-                               "backend.cpu_offload=true", "backend.num_devices=1"), recommend=False)
+
+
+def test_one_process_fsdp_with_cpu_offload_trains_the_same_losses(runs, tmp_path: Path) -> None:
+    """backend.strategy=fsdp with backend.cpu_offload=true and no launcher: FSDP2 over a group of
+    this one process (its one shard is the whole model, on the host), loaded by the sharded
+    load, trains the plain one-process run's losses; the plan of it puts the model, its
+    gradients and the optimizer state on the host (the device keeps the 4-bit constants)."""
+    from finetune import planner
+    from finetune.resolver import resolve
+    from finetune.run.loop import train
+
+    over = (*COMMON, _model("llama"), "train.batch_size=4", "backend.strategy=fsdp", "backend.cpu_offload=true")
+    train(resolve(make_cfg(tmp_path / "run", *over)))
+    ref, got = _steps(runs["llama"]["one"]), _steps(tmp_path / "run")
+    assert [s["loss"] for s in got] == pytest.approx([s["loss"] for s in ref], rel=1e-6)
+    assert [s["grad_norm"] for s in got] == pytest.approx([s["grad_norm"] for s in ref], rel=1e-5)
+    census = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]["census_end"]
+    one = json.loads((runs["llama"]["one"] / "summary.json").read_text())["memory"]["census_end"]
+    assert census["frozen_weights_bytes"] == one["frozen_weights_bytes"]  # the one shard: every row
+    plan = planner.plan(make_spec(tmp_path / "plan", *over, "mode=plan"), recommend=False)
+    dev = plan["per_device"][0]
+    assert dev["cpu_offload_host_bytes"] == (census["frozen_weights_bytes"] + 2 * census["trainable_weights_bytes"]
+                                             + census["optimizer_state_bytes"])
 
 
 def test_plan_on_a_gpu_moves_the_shards_to_the_host(tmp_path: Path) -> None:

@@ -31,15 +31,16 @@ BNB_CPU_QUANTIZE_BYTES_PER_ELEMENT = 10
 
 
 def check(cpu_offload: bool, strategy: str, world_size: int) -> None:
-    """The refusals: cpu_offload offloads FSDP's shards, so it needs fsdp over ranks."""
-    if not cpu_offload:
-        return
-    if strategy != "fsdp":
+    """The refusal: cpu_offload offloads FSDP's shards, so it needs fsdp (over ranks, or over this
+    one process: FSDP2 at world size 1 keeps the whole model as its one shard, on the host)."""
+    if cpu_offload and strategy != "fsdp":
         raise UserError("backend.cpu_offload=true offloads FSDP2's shards to host memory; add backend.strategy=fsdp "
-                        "(launched with torchrun --nproc-per-node N)")
-    if world_size <= 1:
-        raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
-                        "--nproc-per-node N (N >= 2), or plan it with backend.num_devices=N")
+                        "(one process, or launched with torchrun --nproc-per-node N)")
+
+
+def fsdp_on(s: Setup) -> bool:
+    """Whether the runtime runs FSDP2: fsdp over ranks, or over one process for cpu_offload."""
+    return s.strategy == "fsdp" and (s.world_size > 1 or s.cpu_offload)
 
 
 def host_bytes(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
@@ -66,7 +67,7 @@ def copy_buffer(tensors: list[Tensor], s: Setup, mm: Any) -> dict[str, dict[str,
     """The device's transient copies of one unit under cpu_offload: its local shards on their
     way to the all-gather and its sharded gradients on their way to the host, the largest unit's
     (the next unit's gather is prefetched: two units' shards at once)."""
-    if not s.cpu_offload or s.world_size <= 1:
+    if not s.cpu_offload:
         return {}
     units: dict[int | None, int] = {}
     for t in tensors:
@@ -81,8 +82,7 @@ def loads_on_host(s: Setup) -> bool:
     """Whether the runtime loads the model in host memory before FSDP shards it: with
     cpu_offload (the shards stay there), and for qlora (bitsandbytes quantizes it there; then
     fully_shard takes one unit at a time to the device, never the whole 4-bit model)."""
-    return (s.strategy == "fsdp" and s.world_size > 1 and (s.cpu_offload or s.method == "qlora")
-            and not s.sharded_load)
+    return fsdp_on(s) and (s.cpu_offload or s.method == "qlora") and not s.sharded_load
 
 
 def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dict[str, Any]]) -> None:

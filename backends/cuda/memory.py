@@ -124,7 +124,7 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
 
 def loads_shards(arch: ModelDesc, hf: dict[str, Any], s: Setup) -> bool:
     """fsdp's sharded load (backends/cuda/sharded_load.py) applies: each rank reads only its rows."""
-    return s.strategy == "fsdp" and s.world_size > 1 and host_offload.sharded_load_refusal(
+    return host_offload.fsdp_on(s) and host_offload.sharded_load_refusal(
         arch.experts, hf, s.padding_mask, s.packed) is None
 
 
@@ -652,7 +652,10 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
             out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
                         "device_level_planned": False, "evictable_bytes": 0})
             if s.cpu_offload:
-                out[-1]["cpu_offload_host_bytes"] = moved["weights"] + moved["grads"] + moved["optimizer_state"]
+                # the device's figures (what memory.budget is judged on) without what FSDP puts on
+                # the host, as activation offload's are: on the CPU the "device" stands in for one
+                # (its phases, the host's RSS, keep everything)
+                out[-1].update(host_offload.device_peaks(dev, moved))
     return out
 
 

@@ -113,9 +113,10 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         set_alloc_conf(spec.backend.alloc_conf)
         world = distributed.launched_world()
         if world is None:
-            if spec.backend.cpu_offload:
-                raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
-                                "--nproc-per-node N (N >= 2) -m finetune ... backend.strategy=fsdp")
+            if spec.backend.cpu_offload:  # FSDP2 over a group of this process alone (the resolver asked for fsdp)
+                use_cuda = torch.cuda.is_available() and spec.backend.device != "cpu"
+                self.comm = distributed.TorchComm(0, 1, 0, use_cuda, alone=True)
+                self.strategy, self.sharded = "fsdp", True
             return self.comm
         rank, size, local_rank = world
         b = spec.backend
@@ -151,7 +152,7 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)
-        if self.comm.world_size > 1:
+        if self.comm.world_size > 1 or self.sharded:
             self._distribute(spec)
         self.set_activation_offload(spec.train.activation_offload)  # on the device the model computes on
         self._setup_loss(spec)

@@ -58,6 +58,14 @@ class RankMemory(CudaBackend):
         norm = super().optimizer_step(lr)
         # after every step: the last one's is what the file keeps
         self.record.update({"rss_after_step": rss_bytes(), "census": dict(self.census())})
+        # and with the C heap's free pages handed back (glibc keeps freed chunks mapped): the
+        # part of the growth that is no live tensor's
+        from finetune.accounting.probes import _libc
+
+        libc = _libc()
+        if libc is not None:
+            libc.malloc_trim(0)
+        self.record["rss_after_step_trimmed"] = rss_bytes()
         out = Path(os.environ["RANK_MEMORY_DIR"]) / f"rank{os.environ['RANK']}.json"
         out.write_text(json.dumps(self.record))
         return norm
