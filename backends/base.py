@@ -538,8 +538,8 @@ class MemoryModel(Protocol):
         """Refuse a family the library cannot load faithfully (UserError)."""
         ...
 
-    def loads_shards(self, arch: Any, hf: dict[str, Any], s: Any) -> bool:
-        """Whether each rank of setup ``s`` loads only its shard of the model (never it whole)."""
+    def shard_loadable(self, arch: Any, hf: dict[str, Any], s: Any) -> bool:
+        """Whether the model and setup ``s`` allow each sharded rank to load only its shard."""
         ...
 
     # ---- weights and adapters --------------------------------------------------------------

@@ -43,6 +43,12 @@ def fsdp_on(s: Setup) -> bool:
     return s.strategy == "fsdp" and (s.world_size > 1 or s.cpu_offload)
 
 
+def sharded_load(s: Setup) -> bool:
+    """Whether each rank loads only its shard (backends/cuda/sharded_load.py): under FSDP, where
+    the model and run allow it (``Setup.shard_loadable``, sharded_load_refusal's rule)."""
+    return fsdp_on(s) and s.shard_loadable
+
+
 def host_bytes(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
     """One rank's offloaded bytes by category: its parameter shards (4-bit ones as stored; their
     quantization constants stay on the device), their gradients and the optimizer state, and
@@ -82,7 +88,7 @@ def loads_on_host(s: Setup) -> bool:
     """Whether the runtime loads the model in host memory before FSDP shards it: with
     cpu_offload (the shards stay there), and for qlora (bitsandbytes quantizes it there; then
     fully_shard takes one unit at a time to the device, never the whole 4-bit model)."""
-    return fsdp_on(s) and (s.cpu_offload or s.method == "qlora") and not s.sharded_load
+    return fsdp_on(s) and (s.cpu_offload or s.method == "qlora") and not sharded_load(s)
 
 
 def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dict[str, Any]]) -> None:
@@ -97,7 +103,7 @@ def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dic
     if not s.cpu_offload:
         return
     # the sharded load puts each rank's shards on the host as it reads them
-    held = {"load": off["weights"] if s.sharded_load else 0, "step1": off["weights"] + off["grads"],
+    held = {"load": off["weights"] if sharded_load(s) else 0, "step1": off["weights"] + off["grads"],
             "steady": off["weights"] + off["grads"] + off["optimizer_state"]}
     for name, ph in phases.items():
         ph["host_bytes"] += held.get(name, 0)

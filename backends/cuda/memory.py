@@ -122,9 +122,10 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
     """PEFT adapts any of the description's keys, the output head included."""
 
 
-def loads_shards(arch: ModelDesc, hf: dict[str, Any], s: Setup) -> bool:
-    """fsdp's sharded load (backends/cuda/sharded_load.py) applies: each rank reads only its rows."""
-    return host_offload.fsdp_on(s) and host_offload.sharded_load_refusal(
+def shard_loadable(arch: ModelDesc, hf: dict[str, Any], s: Setup) -> bool:
+    """fsdp's sharded load (backends/cuda/sharded_load.py) can apply (host_offload.sharded_load
+    says where it does: under FSDP)."""
+    return host_offload.sharded_load_refusal(
         arch.experts, hf, s.padding_mask, s.packed) is None
 
 
@@ -590,7 +591,7 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
     file_bytes = sum(t.numel * s.wd if t.role not in ("lora_A", "lora_B", "dora_m") else 0 for t in held)
     # fsdp's sharded load: one checkpoint tensor read at a time, its mapping closed after it
     # (backends/cuda/sharded_load.py), so the file's pages never add up to the checkpoint
-    shard_peak = host_offload.sharded_load_peak(held, s, mm) if s.sharded_load else None
+    shard_peak = host_offload.sharded_load_peak(held, s, mm) if host_offload.sharded_load(s) else None
     if shard_peak is not None:
         file_bytes = shard_peak["file"]
     # train.activation_offload: one micro-batch's saved activations in host memory (pinned on a
@@ -709,13 +710,19 @@ def notes(s: Setup) -> list[str]:
     if s.world_size > 1 and s.device == "cuda":
         out.append("several ranks: NCCL's buffers are an estimate on the device level (2 peers x 16 channels x its "
                    "three protocols' buffers), not measured")
-    if host_offload.loads_on_host(s):
+    if host_offload.sharded_load(s):
+        out.append("fsdp: each rank loads only its shard (the model built on the meta device, sharded, then each "
+                   "checkpoint tensor read once and this rank's rows kept; a 4-bit weight quantized whole first): "
+                   "the load holds the rank's shards and one tensor's staging, never the whole model")
+    elif host_offload.loads_on_host(s):
         out.append("fsdp: every rank loads (and quantizes) the whole model in host memory before fully_shard takes "
                    "it a unit at a time through the device and keeps its rows: the load phase holds the whole model "
-                   "in each rank's host memory, one unit whole on the device (meta-device initialization is not done)")
+                   "in each rank's host memory, one unit whole on the device (the sharded load does not apply: "
+                   "an MoE, a multimodal checkpoint, remote code or packed rows)")
     elif s.world_size > 1 and s.strategy == "fsdp":
         out.append("fsdp: every rank loads the whole model before fully_shard keeps its rows, so the load phase "
-                   "holds the whole model on each device (meta-device initialization is not done)")
+                   "holds the whole model on each device (the sharded load does not apply: an MoE, a multimodal "
+                   "checkpoint, remote code or packed rows)")
     if s.device == "cuda":
         out.append("phases: allocated and reserved from a replay of the run's allocations through a model of torch's "
                    "caching allocator (backends/cuda/allocator.py); the device level adds the CUDA context and the "

@@ -188,7 +188,7 @@ def _load(tr: Trace, s: Setup, mine: list[Tensor], mm: Any) -> list[int | None]:
     # byte an element), so the load carves every weight out of that one cached segment
     warm = sum(mm.weight_bytes(t, s)[0] for t in base)
     sharded = s.strategy == "fsdp" and s.world_size > 1
-    if s.sharded_load:
+    if mm.host_offload.sharded_load(s):
         # each rank reads only its rows (backends/cuda/sharded_load.py): a 4-bit weight comes to
         # the device whole in the weights' dtype and is quantized there, one at a time, keeping
         # its constants and its rows; every other weight sends only its rows. Under cpu_offload

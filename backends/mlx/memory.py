@@ -107,7 +107,7 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
                         "the decoder blocks only); drop lm_head, or use backend=cuda")
 
 
-def loads_shards(arch: Any, hf: dict[str, Any], s: Setup) -> bool:
+def shard_loadable(arch: Any, hf: dict[str, Any], s: Setup) -> bool:
     """No sharded model on mlx: every rank loads the whole model."""
     return False
 

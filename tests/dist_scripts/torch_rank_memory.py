@@ -47,7 +47,8 @@ class RankMemory(CudaBackend):
 
         arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
         getattr(transformers, arch)
-        self.record = {"rss_before_load": rss_bytes()}
+        # cpu_offload as this rank's setup got it (the governor's lever, planned before loading)
+        self.record = {"rss_before_load": rss_bytes(), "cpu_offload": spec.backend.cpu_offload}
         reset_peak_rss()
         info = super().setup(spec, model_dir)
         # the setup's high-water mark: the load, the adapters, fully_shard and the optimizer built
