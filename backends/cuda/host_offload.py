@@ -24,6 +24,7 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.model.inventory import Setup, Tensor
+from finetune.model.source import is_multimodal
 
 
 # bitsandbytes' CPU 4-bit quantize (bitsandbytes/backends/default/ops.py): its temporaries an element
@@ -73,7 +74,7 @@ def copy_buffer(tensors: list[Tensor], s: Setup, mm: Any) -> dict[str, dict[str,
     """The device's transient copies of one unit under cpu_offload: its local shards on their
     way to the all-gather and its sharded gradients on their way to the host, the largest unit's
     (the next unit's gather is prefetched: two units' shards at once)."""
-    if not s.cpu_offload:
+    if not s.cpu_offload or s.device != "cuda":  # on the CPU the copies are the shards themselves (.to(cpu))
         return {}
     units: dict[int | None, int] = {}
     for t in tensors:
@@ -141,8 +142,6 @@ def sharded_load_refusal(experts: int, hf: dict[str, Any], remote_code: bool, pa
     model description's; an MoE's experts are stacked by transformers as it loads them, so the
     model's names are not the checkpoint's), config.json ``hf`` (a multimodal checkpoint's
     language model is renamed as it loads), the model's own code, packed rows."""
-    from finetune.model.source import is_multimodal
-
     if remote_code:
         return "the model's own code (model.trust_remote_code)"
     if packing:

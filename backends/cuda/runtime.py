@@ -34,6 +34,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.cuda import host_offload
 from finetune.backends.cuda.files import CudaFiles
 from finetune.backends.cuda.load import (
     add_adapters,
@@ -237,7 +238,7 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         """fsdp: the model with no weights, for ``_distribute`` to shard and fill one checkpoint
         tensor at a time (backends/cuda/sharded_load.py); None where that load does not apply
         (said why), and the whole model loads on every rank instead."""
-        from finetune.backends.cuda import host_offload, sharded_load
+        from finetune.backends.cuda import sharded_load
 
         why = host_offload.sharded_load_refusal(self.desc.experts, self.handle.config, spec.model.trust_remote_code,
                                                 spec.train.packing)

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from finetune.model.safetensors_io import header, tensors_of
+
 log = logging.getLogger("finetune")
 
 
@@ -59,8 +61,6 @@ class Refused(Exception):
 
 def checkpoint_index(model_dir: Path) -> dict[str, tuple[Path, list[int]]]:
     """Every tensor of the checkpoint's safetensors: name -> (file, shape), from the headers."""
-    from finetune.model.safetensors_io import header, tensors_of
-
     out: dict[str, tuple[Path, list[int]]] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
