@@ -11,15 +11,17 @@ How, in three stages the runtime calls around its own (backends/cuda/runtime.py 
    ``from_pretrained`` runs). Every parameter is then replaced by a placeholder of its final
    shape and dtype that costs one element: ``torch.zeros(()).expand(shape)`` (a 4-bit weight:
    its packed storage, ``[numel / 2 / storage bytes, 1]``, as a ``Params4bit``), so PEFT's
-   adapters, which take the device and dtype of the layer they wrap, are built for real.
-2. The runtime adds the adapters and calls ``fully_shard`` (distributed.shard_model): FSDP2
-   chunks each placeholder (torch.chunk on dim 0) and allocates this rank's rows as zeros
-   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharded_param``).
-3. ``fill``: for each base weight, the checkpoint's tensor is read (safetensors, memory-mapped),
-   cast to the dtype ``from_pretrained`` casts it to, 4-bit ones quantized as transformers'
-   quantizer does (``Params4bit(...).to(device)``: the whole weight, so its quantization
-   constants, which every rank keeps whole, are the one-process run's to the bit), and this
-   rank's chunk copied into its local shard. One weight whole at a time, beside the shards.
+   adapters, which take the device and dtype of the layer they wrap, are built for real (with
+   the seeded random stream of the one-process run). The checkpoint's persistent buffers load whole.
+2. The runtime adds the adapters; ``to_meta`` swaps each placeholder for a meta parameter
+   (FSDP2 refuses a placeholder's zero strides) and ``fully_shard`` (distributed.shard_model)
+   shards it into a meta shard of this rank's rows (torch.chunk on dim 0).
+3. ``fill``: for each base weight, this rank's rows of the checkpoint's tensor are read
+   (safetensors' slices; one file mapping per tensor, closed after it) and cast to the dtype
+   ``from_pretrained`` casts to; a 4-bit weight is read whole and quantized as transformers'
+   quantizer does (``Params4bit(...).to(device)``: so its quantization constants, which every
+   rank keeps whole, are the one-process run's to the bit) and its packed rows kept. The rows
+   replace the meta shard through ``load_state_dict(assign=True)``. One tensor at a time.
 
 What it cannot do, and then the runtime loads the whole model per rank as before (said in one
 log line): a checkpoint whose tensor names are not the model's (transformers renames or fuses
@@ -112,9 +114,24 @@ def skeleton(model_dir: Path, config: Any, dtype: torch.dtype, attn: str | None,
             setattr(mod, attr, new)
             slots.append(Slot(mod, attr, file, full, quant))
             done[id(p)] = (new, slots[-1])
+    _load_buffers(hf, index)
     if quantizer is not None:
         quantizer.postprocess_model(hf)  # is_loaded_in_4bit (PEFT's 4-bit adapters), the config's quantization
     return hf, slots
+
+
+@torch.no_grad()
+def _load_buffers(hf: Any, index: dict[str, tuple[Path, list[int]]]) -> None:
+    """The persistent buffers the checkpoint holds, whole (small; FSDP does not shard buffers)."""
+    from safetensors import safe_open
+
+    for name, mod in hf.named_modules():
+        for attr, buf in mod._buffers.items():
+            full = f"{name}.{attr}" if name else attr
+            if buf is None or attr in mod._non_persistent_buffers_set or full not in index:
+                continue
+            with safe_open(str(index[full][0]), framework="pt") as f:
+                buf.copy_(f.get_tensor(full).to(buf.dtype))
 
 
 def _quant_settings(p: Any) -> dict[str, Any]:
