@@ -197,13 +197,15 @@ def test_cpu_offload_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
 def test_one_process_fsdp_with_cpu_offload_trains_the_same_losses(runs, tmp_path: Path) -> None:
     """backend.strategy=fsdp with backend.cpu_offload=true and no launcher: FSDP2 over a group of
     this one process (its one shard is the whole model, on the host), loaded by the sharded
-    load, trains the plain one-process run's losses; the plan of it puts the model, its
+    load, with activation offload too (gpu_bench.sh's row on a GPU), trains the plain one-process
+    run's losses; the plan of it puts the model, its
     gradients and the optimizer state on the host (the device keeps the 4-bit constants)."""
     from finetune import planner
     from finetune.resolver import resolve
     from finetune.run.loop import train
 
-    over = (*COMMON, _model("llama"), "train.batch_size=4", "backend.strategy=fsdp", "backend.cpu_offload=true")
+    over = (*COMMON, _model("llama"), "train.batch_size=4", "backend.strategy=fsdp", "backend.cpu_offload=true",
+            "train.activation_offload=true")
     train(resolve(make_cfg(tmp_path / "run", *over)))
     ref, got = _steps(runs["llama"]["one"]), _steps(tmp_path / "run")
     assert [s["loss"] for s in got] == pytest.approx([s["loss"] for s in ref], rel=1e-6)

@@ -32,7 +32,6 @@ own remote code, packed rows (their check runs a forward before FSDP's).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,6 @@ from typing import Any
 import torch
 
 from finetune.model.safetensors_io import header, tensors_of
-
-log = logging.getLogger("finetune")
 
 
 @dataclass
