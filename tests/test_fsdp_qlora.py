@@ -54,18 +54,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         one = base / f"{fam}-one"
         train(resolve(make_cfg(one, *COMMON, _model(fam), "train.batch_size=4")))
         out[fam] = {"one": one, **_two_ranks(base, fam, _model(fam), "train.batch_size=2", *over)}
-    # the governor's run: LoRA on the llama (its fp32 shards are what CPU offload moves; the 4-bit
-    # ones of this tiny model weigh less than activation offload saves), under a budget below the
+    # the governor's run: LoRA on a tiny Qwen3 (a second dense family through the sharded load; its
+    # fp32 shards are what CPU offload moves, where a tiny model's 4-bit ones weigh less than
+    # activation offload saves), under a budget below the
     # plan with every cheaper lever (micro-batch 1, checkpointing, activation offload) and above
     # the plan with CPU offload; planned as the run plans it, at the data's own lengths
     from transformers import AutoTokenizer
 
     from finetune.data import build
 
-    lora = (*LORA, _model("llama"))
+    lora = (*LORA, _model("qwen3"))
     train(resolve(make_cfg(base / "lora-one", *lora, "train.batch_size=4")))
     spec = make_spec(base / "budget-plan", *lora, "train.batch_size=2", *RUNS["llama"], "backend.num_devices=2")
-    _, stats = build(spec, AutoTokenizer.from_pretrained(str(build_family("llama"))))
+    _, stats = build(spec, AutoTokenizer.from_pretrained(str(build_family("qwen3"))))
     at = {"seq_len": stats["max_padded_tokens"], "head_fraction": stats.get("head_fraction"), "recommend": False}
     smallest = RunState("cuda", 1, 2, True)
     cheaper, offloaded = (planner.plan(spec, state=st, **at)["fits_bytes"]
@@ -149,9 +150,9 @@ def test_cpu_offload_puts_the_shards_and_state_on_the_host_as_planned(runs) -> N
 
 
 def test_each_rank_loads_only_its_shard_and_the_plan_prices_that_load(runs) -> None:
-    """The llama runs (dense) load by the sharded load: no rank says it loads the whole model,
-    and each rank's RSS high-water mark over its setup is within 10% of the plan's load-phase
-    host figure. The MoE (its experts stacked by transformers as it loads) loads whole on every
+    """The dense runs (QLoRA on the Llama, LoRA on the Qwen3) load by the sharded load: no rank
+    says it loads the whole model, and each rank's RSS high-water mark over its setup is within
+    10% of the plan's load-phase host figure. The MoE (its experts stacked by transformers as it loads) loads whole on every
     rank, and says why. (On a model of a few hundred KiB the process's base is most of the
     figure; the growth at 110M parameters is in benchmarks/results, measured before and after.)"""
     for name in ("llama", "governed"):
