@@ -538,6 +538,10 @@ class MemoryModel(Protocol):
         """Refuse a family the library cannot load faithfully (UserError)."""
         ...
 
+    def shard_loadable(self, arch: Any, hf: dict[str, Any], s: Any) -> bool:
+        """Whether the model and setup ``s`` allow each sharded rank to load only its shard."""
+        ...
+
     # ---- weights and adapters --------------------------------------------------------------
     def quant_of(self, s: Setup, role: str, in_f: int) -> str | None:
         """How a weight of ``role`` with ``in_f`` inputs is quantized (None: not)."""

@@ -14,7 +14,8 @@ config.json that says so, so ``precision=auto`` trains bf16 weights. No download
 In the order they run:
 
 1. Planner vs measured over a grid of 14 configurations (method, micro-batch, seq_len,
-   checkpointing, optimizer) on the same 0.5B shape, 3 steps each, records longer than seq_len
+   checkpointing, optimizer), plus one row in every mode for issue 34's FSDP-QLoRA at world size 1
+   with CPU offload and activation offload, on the same 0.5B shape, 3 steps each, records longer than seq_len
    so every sample is exactly seq_len tokens (what the planner plans for). The planner's
    ``peak_allocated_bytes`` predicts torch's max_memory_allocated, i.e. summary.json
    ``memory.peaks.allocated_bytes``: that pair carries the error and the targets. Issue 30's
@@ -91,6 +92,10 @@ GRID: list[tuple[str, int, int, int, str]] = [
 ]
 # lora, dora, full with 32-bit AdamW: what a CPU runs without bitsandbytes' GPU kernels; shorter sequences
 SMOKE_GRID = [GRID[0], GRID[6], GRID[10]]
+# issue 34's row, in every mode: FSDP-QLoRA at world size 1 (FSDP2 over this one process) with CPU offload of
+# the shards, gradients and optimizer state, and activation offload; planned device and host against measured
+OFFLOAD_POINT = ("qlora", 1, 1024, 1, "adamw")
+OFFLOAD_OVERRIDES = ["backend.strategy=fsdp", "backend.cpu_offload=true", "train.activation_offload=true"]
 SMOKE_SEQ = {512: 64, 1024: 128}
 
 
@@ -98,11 +103,11 @@ def grid_points(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(row name, overrides) of the grid this mode runs."""
     points = SMOKE_GRID if a.smoke else (GRID[::2] if a.quick else GRID)
     out = []
-    for m, b, t, c, o in points:
+    for (m, b, t, c, o), extra in [*((p, []) for p in points), (OFFLOAD_POINT, OFFLOAD_OVERRIDES)]:
         t = SMOKE_SEQ[t] if a.smoke else t
-        out.append((f"{m:5s} b={b} T={t:<4d} ckpt={c} {o}",
+        out.append((f"{m:5s} b={b} T={t:<4d} ckpt={c} {o}" + (" fsdp1+offload" if extra else ""),
                     [f"method={m}", f"train.batch_size={b}", f"train.seq_len={t}",
-                     f"train.grad_checkpointing={str(bool(c)).lower()}", f"optim={o}"]))
+                     f"train.grad_checkpointing={str(bool(c)).lower()}", f"optim={o}", *extra]))
     return out
 
 

@@ -3,7 +3,8 @@
 #
 # Issue 14's GPU bench on a CUDA machine (no download): a random Qwen2-0.5B-shaped model in bf16,
 # ours vs HF Trainer + PEFT (real tokens/s, peak reserved), chunked loss on/off, and the planner's
-# peak vs the measured one over 14 configurations. ~7-8 min on one H200; --quick about half;
+# peak vs the measured one over 14 configurations and FSDP-QLoRA with CPU + activation offload at world
+# size 1 (issue 34). ~7-8 min on one H200; --quick about half;
 # --smoke runs it all on a CPU with a tiny shape. Report: stdout and $OUT/gpu_bench.txt where
 # $OUT is set. Exit 1 only when a run crashed; a missed target is printed, never an error.
 #

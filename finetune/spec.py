@@ -110,8 +110,9 @@ class BackendSpec:
                         "shards weights, grads and optimizer state", choices=CAPABILITIES)
     # FSDP2 CPUOffloadPolicy: the shards live on the host, gathered to the GPU layer by layer; planned
     # on the device and on the host (backends/cuda/host_offload.py)
-    cpu_offload: bool = key(False, "cuda backend with backend.strategy=fsdp: parameters, gradients and optimizer "
-                            "state in host memory (FSDP2 CPUOffloadPolicy), the optimizer stepping on the CPU")
+    cpu_offload: bool = key(False, "cuda backend with backend.strategy=fsdp (over ranks, or one process): parameters, "
+                            "gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy), the optimizer "
+                            "stepping on the CPU")
     # set before CUDA starts; the plan replays the step through a model of torch's caching allocator with it
     alloc_conf: str | None = key(None, "cuda backend: the run's PYTORCH_CUDA_ALLOC_CONF, planned; null: the "
                                  'environment\'s, else expandable_segments:True; "": torch\'s default')

@@ -37,6 +37,9 @@ def test_gpu_bench_smoke(tmp_path: Path, gsm8k: Path) -> None:
     rows = re.findall(rf"^\s*\d+ (?:lora|dora|full)\s+b=\d T=\d+\s+ckpt=\d \w+\s+[\d.]+\s+{num}\s+\S+\s+[\d.]+", text,
                       re.MULTILINE)
     assert len(rows) == 3, text
+    # issue 34's row: FSDP-QLoRA at world size 1 with CPU and activation offload, planned against measured
+    assert re.search(rf"^\s*3 qlora b=1 T=\d+\s+ckpt=1 adamw fsdp1\+offload\s+[\d.]+\s+{num}\s+\S+\s+[\d.]+", text,
+                     re.MULTILINE), text
 
     for ratio in ("ratio micro-batch 4 real tokens/s", "ratio micro-batch 4 loop tokens/s",
                   "ratio micro-batch 4 peak reserved", "ratio micro-batch 4 peak allocated",

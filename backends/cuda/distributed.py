@@ -81,7 +81,9 @@ def _slurm_head_node() -> str | None:
 class TorchComm(Comm):
     """Collectives on torch.distributed's default process group."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, use_cuda: bool):
+    def __init__(self, rank: int, world_size: int, local_rank: int, use_cuda: bool, alone: bool = False):
+        """``alone``: a group of this one process (FSDP2 at world size 1, for backend.cpu_offload
+        without a launcher), its rendezvous an in-process store: no address, no port."""
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         backend = "nccl" if use_cuda else "gloo"
@@ -89,7 +91,10 @@ class TorchComm(Comm):
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
             try:
-                dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+                if alone:
+                    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                else:
+                    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
             except (RuntimeError, ValueError) as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise UserError(f"the process group ({backend}) could not start: {first[:200]}; launch with "

@@ -24,18 +24,30 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.model.inventory import Setup, Tensor
+from finetune.model.source import is_multimodal
+
+
+# bitsandbytes' CPU 4-bit quantize (bitsandbytes/backends/default/ops.py): its temporaries an element
+BNB_CPU_QUANTIZE_BYTES_PER_ELEMENT = 10
 
 
 def check(cpu_offload: bool, strategy: str, world_size: int) -> None:
-    """The refusals: cpu_offload offloads FSDP's shards, so it needs fsdp over ranks."""
-    if not cpu_offload:
-        return
-    if strategy != "fsdp":
+    """The refusal: cpu_offload offloads FSDP's shards, so it needs fsdp (over ranks, or over this
+    one process: FSDP2 at world size 1 keeps the whole model as its one shard, on the host)."""
+    if cpu_offload and strategy != "fsdp":
         raise UserError("backend.cpu_offload=true offloads FSDP2's shards to host memory; add backend.strategy=fsdp "
-                        "(launched with torchrun --nproc-per-node N)")
-    if world_size <= 1:
-        raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
-                        "--nproc-per-node N (N >= 2), or plan it with backend.num_devices=N")
+                        "(one process, or launched with torchrun --nproc-per-node N)")
+
+
+def fsdp_on(s: Setup) -> bool:
+    """Whether the runtime runs FSDP2: fsdp over ranks, or over one process for cpu_offload."""
+    return s.strategy == "fsdp" and (s.world_size > 1 or s.cpu_offload)
+
+
+def sharded_load(s: Setup) -> bool:
+    """Whether each rank loads only its shard (backends/cuda/sharded_load.py): under FSDP, where
+    the model and run allow it (``Setup.shard_loadable``, sharded_load_refusal's rule)."""
+    return fsdp_on(s) and s.shard_loadable
 
 
 def host_bytes(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
@@ -62,7 +74,7 @@ def copy_buffer(tensors: list[Tensor], s: Setup, mm: Any) -> dict[str, dict[str,
     """The device's transient copies of one unit under cpu_offload: its local shards on their
     way to the all-gather and its sharded gradients on their way to the host, the largest unit's
     (the next unit's gather is prefetched: two units' shards at once)."""
-    if not s.cpu_offload or s.world_size <= 1:
+    if not s.cpu_offload or s.device != "cuda":  # on the CPU the copies are the shards themselves (.to(cpu))
         return {}
     units: dict[int | None, int] = {}
     for t in tensors:
@@ -77,23 +89,26 @@ def loads_on_host(s: Setup) -> bool:
     """Whether the runtime loads the model in host memory before FSDP shards it: with
     cpu_offload (the shards stay there), and for qlora (bitsandbytes quantizes it there; then
     fully_shard takes one unit at a time to the device, never the whole 4-bit model)."""
-    return s.strategy == "fsdp" and s.world_size > 1 and (s.cpu_offload or s.method == "qlora")
+    return fsdp_on(s) and (s.cpu_offload or s.method == "qlora") and not sharded_load(s)
 
 
 def move_phases(s: Setup, off: dict[str, int], whole: int, phases: dict[str, dict[str, Any]]) -> None:
     """A GPU's phases with the offloaded bytes in the host's figure (the device's replay,
-    backends/cuda/trace.py, already leaves them out): at the load the whole model the runtime
-    loads there (``whole``: every weight as loaded, 4-bit ones packed with their constants), from
-    step 1 on the shards and their gradients, in the steady state the optimizer state too."""
-    if loads_on_host(s):
+    backends/cuda/trace.py, already leaves them out): at the load the whole model where the
+    runtime loads it there (``whole``: every weight as loaded, 4-bit ones packed with their
+    constants), or the shards where each rank loads only its own; from step 1 on the shards and
+    their gradients, in the steady state the optimizer state too."""
+    on_host = loads_on_host(s)
+    if on_host:
         phases["load"]["host_bytes"] += whole
     if not s.cpu_offload:
         return
-    held = {"load": 0, "step1": off["weights"] + off["grads"],
+    # the sharded load puts each rank's shards on the host as it reads them
+    held = {"load": off["weights"] if sharded_load(s) else 0, "step1": off["weights"] + off["grads"],
             "steady": off["weights"] + off["grads"] + off["optimizer_state"]}
     for name, ph in phases.items():
         ph["host_bytes"] += held.get(name, 0)
-        ph["host_offload_bytes"] = held.get(name, 0) or (whole if name == "load" else 0)
+        ph["host_offload_bytes"] = held.get(name, 0) or (whole if name == "load" and on_host else 0)
 
 
 def whole_model_bytes(held: list[Tensor], s: Setup, mm: Any) -> int:
@@ -118,3 +133,51 @@ def device_peaks(dev: dict[str, Any], off: dict[str, int]) -> dict[str, Any]:
             "peak_allocated_bytes": max(0, dev["peak_allocated_bytes"] - moved),
             "steady_state_allocated_bytes": max(0, dev["steady_state_allocated_bytes"] - moved),
             "cpu_offload_host_bytes": moved - off["round"]}
+
+
+def sharded_load_refusal(experts: int, hf: dict[str, Any], remote_code: bool, packing: bool) -> str | None:
+    """Why fsdp's sharded load (backends/cuda/sharded_load.py: every rank reads only its rows of
+    the checkpoint) does not apply, so every rank loads the whole model and then shards it;
+    None where it applies. The same rule for the planner and the runtime: ``experts`` (the
+    model description's; an MoE's experts are stacked by transformers as it loads them, so the
+    model's names are not the checkpoint's), config.json ``hf`` (a multimodal checkpoint's
+    language model is renamed as it loads), the model's own code, packed rows."""
+    if remote_code:
+        return "the model's own code (model.trust_remote_code)"
+    if packing:
+        return "train.packing checks the packed rows with a forward before FSDP shards the model"
+    if experts:
+        return "an MoE, whose experts transformers stacks as it loads them"
+    if is_multimodal(hf):
+        return "a multimodal checkpoint"
+    return None
+
+
+def sharded_load_peak(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
+    """What fsdp's sharded load holds beside the rank's shards, at its largest (one checkpoint
+    tensor at a time, backends/cuda/sharded_load.py fill): ``host`` the host's share (a 4-bit
+    weight read whole from the mapped file and copied out of it, in the weights' dtype; another
+    weight's rows alone: read, then cast into the shard), ``file`` the file's pages it touched
+    (unmapped when the tensor is done), ``device`` the device's (a 4-bit weight whole and packed
+    where it quantizes; nothing on the CPU, where the host is the device)."""
+    best = {"host": 0, "file": 0, "device": 0}
+    for t in held:
+        if t.role in ("lora_A", "lora_B", "dora_m"):
+            continue
+        if t.quant == "bnb4":
+            whole = t.numel * s.wd
+            packed, _ = mm.bnb4_bytes(t.numel, s.double_quant)
+            # safetensors hands the tensor back as a view of the mapped file (its pages, not a
+            # copy); a GPU quantizes it in its own memory, the CPU in the host's, through
+            # bitsandbytes' torch ops (backends/default/ops.py quantize_4bit): the scaled fp32
+            # values and their int32 bucket indices (4 + 4 bytes an element), the uint8 codes and
+            # the two shifted halves packed (1 + 0.5 + 0.5), live together at their peak
+            host, file, dev = 0, whole, whole + packed
+            if s.device != "cuda":
+                host, dev = BNB_CPU_QUANTIZE_BYTES_PER_ELEMENT * t.numel + packed, 0
+        else:
+            rows = t.local_numel * t.dtype_bytes
+            host, file, dev = rows, rows, 0
+        if host + file + dev > sum(best.values()):
+            best = {"host": host, "file": file, "device": dev}
+    return best

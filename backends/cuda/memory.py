@@ -122,6 +122,13 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
     """PEFT adapts any of the description's keys, the output head included."""
 
 
+def shard_loadable(arch: ModelDesc, hf: dict[str, Any], s: Setup) -> bool:
+    """fsdp's sharded load (backends/cuda/sharded_load.py) can apply (host_offload.sharded_load
+    says where it does: under FSDP)."""
+    return host_offload.sharded_load_refusal(
+        arch.experts, hf, s.padding_mask, s.packed) is None
+
+
 def check_model(hf: dict[str, Any], seq_len: int) -> None:
     """Nothing to refuse before loading: transformers builds any model_type it knows (the
     runtime names one it does not, with the fix, when it loads)."""
@@ -582,6 +589,11 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
     mm = sys.modules[__name__]  # this memory model, as the trace reads it
     host_base = HOST_BASE_CUDA_BYTES if s.device == "cuda" else HOST_BASE_CPU_BYTES
     file_bytes = sum(t.numel * s.wd if t.role not in ("lora_A", "lora_B", "dora_m") else 0 for t in held)
+    # fsdp's sharded load: one checkpoint tensor read at a time, its mapping closed after it
+    # (backends/cuda/sharded_load.py), so the file's pages never add up to the checkpoint
+    shard_peak = host_offload.sharded_load_peak(held, s, mm) if host_offload.sharded_load(s) else None
+    if shard_peak is not None:
+        file_bytes = shard_peak["file"]
     # train.activation_offload: one micro-batch's saved activations in host memory (pinned on a
     # GPU) from the first forward on; on the CPU the "device" is the host, so they stay in its RSS
     off = offloaded(arch, s, 0 if s.method == "full" else min(s.lora_layers))[0] if s.offload else 0
@@ -589,6 +601,10 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
     for d, dev in enumerate(devices):
         b = dev["bytes"]
         load_alloc = b["weights"] + (_qlora_load_transient(arch, s) if s.method == "qlora" else 0)
+        if shard_peak is not None:  # the shards, and one tensor's staging beside them
+            load_alloc = b["weights"] + shard_peak["host"]
+        elif s.strategy == "fsdp" and s.world_size > 1:  # the whole model on every rank, then its shards copied out
+            load_alloc += host_offload.whole_model_bytes(held, s, mm)
         step1_alloc, steady_alloc = dev["step1_allocated_bytes"], dev["peak_allocated_bytes"]
         phases: dict[str, dict[str, Any]] = {}
         if s.device == "cuda":
@@ -613,7 +629,7 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
                 # at the load, the context alone: kernels load on first use, bitsandbytes pages
                 # its state at the first step, NCCL connects at the first collective
                 level = resv + (extra["cuda_context"] if name == "load" else sum(extra.values()))
-                host = host_base + (file_bytes if name == "load" else off)
+                host = host_base + (file_bytes + (shard_peak or {}).get("host", 0) if name == "load" else off)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": resv, "device_bytes": level,
                                 "host_bytes": host,
                                 # of the host, the checkpoint's pages (file-backed: the kernel drops
@@ -637,7 +653,10 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
             out.append({"phases": phases, "non_allocator": {}, "step2_reserved_leap_bytes": 0, "alloc_conf": None,
                         "device_level_planned": False, "evictable_bytes": 0})
             if s.cpu_offload:
-                out[-1]["cpu_offload_host_bytes"] = moved["weights"] + moved["grads"] + moved["optimizer_state"]
+                # the device's figures (what memory.budget is judged on) without what FSDP puts on
+                # the host, as activation offload's are: on the CPU the "device" stands in for one
+                # (its phases, the host's RSS, keep everything)
+                out[-1].update(host_offload.device_peaks(dev, moved))
     return out
 
 
@@ -691,13 +710,19 @@ def notes(s: Setup) -> list[str]:
     if s.world_size > 1 and s.device == "cuda":
         out.append("several ranks: NCCL's buffers are an estimate on the device level (2 peers x 16 channels x its "
                    "three protocols' buffers), not measured")
-    if host_offload.loads_on_host(s):
+    if host_offload.sharded_load(s):
+        out.append("fsdp: each rank loads only its shard (the model built on the meta device, sharded, then each "
+                   "checkpoint tensor read once and this rank's rows kept; a 4-bit weight quantized whole first): "
+                   "the load holds the rank's shards and one tensor's staging, never the whole model")
+    elif host_offload.loads_on_host(s):
         out.append("fsdp: every rank loads (and quantizes) the whole model in host memory before fully_shard takes "
                    "it a unit at a time through the device and keeps its rows: the load phase holds the whole model "
-                   "in each rank's host memory, one unit whole on the device (meta-device initialization is not done)")
+                   "in each rank's host memory, one unit whole on the device (the sharded load does not apply: "
+                   "an MoE, a multimodal checkpoint, remote code or packed rows)")
     elif s.world_size > 1 and s.strategy == "fsdp":
         out.append("fsdp: every rank loads the whole model before fully_shard keeps its rows, so the load phase "
-                   "holds the whole model on each device (meta-device initialization is not done)")
+                   "holds the whole model on each device (the sharded load does not apply: an MoE, a multimodal "
+                   "checkpoint, remote code or packed rows)")
     if s.device == "cuda":
         out.append("phases: allocated and reserved from a replay of the run's allocations through a model of torch's "
                    "caching allocator (backends/cuda/allocator.py); the device level adds the CUDA context and the "

@@ -43,7 +43,9 @@ class ActivationOffload:
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.device = device
         self.pin = device.type == "cuda"
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        # under FSDP a parameter is a DTensor (no storage of its own): its local shard's
+        self._params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                        for p in model.parameters()}
         self._live: dict[int, tuple[Any, _HostCopy]] = {}  # device storage address -> its host copy, this forward
         self._on = False
         self.moved_bytes = 0  # bytes copied by the hooks, to the host and back, since the last read

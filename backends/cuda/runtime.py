@@ -34,6 +34,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 from finetune.backends.base import Batch, Comm, ModelInfo, OutOfMemory, PhaseHook
+from finetune.backends.cuda import host_offload
 from finetune.backends.cuda.files import CudaFiles
 from finetune.backends.cuda.load import (
     add_adapters,
@@ -102,6 +103,7 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self._padding_mask = False
         self._compiled_loss: Callable | None = None  # train.compile: token_loss_sum through torch.compile
         self._offload: Any = None  # train.activation_offload: offload.ActivationOffload, else None
+        self._slots: list[Any] = []  # fsdp's sharded load: the weights _distribute fills (sharded_load.Slot)
 
     # ---- several processes -------------------------------------------------------------
     def connect(self, spec: RunSpec) -> Comm:
@@ -112,9 +114,10 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         set_alloc_conf(spec.backend.alloc_conf)
         world = distributed.launched_world()
         if world is None:
-            if spec.backend.cpu_offload:
-                raise UserError("backend.cpu_offload=true offloads the shards of FSDP's ranks: launch with torchrun "
-                                "--nproc-per-node N (N >= 2) -m finetune ... backend.strategy=fsdp")
+            if spec.backend.cpu_offload:  # FSDP2 over a group of this process alone (the resolver asked for fsdp)
+                use_cuda = torch.cuda.is_available() and spec.backend.device != "cpu"
+                self.comm = distributed.TorchComm(0, 1, 0, use_cuda, alone=True)
+                self.strategy, self.sharded = "fsdp", True
             return self.comm
         rank, size, local_rank = world
         b = spec.backend
@@ -150,7 +153,7 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self._adapt(spec)
         self.model.train()  # dropout on; transformers checkpoints only in training mode
         self.set_grad_checkpointing(spec.train.grad_checkpointing)
-        if self.comm.world_size > 1:
+        if self.comm.world_size > 1 or self.sharded:
             self._distribute(spec)
         self.set_activation_offload(spec.train.activation_offload)  # on the device the model computes on
         self._setup_loss(spec)
@@ -210,9 +213,11 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
             storage = (self.autocast_dtype or self.weight_dtype) if self.sharded else None
             kwargs["quantization_config"] = bnb_config(m, self.autocast_dtype or self.weight_dtype, storage)
 
+        hf = self._skeleton(spec, model_dir, kwargs) if self.sharded else None
         try:
             with lean_host_heap():  # the load's host peak is what is live (the plan's figure)
-                hf = load_causal_lm(model_dir, **kwargs)  # a multimodal checkpoint: its language model alone
+                if hf is None:  # a multimodal checkpoint: its language model alone
+                    hf = load_causal_lm(model_dir, **kwargs)
         except (RuntimeError, NotImplementedError, ImportError) as e:
             if m.name != "qlora":
                 raise
@@ -228,6 +233,26 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
             for mod in hf.modules():
                 if hasattr(mod, "support_avx512bf16_for_cpu"):
                     mod.support_avx512bf16_for_cpu = False
+
+    def _skeleton(self, spec: RunSpec, model_dir: Path, kwargs: dict[str, Any]) -> Any:
+        """fsdp: the model with no weights, for ``_distribute`` to shard and fill one checkpoint
+        tensor at a time (backends/cuda/sharded_load.py); None where that load does not apply
+        (said why), and the whole model loads on every rank instead."""
+        from finetune.backends.cuda import sharded_load
+
+        why = host_offload.sharded_load_refusal(self.desc.experts, self.handle.config, spec.model.trust_remote_code,
+                                                spec.train.packing)
+        if why is None:
+            try:
+                config = sharded_load.config_of(model_dir, spec.model.trust_remote_code)
+                hf, self._slots = sharded_load.skeleton(
+                    model_dir, config, kwargs["dtype"], kwargs["attn_implementation"],
+                    kwargs.get("quantization_config"), cast(Any, self.comm).device)
+                return hf
+            except sharded_load.Refused as e:
+                why = str(e)
+        log.info("fsdp: every rank loads the whole model, then shards it (%s)", why)
+        return None
 
     def _adapt(self, spec: RunSpec) -> None:
         """method=full trains every weight; the others wrap the model in PEFT adapters."""
@@ -282,9 +307,18 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
                                 "optim=adamw (or adam, sgd) with backend.strategy=fsdp, or backend.strategy=ddp")
             autocast = self.autocast_dtype
             comm = cast(distributed.TorchComm, self.comm)  # strategy=fsdp over ranks: connect() made a TorchComm
+            if self._slots:
+                from finetune.backends.cuda import sharded_load
+
+                sharded_load.to_meta(self._slots)
             self.units = distributed.shard_model(self.model, self.hf, comm, param_dtype=autocast,
                                                  reduce_dtype=torch.float32 if autocast is not None else None,
                                                  cpu_offload=spec.backend.cpu_offload)
+            if self._slots:  # each rank reads its rows of the checkpoint (backends/cuda/sharded_load.py)
+                with lean_host_heap():
+                    sharded_load.fill(self._slots, comm.rank, comm.world_size, self.weight_dtype, comm.device,
+                                      torch.device("cpu") if spec.backend.cpu_offload else comm.device)
+                self._slots = []
             self.device = comm.device
         else:
             distributed.broadcast_parameters([p for p in self.model.parameters() if p.requires_grad])

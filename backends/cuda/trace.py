@@ -205,6 +205,26 @@ def _load(tr: Trace, s: Setup, mine: list[Tensor], mm: Any) -> list[int | None]:
     # byte an element), so the load carves every weight out of that one cached segment
     warm = sum(mm.weight_bytes(t, s)[0] for t in base)
     sharded = s.strategy == "fsdp" and s.world_size > 1
+    if mm.host_offload.sharded_load(s):
+        # each rank reads only its rows (backends/cuda/sharded_load.py): a 4-bit weight comes to
+        # the device whole in the weights' dtype and is quantized there, one at a time, keeping
+        # its constants and its rows; every other weight sends only its rows. Under cpu_offload
+        # the rows stay on the host (the adapters' shards go there too, at fully_shard)
+        for t in base:
+            w, q = mm.weight_bytes(t, s)
+            if t.quant == "bnb4":
+                packed, q = mm.bnb4_bytes(t.numel, s.double_quant)
+                full_w, packed_whole = tr.alloc(t.numel * s.wd), tr.alloc(packed)
+                keys.append(tr.alloc(q))
+                tr.free(full_w)  # Params4bit._quantize's input, gone with it
+                if not s.cpu_offload:
+                    keys.append(tr.alloc(w))
+                tr.free(packed_whole)
+            elif not s.cpu_offload:
+                keys.append(tr.alloc(w))
+        if not s.cpu_offload:
+            keys += [tr.alloc(mm.weight_bytes(t, s)[0]) for t in adapters]
+        return keys
     if mm.host_offload.loads_on_host(s):
         # qlora or backend.cpu_offload under fsdp: the runtime loads (and quantizes) the whole
         # model on the host; fully_shard moves a unit at a time to the device and keeps its rows

@@ -107,6 +107,11 @@ def check_lora_keys(keys: tuple[str, ...]) -> None:
                         "the decoder blocks only); drop lm_head, or use backend=cuda")
 
 
+def shard_loadable(arch: Any, hf: dict[str, Any], s: Setup) -> bool:
+    """No sharded model on mlx: every rank loads the whole model."""
+    return False
+
+
 def check_model(hf: dict[str, Any], seq_len: int) -> None:
     """Refuse, in one line, a checkpoint mlx-lm would load as a different model
     (backends/mlx/hfconfig.py refusal: the same check the runtime makes before loading)."""

@@ -90,6 +90,9 @@ class Setup:
     offload: bool = False
     # backend.cpu_offload: FSDP's shards, their gradients and the optimizer state on the host
     cpu_offload: bool = False
+    # the model and run allow a sharded load (cuda: each FSDP rank reads only its rows of the
+    # checkpoint, never the model whole); whether one happens is the strategy's and the world's
+    shard_loadable: bool = False
     fused: bool = True  # optim.fused: adam/adamw through torch's fused kernel (cuda backend)
     # objective (finetune/planner/preference.py): a preference objective's ``batch`` counts
     # pairs, each ``pair_rows`` rows of the model's batch (chosen and rejected, one forward);

@@ -1,8 +1,8 @@
 """A cuda-backend run under torchrun that writes what each rank held, run by
 tests/test_fsdp_qlora.py: the run's summary.json carries rank 0's census only, so every rank
 writes its own to RANK_MEMORY_DIR/rank{R}.json, with its RSS (``/proc/self/statm``) just before
-the model loads and after its last optimizer step (the growth the plan's host figure is
-compared with).
+the model loads, its high-water mark over the setup (the load and fully_shard), and after its
+last optimizer step (the growth the plan's host figure is compared with).
 
     RANK_MEMORY_DIR=DIR torchrun --standalone --nproc-per-node 2 tests/dist_scripts/torch_rank_memory.py OVERRIDES...
 """
@@ -23,6 +23,17 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def reset_peak_rss() -> None:
+    """The kernel's RSS high-water mark (VmHWM) set back to the current RSS (proc(5), clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 class RankMemory(CudaBackend):
     record: dict = {}
 
@@ -36,13 +47,26 @@ class RankMemory(CudaBackend):
 
         arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
         getattr(transformers, arch)
-        self.record = {"rss_before_load": rss_bytes()}
-        return super().setup(spec, model_dir)
+        # cpu_offload as this rank's setup got it (the governor's lever, planned before loading)
+        self.record = {"rss_before_load": rss_bytes(), "cpu_offload": spec.backend.cpu_offload}
+        reset_peak_rss()
+        info = super().setup(spec, model_dir)
+        # the setup's high-water mark: the load, the adapters, fully_shard and the optimizer built
+        self.record["peak_rss_setup"] = peak_rss_bytes()
+        return info
 
     def optimizer_step(self, lr):
         norm = super().optimizer_step(lr)
         # after every step: the last one's is what the file keeps
         self.record.update({"rss_after_step": rss_bytes(), "census": dict(self.census())})
+        # and with the C heap's free pages handed back (glibc keeps freed chunks mapped): the
+        # part of the growth that is no live tensor's
+        from finetune.accounting.probes import _libc
+
+        libc = _libc()
+        if libc is not None:
+            libc.malloc_trim(0)
+        self.record["rss_after_step_trimmed"] = rss_bytes()
         out = Path(os.environ["RANK_MEMORY_DIR"]) / f"rank{os.environ['RANK']}.json"
         out.write_text(json.dumps(self.record))
         return norm
