@@ -134,7 +134,7 @@ class MlxPreference:
     def _pairs(self, batch: Batch) -> Iterator[None]:
         """Around a pair micro-batch's reference pass, forward and backward: its shared-prompt
         row where the model allows it and the rows are not packed (``_row_logps`` reads it)."""
-        if batch.position_ids is not None:
+        if batch.position_ids is not None or self.spec.objective.unpaired:
             yield
             return
         with shared_rows(self.model, batch.input_ids, batch.loss_mask) as self._shared:
@@ -154,8 +154,10 @@ class MlxPreference:
         try:
             with adapters_off(self.model):  # none under method=full
                 for b in batches:
-                    logps = row_logps(self.model, *self._arrays(b))[0]
-                    mx.eval(logps)
+                    ids, mask = self._arrays(b)
+                    with self._pairs(b):  # each pair's prompt once, as the step runs it
+                        logps = self._row_logps(ids, mask)
+                        mx.eval(logps)
                     table[np.asarray(b.indices)] = np.array(logps)
         finally:
             self.model.train()

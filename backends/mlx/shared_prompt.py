@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
+from finetune.data.pairs import prompt_split
 from finetune.backends.mlx.loss import _head_applies, _model_modules, _PackedRoPE, _SampleMask, output_head
 
 log = logging.getLogger("finetune")
@@ -148,13 +149,8 @@ class Layout:
         base = self.shared = 0
         for c in range(0, rows, 2):
             r = c + 1
+            p, n_c, n_r = prompt_split(ids[c], mask[c], ids[r], mask[r])  # ValueError: a row without targets
             tc, tr = np.flatnonzero(mask[c, 1:]) + 1, np.flatnonzero(mask[r, 1:]) + 1  # target columns
-            if not len(tc) or not len(tr):
-                raise ValueError("a row without targets")
-            p = int(min(tc[0], tr[0]))  # the prompt: positions before either row's first target
-            differ = np.flatnonzero(ids[c, :p] != ids[r, :p])
-            p = int(differ[0]) if len(differ) else p
-            n_c, n_r = int(tc[-1]), int(tr[-1])  # inputs up to the last target's predictor
             seq += [ids[c, :n_c], ids[r, p:n_r]]
             pos += [np.arange(n_c), np.arange(p, n_r)]
             self.spans.append((base, base + n_c, None))
@@ -201,8 +197,6 @@ def applies(model: nn.Module) -> str | None:
 
 
 def _check(model: nn.Module) -> str | None:
-    from finetune.backends.mlx.preference import row_logps
-
     key = mx.random.key(0)
     vocab = int(output_head(model)[0].weight.shape[0])
     ids = np.array(mx.random.randint(1, vocab, (2, 14), key=key))
@@ -215,7 +209,9 @@ def _check(model: nn.Module) -> str | None:
     was = model.training
     model.eval()
     try:
-        want = row_logps(model, mx.array(ids), mx.array(mask))[0]
+        logits = model(mx.array(ids[:, :-1])).astype(mx.float32)  # the padded rows (preference.py row_logps)
+        picked = mx.take_along_axis(logits, mx.array(ids[:, 1:, None]), axis=-1).squeeze(-1)
+        want = ((picked - mx.logsumexp(logits, axis=-1)) * mx.array(mask[:, 1:])).sum(axis=1)
         lay = Layout(ids, mask)
         with _tree(model, lay.positions, lay.spans) as caches:
             got = _logps(model, lay, caches)
