@@ -143,9 +143,37 @@ def token_check(pairs: list[dict[str, str]], tok: Any, seq: int) -> dict[str, di
                      "completion_tokens": int(ours.targets().sum())}, "trl": peer, "mlx_lm_lora": peer}
 
 
+# ours through the CLI, the backend's optimizer_step clocked: the process's CPU seconds and the wall
+# clock after each step (a harness patch, as the mlx-lm-lora driver's batch clock)
+OURS_DRIVER = r'''
+import importlib, json, sys, time
+clock, backend = sys.argv[1], sys.argv[2]
+cls = importlib.import_module(f"finetune.backends.{backend}.runtime").BACKEND
+step = cls.optimizer_step
+def clocked(self, *a, **k):
+    out = step(self, *a, **k)
+    open(clock, "a").write(json.dumps({"cpu": time.process_time(), "t": time.perf_counter()}) + "\n")
+    return out
+cls.optimizer_step = clocked
+sys.argv = ["finetune"] + sys.argv[3:]
+from finetune.cli import main
+main()
+'''
+
+
+def _cpu_tps(tokens: list[int], cpu: list[float | None], skip: int) -> float:
+    """Real tokens per CPU second of the process over the steps after the first ``skip``
+    (``cpu``: each step's CPU seconds, None where not known): less moved by other jobs on a
+    shared box than tokens per wall second (a process waiting for a core accrues none)."""
+    t, c = tokens[skip:], cpu[skip:]
+    assert all(x is not None for x in c), "a measured step without its CPU seconds"
+    return sum(t) / sum(c)  # type: ignore[arg-type]
+
+
 def ours(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
     run = job.work / f"ours_{backend}_{i}"
-    cmd = [sys.executable, "-m", "finetune", f"backend={backend}", *job.arch, "objective=dpo",
+    clock = job.work / f"ours_{backend}_{i}_clock.jsonl"
+    cmd = [sys.executable, "-c", OURS_DRIVER, str(clock), backend, f"backend={backend}", *job.arch, "objective=dpo",
            "objective.loss_type=sigmoid", f"objective.beta={BETA}", "data=jsonl", f"data.path={job.data['ours']}",
            "data.val_fraction=0", "train.eval_every=0", f"train.steps={job.steps}", f"train.batch_size={job.trl_rows}",
            f"train.seq_len={SEQ}", "train.warmup_steps=0", "train.schedule=constant", "optim.lr=1e-4",
@@ -154,6 +182,9 @@ def ours(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
     _, rss, wall = _run(cmd, job.work)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.startswith('{"step"')]
     r = _measured([x["tokens"] for x in recs], [x["samples"] for x in recs], [x["step_seconds"] for x in recs], job.skip)
+    ticks = [json.loads(x)["cpu"] for x in clock.read_text().splitlines()]
+    r["cpu_tps"] = _cpu_tps([x["tokens"] for x in recs], [None, *(b - a for a, b in itertools.pairwise(ticks))],
+                            job.skip)
     peaks = [x["peak_allocated_bytes"] for x in recs if x.get("mlx_peak_bytes") is not None]
     return {**r, "rss": rss, "wall": wall, "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
             "mlx_peak": max(peaks) if peaks else None}  # mlx: MLX's allocator peak of the run so far
@@ -232,7 +263,7 @@ def recorded(*a, **k):  # each training batch: when it was asked for, and each r
     for b in batches(*a, **k):
         if k.get("train"):
             lens = [int(np.flatnonzero(np.array(m))[-1]) + 1 for ms in (b[2], b[3]) for m in ms]
-            open(rows, "a").write(json.dumps({"t": time.perf_counter(), "lengths": lens}) + "\n")
+            open(rows, "a").write(json.dumps({"t": time.perf_counter(), "cpu": time.process_time(), "lengths": lens}) + "\n")
         yield b
 D.iterate_dpo_batches = recorded
 class Rec(TrainingCallback):
@@ -268,6 +299,8 @@ def mlx_lm_lora(job: Job, backend: str, side: str, i: int) -> dict[str, Any]:
     # validation) has no next request and is not measured
     secs = [b["t"] - a["t"] for a, b in itertools.pairwise(recs)]
     r = _measured([sum(x["lengths"]) for x in recs[:-1]], [len(x["lengths"]) // 2 for x in recs[:-1]], secs, job.skip)
+    r["cpu_tps"] = _cpu_tps([sum(x["lengths"]) for x in recs[:-1]],
+                            [b["cpu"] - a["cpu"] for a, b in itertools.pairwise(recs)], job.skip)
     return {**r, "rss": rss, "wall": wall, "mlx_peak": reps[-1]["peak_memory"] * 1e9, "loss_last": reps[-1]["train_loss"]}
 
 
@@ -277,8 +310,8 @@ RUNNERS = {"ours": ours, "trl": trl, "mlx_lm_lora": mlx_lm_lora}
 def summarize(res: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[str, Any]]:
     """Table and ratios (ours vs each peer) of one backend's runs; and the same as a dict."""
     lines = [f"{'side':26}{'real tok/s':>12}{'tokens/step':>13}{'pairs/step':>12}{'s/step':>8}{'peak RSS GiB':>14}"]
-    med = {side: {k: _med(rs, k) for k in ("tps", "tokens_per_step", "samples_per_step", "step_seconds", "rss")}
-           for side, rs in res.items()}
+    keys = ("tps", "tokens_per_step", "samples_per_step", "step_seconds", "rss", "cpu_tps")
+    med = {side: {k: _med(rs, k) for k in keys if all(k in r for r in rs)} for side, rs in res.items()}
     for side, m in med.items():
         lines.append(f"{LABEL[side]:26}{m['tps']:12,.0f}{m['tokens_per_step']:13,.0f}{m['samples_per_step']:12.2f}"
                      f"{m['step_seconds']:8.2f}{_gib(m['rss']):>14}")
@@ -288,6 +321,11 @@ def summarize(res: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[str
         ratios.append({"side": "ours", "vs": b, "tokens_per_sec": t, "peak_rss": m})
         lines.append(f"  ours vs {LABEL[b]}: real tokens/s {med['ours']['tps']:,.0f} vs {med[b]['tps']:,.0f} = {t:.2f}x; "
                      f"peak RSS {_gib(med['ours']['rss'])} vs {_gib(med[b]['rss'])} GiB = {m:.2f}x")
+        if "cpu_tps" in med["ours"] and "cpu_tps" in med[b]:
+            c = med["ours"]["cpu_tps"] / med[b]["cpu_tps"]
+            ratios[-1]["tokens_per_cpu_sec"] = c
+            lines.append(f"  ours vs {LABEL[b]}: real tokens per CPU second (each process's own) "
+                         f"{med['ours']['cpu_tps']:,.0f} vs {med[b]['cpu_tps']:,.0f} = {c:.2f}x")
     if "mlx_lm_lora" in res:
         lines.append(f"  MLX allocator peak (mx.get_peak_memory over the run, both sides; ours: metrics.jsonl "
                      f"peak_allocated_bytes): ours {_gib(_med(res['ours'], 'mlx_peak'))} vs mlx-lm-lora "
@@ -350,7 +388,8 @@ def main() -> None:
                 for side in (sides if i % 2 == 0 else sides[::-1]):
                     r = RUNNERS[side](job, backend, side, i)
                     res[side].append(r)
-                    print(f"{backend} run {i} {LABEL[side]}: {r['tps']:,.0f} real tok/s, {r['tokens_per_step']:,.0f} "
+                    cpu = f", {r['cpu_tps']:,.0f} real tok per CPU s" if "cpu_tps" in r else ""
+                    print(f"{backend} run {i} {LABEL[side]}: {r['tps']:,.0f} real tok/s{cpu}, {r['tokens_per_step']:,.0f} "
                           f"tokens and {r['samples_per_step']:.2f} pairs a step, {r['step_seconds']:.2f} s/step, "
                           f"peak RSS {_gib(r['rss'])} GiB, {r['wall']:.0f} s wall, last loss {r['loss_last']:.4f}",
                           flush=True)

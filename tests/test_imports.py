@@ -45,6 +45,7 @@ LAZY_FRAMEWORK_MODULES = {
     "finetune.backends.mlx.runtime": "mlx, mlx_lm: the mlx runtime, loaded by get_backend",
     "finetune.backends.mlx.loss": "mlx: the mlx loss, used by the mlx runtime once a model is set up",
     "finetune.backends.mlx.preference": "mlx: the mlx preference step (objective=dpo|orpo|simpo), in the mlx runtime",
+    "finetune.backends.mlx.shared_prompt": "mlx: a pair micro-batch's log-probs with each prompt run once, in the mlx preference step",
     "finetune.backends.cuda.generate": "torch, transformers: mode=generate on cuda, used by the cuda runtime",
     "finetune.backends.mlx.distributed": "mlx: the mlx ranks, used by the mlx runtime",
     "finetune.backends.cuda.evaluate": "torch, lm_eval: mode=eval on cuda (lm-eval's HFLM), used by the cuda runtime",

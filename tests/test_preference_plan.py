@@ -231,7 +231,7 @@ from transformers import AutoTokenizer
 from families import build_family
 from finetune.config import compose
 from finetune.backends.mlx.runtime import MlxBackend
-from finetune.data.pairs import PairSource, pair_counts
+from finetune.data.pairs import PairSource, pair_counts, pair_positions
 from finetune.data.tokens import tokenize
 from finetune.resolver import resolve
 from finetune import planner
@@ -239,7 +239,8 @@ out = []
 for fam, P in {cases!r}:
     d = build_family(fam)
     tok = AutoTokenizer.from_pretrained(str(d))
-    src = PairSource(tokenize({pairs!r}, tok, 96, True, pairs=True), tok.pad_token_id or 0, P, 0, 0.0, 0)
+    tokd = tokenize({pairs!r}, tok, 96, True, pairs=True)
+    src = PairSource(tokd, tok.pad_token_id or 0, P, 0, 0.0, 0)
     cfg = compose({run!r}, "backend=mlx", f"model.path={{d}}", f"train.batch_size={{P}}", "train.seq_len=96",
                   "precision=32-true", "objective=dpo")
     gc.collect(); mx.clear_cache()
@@ -257,7 +258,9 @@ for fam, P in {cases!r}:
         be.forward_backward_pairs(batch, 1.0 / pairs, 1.0 / chosen)
         be.optimizer_step(1e-3)
         peak = max(peak, mx.get_peak_memory() - base)
-    p = planner.plan(spec, seq_len=T, recommend=False)
+    # what the run's plan reads of its data (finetune/data: head_fraction, pair_positions)
+    p = planner.plan(spec, seq_len=T, recommend=False, head_fraction=int(tokd.targets().max()) / T,
+                     pair_positions=pair_positions(tokd))
     out.append([fam, P, T, p["peak_allocated_bytes"], peak])
     del be
 print(json.dumps(out))

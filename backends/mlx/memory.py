@@ -271,8 +271,10 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
         # applied to the gathered rows (measured: 7.76 MB against 7.69 MB for the whole logits,
         # 4 x 64 tokens, every row a target)
         per_nv -= MLX_TARGET_HEAD_SAVING_NV
-    if s.objective != "sft" and PAIR_HEAD_WHOLE:
+    if s.objective != "sft":  # the pair step's head: no cross-entropy, so no one-hot cotangent
         per_nv = MLX_PAIR_LOGITS_PER_NV + (MLX_LOGITS_PER_NV_HALF if a == 2 else 0)
+        if s.target_head and not arch.final_softcap and not s.ckpt:
+            per_nv -= MLX_TARGET_HEAD_SAVING_NV
     logits = nt * V * per_nv
     if s.loss_chunk and s.loss_chunk < nt:
         # train.loss_chunk (backends/mlx/loss.py): one chunk's logits and cotangents at a time,
@@ -302,10 +304,14 @@ def activation_pieces(arch: ModelDesc, s: Setup, backward_layers: int) -> dict[s
             "ckpt_recompute": ckpt_recompute}
 
 
-# A preference step (finetune/planner/preference.py): chosen and rejected as one batch of 2P rows
-# through the model, the log-probs from every position's whole logits (log-softmax, then the
-# targets gathered), as on cuda; a precomputed reference's table kept as a numpy array (host).
-PAIR_HEAD_WHOLE = True
+# A preference step (finetune/planner/preference.py): a micro-batch of P pairs as one row, each
+# pair's prompt once (backends/mlx/shared_prompt.py: the chosen, then the rejected after the
+# prompt; attention segment by segment, priced as a packed row where the data's pair_positions
+# are known, else as 2P padded rows, the bound), the head on target positions only (log-softmax
+# of those rows, the targets gathered); a precomputed reference's table kept as a numpy array (host).
+PAIR_HEAD_WHOLE = False
+PAIR_PROMPT_ONCE = True
+UNPAIRED_HEAD_WHOLE = True  # KTO's rows (preference.py row_logps): every position's whole logits
 REFERENCE_TABLE_WHERE = "host"
 # The reference under LoRA is evaluated before the policy's graph (backends/mlx/preference.py
 # _reference: adapters off, mx.stop_gradient, mx.eval), so none of its logits is alive at the
@@ -313,12 +319,14 @@ REFERENCE_TABLE_WHERE = "host"
 # differentiated loss, in one graph with the policy's vjp, peaked higher by 0.88-1.20 x 4 B per
 # position and vocabulary entry; that is the constant to put here if the step ever does so.)
 MLX_REFERENCE_WITH_LOGITS_NV = 0
-# The pair step's head (backends/mlx/preference.py row_logps: fp32 logits, the targets' logits
-# gathered minus logsumexp, masked per row) holds less over [rows x positions, V] than the SFT
+# The pair step's head (backends/mlx/shared_prompt.py _logps, as preference.py row_logps: fp32
+# logits, the targets' logits gathered minus logsumexp, summed per row) holds less over [rows x positions, V] than the SFT
 # whole-logits path's MLX_LOGITS_PER_NV: no cross-entropy's [n, V] one-hot cotangent beside the
 # softmax. Measured (mx.get_peak_memory, 4 DPO LoRA steps, 35-37 tokens, V 512) against a plan
 # at 16: llama 4 pairs 5.8, llama 8 pairs 3.5, qwen3 8 pairs 4.2 B per position and vocabulary
-# entry over; the smallest whole-byte figure under all three is taken off.
+# entry over; the smallest whole-byte figure under all three is taken off. On target rows only
+# (shared_prompt.py) SFT's MLX_TARGET_HEAD_SAVING_NV comes off too: tests/test_preference_plan.py
+# then measures llama and qwen3 (4 pairs, 37 tokens) within 10% of the plan.
 MLX_PAIR_LOGITS_PER_NV = MLX_LOGITS_PER_NV - 4
 
 
@@ -335,7 +343,8 @@ def reference_pass(arch: ModelDesc, s: Setup) -> dict[str, int]:
     f = max(b.mlp_width for b in arch.blocks)
     nf = MLX_TRANSIENT_NF if arch.gated_mlp else MLX_PLAIN_TRANSIENT_NF
     layer = int((MLX_TRANSIENT_NH * n * h + nf * n * f) * a)
-    head = n * h * a + n * V * a + (n * V * 4 if a != 4 else 0) + n * V * 4
+    nt = s.head_rows(n)  # the pair step's head runs on target positions only (shared_prompt.py)
+    head = n * h * a + nt * V * a + (nt * V * 4 if a != 4 else 0) + nt * V * 4
     return {"layer": layer, "head": head, "transient": max(layer, head), "forward_end": 0,
             "with_logits": MLX_REFERENCE_WITH_LOGITS_NV * n * V}
 

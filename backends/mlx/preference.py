@@ -20,8 +20,16 @@ log-probability; the reference's come from
   objective.reference=precompute: TRL's ``precompute_ref_log_probs``, one fp32 number per
   sample keyed by ``Batch.indices``, as on cuda.
 
+Each pair micro-batch runs as one shared-prompt row (shared_prompt.py, inside ``_pairs``: each
+pair's prompt once, the head on target positions only), the reference pass and the policy's
+forward and backward alike; packed batches, KTO's rows and a model that cannot run it keep the
+padded rows (``row_logps``).
+
 The step runs uncompiled (train.compile leaves it as it is): the loss reads the reference as an
-input and the pair split as Python numbers, and a swap of layers would retrace a compiled graph.
+input and the pair split as Python numbers, a swap of layers would retrace a compiled graph, and
+the shared-prompt row's length changes with every micro-batch. Compiling the padded step's
+value_and_grad measured no faster on MLX's CPU backend (8 rows x 380 tokens, the tiny Qwen2 of
+benchmarks/vs_peers.py: 51.98 s compiled against 50.40 s; the step is matmul-bound there).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from mlx.utils import tree_map
 
 from finetune import objectives
 from finetune.objectives import PairSums, PairTerms, unpaired_labels
+from finetune.backends.mlx.shared_prompt import shared_rows
 
 
 def _wrapped(module: Any) -> Any:
@@ -98,6 +107,7 @@ class MlxPreference:
     _ref_logps: np.ndarray | None = None  # precompute_reference's table: sample id -> reference log-prob
     _pair_vg: Callable | None = None  # nn.value_and_grad of _pair_loss, built on first use
     _kto_vg: Callable | None = None  # nn.value_and_grad of _kto_loss, built on first use
+    _shared: Callable[[], mx.array] | None = None  # the micro-batch's shared-prompt log-probs, inside _pairs
 
     # provided by MlxBackend
     _arrays: Callable[[Batch], tuple[mx.array, mx.array]]
@@ -109,7 +119,8 @@ class MlxPreference:
         return bool(o.needs_reference and (o.reference == "precompute" or self.method == "full"))
 
     def _reference(self, batch: Batch, ids: mx.array, mask: mx.array) -> mx.array | None:
-        """[rows] the reference's summed log-probabilities, evaluated, or None (ORPO, SimPO)."""
+        """[rows] the reference's summed log-probabilities, evaluated, or None (ORPO, SimPO);
+        inside ``_pairs``, from the micro-batch's shared-prompt row."""
         if not self.spec.objective.needs_reference:
             return None
         if self._uses_table():
@@ -117,9 +128,40 @@ class MlxPreference:
                 raise RuntimeError("the reference log-probs were not precomputed before training")
             return mx.array(self._ref_logps[np.asarray(batch.indices)])
         with adapters_off(self.model):
-            ref = mx.stop_gradient(row_logps(self.model, ids, mask)[0])
+            ref = mx.stop_gradient(self._row_logps(ids, mask))
             mx.eval(ref)  # now, while the base is in place; its graph is freed here
+        if self._shared is not None:
+            mx.clear_cache()  # see _pairs
         return ref
+
+    def _row_logps(self, ids: mx.array, mask: mx.array) -> mx.array:
+        """[rows] summed log-probs of a micro-batch of interleaved pairs: inside ``_shared``,
+        each pair's prompt run once and the head on target positions only (shared_prompt.py);
+        else ``row_logps`` over the padded rows."""
+        return self._shared() if self._shared is not None else row_logps(self.model, ids, mask)[0]
+
+    @contextmanager
+    def _pairs(self, batch: Batch) -> Iterator[None]:
+        """Around a pair micro-batch's reference pass, forward and backward: its shared-prompt
+        row where the model allows it and the rows are not packed (``_row_logps`` reads it).
+
+        The buffers a shared-prompt row frees are released after its reference pass and after
+        its step (``mx.clear_cache``): the row is as long as its pairs (no ``pad_multiple``),
+        so they fit no later row (MLX reuses a cached buffer only of about the size asked), and
+        kept they only add to the process's memory. Measured on the tiny Qwen2 of
+        benchmarks/vs_peers.py (4 pairs of 350-380 tokens a step, MLX's CPU backend, cache limit
+        300 MiB as memory.cache_limit=auto sets it after step 1): peak RSS 885 MiB kept, 666 MiB
+        released (689 released after the reference pass only); the MLX peak 293 MiB either way."""
+        if batch.position_ids is not None or self.spec.objective.unpaired:
+            yield
+            return
+        with shared_rows(self.model, batch.input_ids, batch.loss_mask) as self._shared:
+            try:
+                yield
+            finally:
+                if self._shared is not None:
+                    mx.clear_cache()
+                self._shared = None
 
     def precompute_reference(self, batches: list[Batch], samples: int) -> int:
         """The reference log-probability of every sample, in passes over ``batches`` (the model
@@ -132,8 +174,10 @@ class MlxPreference:
         try:
             with adapters_off(self.model):  # none under method=full
                 for b in batches:
-                    logps = row_logps(self.model, *self._arrays(b))[0]
-                    mx.eval(logps)
+                    ids, mask = self._arrays(b)
+                    with self._pairs(b):  # each pair's prompt once, as the step runs it
+                        logps = self._row_logps(ids, mask)
+                        mx.eval(logps)
                     table[np.asarray(b.indices)] = np.array(logps)
         finally:
             self.model.train()
@@ -141,7 +185,7 @@ class MlxPreference:
         return int(table.nbytes)
 
     def _pair_terms(self, ids: mx.array, mask: mx.array, ref: mx.array | None) -> PairTerms:
-        logps, tokens = row_logps(self.model, ids, mask)
+        logps, tokens = self._row_logps(ids, mask), mask[:, 1:].sum(axis=1)
         rc, rr = (ref[0::2], ref[1::2]) if ref is not None else (None, None)
         return objectives.pair_terms(self.spec.objective, mx, logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
                                      rc, rr)
@@ -173,8 +217,9 @@ class MlxPreference:
         if self._pair_vg is None:
             self._pair_vg = nn.value_and_grad(self.model, self._pair_loss)
         vg = self._pair_vg
-        out = self._accumulate(lambda: vg(ids, mask, self._reference(batch, ids, mask), per_pair, per_chosen_token),
-                               on_phase)
+        with self._pairs(batch):
+            out = self._accumulate(lambda: vg(ids, mask, self._reference(batch, ids, mask), per_pair,
+                                              per_chosen_token), on_phase)
         return self._sums(*out)
 
     def _accumulate(self, run: Callable[[], tuple[Any, Any]], on_phase: PhaseHook | None) -> Any:
@@ -200,8 +245,10 @@ class MlxPreference:
         ids, mask = self._arrays(batch)
         self.model.eval()
         try:
-            out = self._pair_loss(ids, mask, self._reference(batch, ids, mask), per_pair, per_chosen_token)
-            mx.eval(out)
+            with self._pairs(batch):
+                out = self._pair_loss(ids, mask, self._reference(batch, ids, mask), per_pair,
+                                      per_chosen_token)
+                mx.eval(out)
         finally:
             self.model.train()
         return self._sums(*out)

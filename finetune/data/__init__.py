@@ -41,7 +41,7 @@ from finetune.backends.base import padded_length
 from finetune.data.cache import Ragged
 from finetune.data.batches import DataSource, fit_to_micro, pad_multiple, packed_steps
 from finetune.data.formats import load_records
-from finetune.data.pairs import PairSource, UnpairedSource
+from finetune.data.pairs import PairSource, UnpairedSource, pair_positions
 from finetune.data.tokens import TOKENIZE_CHUNK, Tokenized, prepare, record_char_cap, tokenize
 from finetune.errors import UserError
 from finetune.spec import RunSpec
@@ -116,6 +116,7 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
              "max_padded_tokens": padded_length(int(lens.max()), multiple, t.seq_len)}
     if pairs:  # a pair's two samples are rows of one micro-batch: the planner prices 2 rows a pair
         stats.update(pairs=len(src.lengths), train_pairs=len(src.train_idx), val_pairs=len(src.val_idx), rows_per_item=2)
+        stats["pair_positions"] = pair_positions(tok)  # the most a pair takes with its prompt run once (mlx)
     targets = tok.targets()
     if cap:
         # every packed micro-batch of the run's steps, as each rank packs its share of a step

@@ -73,6 +73,33 @@ def pair_counts(batch: Batch) -> tuple[int, int]:
     return len(batch.lengths) // 2, int(batch.loss_mask[0::2, 1:].sum())
 
 
+def prompt_split(ids_c: np.ndarray, mask_c: np.ndarray, ids_r: np.ndarray, mask_r: np.ndarray) -> tuple[int, int, int]:
+    """(p, n_c, n_r) of a pair: p its shared prompt, the positions before either sample's first
+    target where their tokens agree; n_c and n_r the positions each sample feeds the model (up
+    to its last target's predictor). The mlx pair step runs the pair as n_c + n_r - p positions
+    (backends/mlx/shared_prompt.py). ValueError for a sample without targets."""
+    tc, tr = np.flatnonzero(mask_c[1:]) + 1, np.flatnonzero(mask_r[1:]) + 1  # target columns
+    if not len(tc) or not len(tr):
+        raise ValueError("a sample without targets")
+    p = int(min(tc[0], tr[0]))
+    differ = np.flatnonzero(np.asarray(ids_c[:p]) != np.asarray(ids_r[:p]))
+    return (int(differ[0]) if len(differ) else p), int(tc[-1]), int(tr[-1])
+
+
+def pair_positions(tok: Tokenized) -> int:
+    """The most positions any pair takes with its prompt run once (``prompt_split``): where the
+    backend shares prompts (mlx), a micro-batch of P pairs runs at most P times this many
+    positions through the model, which the planner prices (0 where a sample has no target)."""
+    most = 0
+    for i in range(0, len(tok.ids) - 1, 2):
+        try:
+            p, n_c, n_r = prompt_split(tok.ids[i], tok.masks[i], tok.ids[i + 1], tok.masks[i + 1])
+        except ValueError:
+            return 0
+        most = max(most, n_c + n_r - p)
+    return most
+
+
 def stats(src: PairSource, tok: Tokenized) -> dict[str, Any]:
     """The pair counts ``build``'s stats add."""
     return {"pairs": len(src.lengths), "train_pairs": len(src.train_idx), "val_pairs": len(src.val_idx)}

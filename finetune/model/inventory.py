@@ -103,6 +103,10 @@ class Setup:
     pair_rows: int = 1
     reference_choice: str = ""
     pairs_total: int = 0
+    # the most positions a pair takes through the model where the backend runs each pair's
+    # prompt once (mlx: memory model PAIR_PROMPT_ONCE), from the data (finetune/data/pairs.py
+    # pair_positions); 0: unknown, its two padded rows the bound
+    pair_positions: int = 0
 
     @property
     def effective_batch(self) -> int:

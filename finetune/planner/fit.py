@@ -653,7 +653,8 @@ def _packing(spec: RunSpec, s: Setup, arch: ModelDesc, state: Any) -> dict[str, 
 def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = None,
          recommend: bool = True, state: Any = None, head_fraction: float | None = None,
          pair_span: float | None = None, row_targets: int | None = None, longest: int | None = None,
-         step_widths: tuple[int, ...] = (), needs: bool | None = None, pairs: int | None = None) -> Plan:
+         step_widths: tuple[int, ...] = (), needs: bool | None = None, pairs: int | None = None,
+         pair_positions: int | None = None) -> Plan:
     """Predict a run's memory without loading weights (the content of plan.json).
 
     Args:
@@ -674,6 +675,9 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
         step_widths: the padded widths of the run's first steps, from the data: the caching
             allocator's replay runs them at their own shapes (step 2's leap over step 1).
         pairs: a preference run's pairs, from the data (a precomputed reference's table).
+        pair_positions: a preference run's most positions a pair takes with its prompt run
+            once, from the data (``finetune.data.pairs.pair_positions``); None: its two padded
+            rows, the bound.
 
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
@@ -681,6 +685,7 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
     arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
     s.step_widths = tuple(int(w) for w in step_widths)
     s.pairs_total = int(pairs or 0)
+    s.pair_positions = int(pair_positions or 0)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)

@@ -10,6 +10,9 @@ model saying what its framework holds:
   (``rows_setup``); where the backend's preference step computes the log-probs over every
   position's whole logits (the memory model's ``PAIR_HEAD_WHOLE``), the target-only head does
   not apply to it; ``train.loss_chunk`` never applies to a pair step, and is priced as not applied;
+  where it runs each pair's prompt once (``PAIR_PROMPT_ONCE``: mlx, backends/mlx/shared_prompt.py)
+  and the data's most positions a pair takes are known (``Setup.pair_positions``), a micro-batch
+  is priced as the one packed row of at most P x that many positions it runs as;
 - the reference under LoRA/DoRA/QLoRA (objective.reference=auto): a no-grad forward of the same
   rows with the adapters off, run after the policy's forward while its saved activations and
   log-probs are alive; it keeps nothing but its [rows] log-probs, so it adds a transient: one
@@ -42,8 +45,18 @@ def rows_setup(s: Setup) -> Setup:
     if s.pair_rows == 1 and s.objective == "sft":
         return s
     kw: dict[str, Any] = {"batch": s.rows, "pair_rows": 1, "loss_chunk": 0}  # a pair step never chunks its head
-    if getattr(memory_model(s.backend), "PAIR_HEAD_WHOLE", True):
+    mm = memory_model(s.backend)
+    if getattr(mm, "PAIR_HEAD_WHOLE", True) or (s.pair_rows == 1 and getattr(mm, "UNPAIRED_HEAD_WHOLE", False)):
         kw.update(target_head=False)
+    T = s.seq_len - 1
+    if getattr(mm, "PAIR_PROMPT_ONCE", False) and s.pair_rows == 2 and s.pair_positions and not s.packed:
+        # each pair's prompt once: the micro-batch is one row of at most P x pair_positions
+        # positions, its attention segment by segment (none wider than T), so priced as a packed
+        # row; its targets (head_fraction of the padded rows' positions) are a larger share of it
+        n = s.batch * s.pair_positions
+        if n < s.rows * T:
+            kw.update(batch=1, seq_len=n + 1, packed=True, pair_span=T, longest_sample=T,
+                      target_fraction=min(1.0, s.target_fraction * s.rows * T / n))
     return replace(s, **kw)
 
 
@@ -100,7 +113,7 @@ def section(arch: ModelDesc, s: Setup, core: Any) -> dict[str, Any]:
     return {
         "objective": s.objective,
         "pairs_per_micro_batch": s.batch,
-        "rows_per_micro_batch": rs.batch,  # chosen and rejected through the model as one batch
+        "rows_per_micro_batch": s.rows,  # chosen and rejected through the model as one batch
         "head_on_every_position": not rs.target_head,
         # the head's logits, log-softmax and their gradients for the log-prob gathers (the plan's logits)
         "logprob_gather_bytes": core["bytes"]["logits"],

@@ -489,6 +489,7 @@ class Trainer:
             self.plan: Plan | None = planner.plan(self.spec, seq_len=self._step_max_len, state=self.governor.state,
                                                   head_fraction=self.governor.head_fraction,
                                                   pairs=self.data_stats.get("pairs"),  # a reference table's size
+                                                  pair_positions=self.data_stats.get("pair_positions"),
                                                   **(self._step_rows or {"pair_span": self.governor.pair_span}))
             self.plan_error: dict[str, Any] | None = planner.plan_error(self.plan, sample.get("census"), sample)
         except Exception as e:  # calibration is a report, never a reason to stop training
