@@ -189,30 +189,42 @@ class _PackedCache:
         return keys, values
 
 
-def _per_sample(original: Any) -> Any:
-    """mlx-lm's ``scaled_dot_product_attention`` (models/base.py) for a packed row: each sample's
-    queries, keys and values through ``mx.fast.scaled_dot_product_attention`` alone, causal (a
-    window's mask where the sample is longer than the layer's window), so no [N, N] mask or
-    score exists for pairs of different samples; anything else goes to ``original``."""
+def segment_sdpa(original: Any, cache_type: type, segments: Any) -> Any:
+    """mlx-lm's ``scaled_dot_product_attention`` (models/base.py) run segment by segment where
+    the layer's cache is a ``cache_type`` and its mask a ``_SampleMask``: ``segments(cache,
+    queries, keys, values, mask)`` yields each segment's (queries, keys, values, mask), each
+    through ``mx.fast.scaled_dot_product_attention`` alone, concatenated along the positions;
+    anything else goes to ``original``."""
 
     def sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any = None, scale: float = 1.0,
              mask: Any = None, **kw: Any) -> mx.array:
-        if not (isinstance(cache, _PackedCache) and isinstance(mask, _SampleMask)):
+        if not (isinstance(cache, cache_type) and isinstance(mask, _SampleMask)):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
-        cache.sample_calls += 1
         sinks = kw.get("sinks")
         extra = {} if sinks is None else {"sinks": sinks}
-        outs = []
-        for s, e in cache.spans:
-            m: Any = "causal"
-            if mask.window and e - s > mask.window:
-                i = mx.arange(e - s)
-                m = (i[:, None] >= i[None, :]) & (i[:, None] < i[None, :] + mask.window)
-            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, s:e], keys[:, :, s:e], values[:, :, s:e],
-                                                             scale=scale, mask=m, **extra))
+        outs = [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m, **extra)
+                for q, k, v, m in segments(cache, queries, keys, values, mask)]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
     return sdpa
+
+
+def _sample_segments(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> Iterator[Any]:
+    """A packed row's samples: each sample's queries over its own keys, causal (a window's mask
+    where the sample is longer than the layer's window), so no [N, N] mask or score exists for
+    pairs of different samples."""
+    cache.sample_calls += 1
+    for s, e in cache.spans:
+        m: Any = "causal"
+        if mask.window and e - s > mask.window:
+            i = mx.arange(e - s)
+            m = (i[:, None] >= i[None, :]) & (i[:, None] < i[None, :] + mask.window)
+        yield queries[:, :, s:e], keys[:, :, s:e], values[:, :, s:e], m
+
+
+def _per_sample(original: Any) -> Any:
+    """``scaled_dot_product_attention`` for a packed row: sample by sample (``_sample_segments``)."""
+    return segment_sdpa(original, _PackedCache, _sample_segments)
 
 
 def _model_modules(model: nn.Module) -> list[Any]:

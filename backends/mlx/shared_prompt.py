@@ -39,7 +39,8 @@ import numpy as np
 from mlx import nn
 
 from finetune.data.pairs import prompt_split
-from finetune.backends.mlx.loss import _head_applies, _model_modules, _PackedRoPE, _SampleMask, output_head
+from finetune.backends.mlx.loss import (_head_applies, _model_modules, _PackedRoPE, _SampleMask, output_head,
+                                        segment_sdpa)
 
 log = logging.getLogger("finetune")
 
@@ -68,35 +69,30 @@ class _TreeCache:
         return keys, values
 
 
+def _tree_segments(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, mask: Any) -> Iterator[Any]:
+    """A shared-prompt row's segments: each segment's queries over its keys (the rejected
+    segment's: its prompt's keys, then its own), causal, a window applied from the positions
+    where the layer has one."""
+    cache.calls += 1
+    for s, e, prompt in cache.spans:
+        k, v = keys[:, :, s:e], values[:, :, s:e]
+        kpos = cache.positions[s:e]
+        if prompt is not None:
+            ps, pe = prompt
+            k = mx.concatenate([keys[:, :, ps:pe], k], axis=2)
+            v = mx.concatenate([values[:, :, ps:pe], v], axis=2)
+            kpos = np.concatenate([cache.positions[ps:pe], kpos])
+        m: Any = "causal"
+        if mask.window and kpos[-1] - kpos[0] >= mask.window:
+            q = cache.positions[s:e]
+            m = mx.array((q[:, None] >= kpos[None]) & (q[:, None] < kpos[None] + mask.window))
+        yield queries[:, :, s:e], k, v, m
+
+
 def _tree_sdpa(original: Any) -> Any:
-    """mlx-lm's ``scaled_dot_product_attention`` for a shared-prompt row: each segment's queries
-    over its keys (the rejected segment's: its prompt's keys, then its own), causal, a window
-    applied from the positions where the layer has one; anything else goes to ``original``."""
-
-    def sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any = None, scale: float = 1.0,
-             mask: Any = None, **kw: Any) -> mx.array:
-        if not (isinstance(cache, _TreeCache) and isinstance(mask, _SampleMask)):
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
-        cache.calls += 1
-        sinks = kw.get("sinks")
-        extra = {} if sinks is None else {"sinks": sinks}
-        outs = []
-        for s, e, prompt in cache.spans:
-            k, v = keys[:, :, s:e], values[:, :, s:e]
-            kpos = cache.positions[s:e]
-            if prompt is not None:
-                ps, pe = prompt
-                k = mx.concatenate([keys[:, :, ps:pe], k], axis=2)
-                v = mx.concatenate([values[:, :, ps:pe], v], axis=2)
-                kpos = np.concatenate([cache.positions[ps:pe], kpos])
-            m: Any = "causal"
-            if mask.window and kpos[-1] - kpos[0] >= mask.window:
-                q = cache.positions[s:e]
-                m = mx.array((q[:, None] >= kpos[None]) & (q[:, None] < kpos[None] + mask.window))
-            outs.append(mx.fast.scaled_dot_product_attention(queries[:, :, s:e], k, v, scale=scale, mask=m, **extra))
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-
-    return sdpa
+    """mlx-lm's ``scaled_dot_product_attention`` for a shared-prompt row (``_tree_segments``);
+    anything else goes to ``original``."""
+    return segment_sdpa(original, _TreeCache, _tree_segments)
 
 
 @contextmanager
