@@ -82,8 +82,12 @@ class CudaPreference:
     def _pair_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``_row_logps`` of a micro-batch of interleaved pairs: each pair's prompt run once
         (backends/cuda/shared_prompt.py) where the model allows it and the rows are not packed,
-        else the padded rows."""
-        if batch.position_ids is None and not self.spec.objective.unpaired and shared_prompt.applies(
+        else the padded rows. Not where the reference is a precomputed table: its passes batch
+        the pairs otherwise than the steps, and a pair's row is as wide as its micro-batch's
+        widest, whose masked keys move its sums by rounding (at step 1 a reward of ~1e-8 rather
+        than 0 flips rewards/accuracies); the adapters-off reference runs the step's own rows."""
+        if batch.position_ids is None and not self.spec.objective.unpaired and not self._uses_table() \
+                and shared_prompt.applies(
                 self.model, lambda i, m: self._logps_of(i, m)[0], self._shared_logps) is None:
             got = self._shared_logps(batch.input_ids, batch.loss_mask)
             if got is not None:
