@@ -41,6 +41,7 @@ LAZY_FRAMEWORK_MODULES = {
     "finetune.backends.cuda.measure": "torch: the cuda allocator's figures",
     "finetune.backends.cuda.offload": "torch: train.activation_offload's saved-tensor hooks, used by the cuda runtime",
     "finetune.backends.cuda.preference": "torch: the cuda preference step (objective=dpo|orpo|simpo)",
+    "finetune.backends.cuda.shared_prompt": "torch: a pair micro-batch's log-probs with each prompt run once, in the cuda preference step",
     "finetune.backends.cuda.sharded_load": "torch, accelerate: fsdp's sharded load, used by the cuda runtime under FSDP",
     "finetune.backends.mlx.runtime": "mlx, mlx_lm: the mlx runtime, loaded by get_backend",
     "finetune.backends.mlx.loss": "mlx: the mlx loss, used by the mlx runtime once a model is set up",

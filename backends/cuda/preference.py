@@ -27,7 +27,9 @@ import torch
 
 from finetune import objectives
 from finetune.backends.base import Batch, OutOfMemory
+from finetune.backends.cuda import shared_prompt
 from finetune.backends.cuda.loss import _body, _head_applies, head_call, output_head
+from finetune.data.pair_layout import Layout
 from finetune.objectives import PairSums, PairTerms, unpaired_labels
 
 
@@ -52,8 +54,12 @@ class CudaPreference:
         body, its hidden states at the targets gathered, the head on those), the same numbers
         as the head on every position, where the model's logits are its head applied to its
         hidden states (checked once per model); else on every position."""
-        ids = self._to_device(batch.input_ids, np.int64)
-        mask = self._to_device(batch.loss_mask, np.float32)[:, 1:]
+        return self._logps_of(batch.input_ids, batch.loss_mask)
+
+    def _logps_of(self, ids_np: np.ndarray, mask_np: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_row_logps`` of the padded rows ``ids_np`` with their loss mask ``mask_np``."""
+        ids = self._to_device(ids_np, np.int64)
+        mask = self._to_device(mask_np, np.float32)[:, 1:]
         if not _head_applies(self.model, ids, None, self._autocast):
             with self._autocast():
                 logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1]
@@ -73,6 +79,49 @@ class CudaPreference:
             0, (at // width).to(picked.device), picked)
         return sums.to(mask.device), mask.sum(dim=1)
 
+    def _pair_logps(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_row_logps`` of a micro-batch of interleaved pairs: each pair's prompt run once
+        (backends/cuda/shared_prompt.py) where the model allows it and the rows are not packed,
+        else the padded rows. Not where the reference is a precomputed table: its passes batch
+        the pairs otherwise than the steps, and a pair's row is as wide as its micro-batch's
+        widest, whose masked keys move its sums by rounding (at step 1 a reward of ~1e-8 rather
+        than 0 flips rewards/accuracies); the adapters-off reference runs the step's own rows."""
+        if batch.position_ids is None and not self.spec.objective.unpaired and not self._uses_table() \
+                and shared_prompt.applies(
+                self.model, lambda i, m: self._logps_of(i, m)[0], self._shared_logps) is None:
+            got = self._shared_logps(batch.input_ids, batch.loss_mask)
+            if got is not None:
+                return got, self._to_device(batch.loss_mask, np.float32)[:, 1:].sum(dim=1)
+        return self._row_logps(batch)
+
+    def _shared_logps(self, ids_np: np.ndarray, mask_np: np.ndarray) -> torch.Tensor | None:
+        """[rows] each row's summed target log-probs (fp32) from one shared-prompt row of the
+        interleaved pairs ``ids_np`` (the head on the targets only); None where a row has no
+        target or the head is not the body's output as loss.py applies it."""
+        try:
+            lay = Layout(np.asarray(ids_np), np.asarray(mask_np))
+        except ValueError:
+            return None
+        if not lay.shared:  # no prompt to share: the padded rows
+            return None
+        rows = shared_prompt.PairRows(lay)
+        ids = self._to_device(rows.ids, np.int64)
+        if not _head_applies(self.model, ids, None, self._autocast):
+            return None
+        hook = output_head(self.model)
+        impl = str(getattr(shared_prompt._config(self.model), "_attn_implementation", "sdpa"))
+        dtype = next(self.model.parameters()).dtype
+        mask = rows.mask(impl, dtype if dtype.is_floating_point else torch.float32).to(ids.device)
+        pos = self._to_device(rows.positions, np.int64)
+        hidden = _body(self.model, hook, ids, mask, self._autocast, pos)
+        at = torch.from_numpy(rows.gather).to(hidden.device)
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
+        with self._autocast():
+            logits = head_call(self.model, hook)(flat)
+        targets = torch.from_numpy(lay.targets.astype(np.int64)).to(logits.device)
+        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return torch.from_numpy(lay.weights).to(picked.device) @ picked
+
     def _uses_table(self) -> bool:
         o = self.spec.objective
         return o.needs_reference and (o.reference == "precompute" or self.spec.method.name == "full")
@@ -86,7 +135,7 @@ class CudaPreference:
                 raise RuntimeError("the reference log-probs were not precomputed before training")
             return torch.from_numpy(self._ref_logps[np.asarray(batch.indices)]).to(self.device_of_loss())
         with torch.no_grad(), self.model.disable_adapter():
-            return self._row_logps(batch)[0]
+            return self._pair_logps(batch)[0]
 
     def device_of_loss(self) -> torch.device:
         return next(p for p in self.model.parameters()).device
@@ -105,14 +154,14 @@ class CudaPreference:
                     else contextlib.nullcontext()
                 with off:
                     for b in batches:
-                        table[np.asarray(b.indices)] = self._row_logps(b)[0].cpu().numpy()
+                        table[np.asarray(b.indices)] = self._pair_logps(b)[0].cpu().numpy()
         finally:
             self.model.train()
         self._ref_logps = table
         return int(table.nbytes)
 
     def _terms(self, batch: Batch) -> tuple[PairTerms, torch.Tensor]:
-        logps, tokens = self._row_logps(batch)
+        logps, tokens = self._pair_logps(batch)
         ref = self._reference(batch)
         rc, rr = (ref[0::2], ref[1::2]) if ref is not None else (None, None)
         terms = objectives.pair_terms(self.spec.objective, torch, logps[0::2], logps[1::2], tokens[0::2], tokens[1::2],
