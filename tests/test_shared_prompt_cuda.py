@@ -10,18 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import make_spec, needs_torch
+from test_shared_prompt import PAIRS, _pairs  # the same pairs as the mlx row's test
 
 pytestmark = [needs_torch]
-
-PAIRS = 4
-
-
-def _pairs(n: int) -> list[dict]:
-    """Prompts and completions of different lengths, the rejected longer in some pairs."""
-    return [{"prompt": f"Question {i}:" + " how much is it" * (i % 3) + f" {i} + {i}?\nAnswer:\n",
-             "chosen": f"{i} + {i} = {2 * i}" + " so" * (i % 2) + f"\n#### {2 * i}",
-             "rejected": f"It is {2 * i + 1}" + " surely" * (i % 4)} for i in range(1, PAIRS + 1)]
-
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])  # qwen2: the default tiny model
 def case(request: Any, tmp_path_factory: Any) -> tuple[Any, Any]:
