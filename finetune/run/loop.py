@@ -26,6 +26,7 @@ from finetune.run import files as checkpoints
 from finetune.backends import OutOfMemory, resolve_backend_name
 from finetune.backends.base import Batch, Comm, PairBackend, pack, pack_figures
 from finetune.backends.runtimes import get_backend
+from finetune.run.directory import several_ranks
 from finetune.run.checkpoint import Checkpointer, data_identity, runlog_failed  # noqa: F401 (data_identity: its old home)
 from finetune.data.batches import rank_slice
 from finetune.data.pairs import PairSource, UnpairedSource, pair_counts
@@ -621,8 +622,12 @@ def train(spec: RunSpec) -> dict[str, Any]:
     trainer = Trainer(spec)
     try:
         try:
-            trainer.connect()  # the backend, and the launcher's ranks if several were started
-            trainer.claim()  # the lock and the checks that need no model
+            if several_ranks():  # the ranks agree on one run dir first: rank 0's is claimed
+                trainer.connect()  # the backend, and the launcher's ranks
+                trainer.claim()  # the lock and the checks that need no model, agreed by every rank
+            else:  # one process: its checks need no framework, so a refused run imports none
+                trainer.claim()
+                trainer.connect()
             if spec.eval.tasks:  # an unknown task or an unreachable data set: refused before training
                 evaluate.check_tasks(spec)
             with trainer.runlog:  # closed on every way out: finished, failed, stopped by a signal
