@@ -105,6 +105,13 @@ def test_two_ranks_train_the_one_process_losses(runs, family: str) -> None:
     assert [s["grad_norm"] for s in got] == pytest.approx([s["grad_norm"] for s in ref], rel=1e-5)
     assert [s["tokens"] for s in got] == [s["tokens"] for s in ref]
     assert "2 ranks (fsdp)" in d["stderr"]
+    # the adapter rank 0 wrote (its trainable weights alone gathered from the shards) holds the
+    # one-process adapter's keys and weights
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (d["one"], d["two"]))
+    assert sorted(a) == sorted(b) and a
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 
 @pytest.mark.parametrize("family", list(RUNS))
