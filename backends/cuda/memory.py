@@ -68,6 +68,15 @@ NCCL_BUFFERS_BYTES = 2 * 16 * (4 * MIB + 4608 * 1024 + 256 * 1024)
 # 1.54 GiB at its end, its weights on the GPU and its checkpoint files closed).
 HOST_BASE_CPU_BYTES = 453 * MIB
 HOST_BASE_CUDA_BYTES = 1577 * MIB
+# What the libraries take on the host at a run's first steps beyond the weights and state (their
+# first use: kernels' and autograd's buffers, gloo's), on the CPU: the RSS growth from just
+# before the load to after the last of 3-5 steps, the C heap trimmed, of two gloo ranks of
+# FSDP whose shards and state are under 1 MiB (tests/dist_scripts/torch_rank_memory.py, this
+# box, Dec 6 2026): tiny lora 22, tiny qlora 23, tiny Llama qlora 24, tiny Mixtral qlora 26-27
+# MiB per rank; the median. Priced where it was measured, FSDP with cpu_offload on the CPU
+# (the other CPU plans, the golden ones among them, are as they were): section 4 of
+# benchmarks/results/fsdp_sharded_load_cpu.txt.
+HOST_FIRST_STEPS_CPU_BYTES = 24 * MIB
 CUDA_ALLOC_ROUND = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
 
 
@@ -645,8 +654,9 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
             if s.cpu_offload:
                 out[-1].update(host_offload.device_peaks(dev, moved))
         else:
+            first_use = HOST_FIRST_STEPS_CPU_BYTES if s.cpu_offload else 0
             for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
-                host = host_base + alloc + (file_bytes if name == "load" else off)
+                host = host_base + alloc + (file_bytes if name == "load" else off + first_use)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
                                 "host_bytes": host}
             moved = host_offload.host_bytes(held, s, mm)  # on the CPU already in the host's figures
