@@ -30,4 +30,8 @@ for r in (0, 1):
           f"to the run's peak {mib(summary['ranks'][r]['peak_rss'] - b)}, after the last step {mib(d['rss_after_step'] - b)}, "
           f"after it with malloc_trim {mib(d['rss_after_step_trimmed'] - b)}, to the adapter save's peak "
           f"{mib(d['peak_rss_save'] - b)} (the save itself: {mib(d['peak_rss_save'] - d['rss_before_save'])})")
+plan = (summary.get("plan_error_run") or {}).get("peak_host") or {}
+if plan.get("predicted"):
+    print(f"the run's plan: host peak {mib(plan['predicted'])} (growth over its process base of 453 MiB "
+          f"{mib(plan['predicted'] - 453 * 2**20)}); rank 0's measured peak RSS {mib(plan['measured'])}")
 PY

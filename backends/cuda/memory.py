@@ -537,7 +537,19 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         "reduce_scatter": {"bytes": unit_reduce, "phase": "forward_backward"},
         # backend.cpu_offload: a unit's shards and sharded gradients, copied to and from the host
         **host_offload.copy_buffer(tensors, s, sys.modules[__name__]),
+        **(_gloo_temporaries(root, layer, unit_reduce) if s.device != "cuda" else {}),
     }
+
+
+def _gloo_temporaries(root: int, layer: int, unit_reduce: int) -> dict[str, dict[str, Any]]:
+    """On the CPU the ranks' process group is gloo's, whose collectives copy where NCCL's work in
+    place (seen live on the 110M Qwen2, benchmarks/results/fsdp_sharded_load_cpu.txt section 3):
+    all_gather_into_tensor (ProcessGroupGloo::_allgather_base) gathers into a flat temporary of
+    the whole output and copies out of it, one unit's beside the all_gather buffer (a layer's;
+    at the root's own gather, before any layer's is alive, the root's), and
+    reduce_scatter_tensor clones its whole input before an all-reduce."""
+    return {"gloo_all_gather_flat": {"bytes": max(layer, root - 2 * layer), "phase": "forward_backward"},
+            "gloo_reduce_scatter_copy": {"bytes": unit_reduce, "phase": "forward_backward"}}
 
 
 # ---- the phases: allocated, reserved, the device level and the host ---------------------------------
