@@ -31,8 +31,9 @@ MODES = ("off", "on", "always")
 
 def one_run(mode: str, overrides: list[str]) -> None:
     """This process: one run with the trim as ``mode`` says."""
-    from finetune.accounting.probes import HostHeapTrim
     from finetune.backends.cuda.runtime import CudaBackend
+
+    from finetune.accounting.probes import HostHeapTrim
     from finetune.run import loop
 
     class Forced(CudaBackend):
@@ -57,7 +58,7 @@ def measure(mode: str, overrides: list[str], out: Path) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRIMS_FILE": f"{out}.trims",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, __file__, "--one", mode, *COMMON, *overrides, f"hydra.run.dir={out}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     if r.returncode != 0:
         sys.exit(r.stderr[-3000:])
     steps = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.startswith('{"step"')]

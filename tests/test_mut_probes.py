@@ -127,7 +127,10 @@ def test_host_heap_trim_hands_back_what_a_step_left_and_nothing_else() -> None:
     libc.free.argtypes = [ctypes.c_void_p]
     libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
     libc.malloc_trim(0)  # from a heap with nothing free resident: what the blocks touch is new
-    rss = lambda: SystemProbe().read()["rss"]  # noqa: E731
+
+    def rss() -> int:
+        return SystemProbe().read()["rss"]
+
     mib = 1 << 20
     trim = HostHeapTrim()
     blocks = [libc.malloc(mib) for _ in range(65)]
