@@ -108,3 +108,44 @@ def test_in_a_container_the_one_process_listed_is_this_one(monkeypatch: pytest.M
     assert _nvml(monkeypatch, {777777: 3 << 30})["process_used"] == 3 << 30
     two = _nvml(monkeypatch, {777777: 3 << 30, 888888: 1 << 30})  # which one is us: unknown
     assert two["process_used"] is None and two["other_processes_used"] is None
+
+
+@linux
+def test_host_heap_trim_hands_back_what_a_step_left_and_nothing_else() -> None:
+    """A "step" of 64 1-MiB C allocations, touched and freed below a live one, stays resident
+    (glibc keeps free heap chunks mapped under its mmap threshold, 32 MiB as lean_host_heap
+    leaves it); HostHeapTrim hands it back after that step, and does nothing after a step that
+    left less than its minimum."""
+    import ctypes
+
+    from finetune.accounting.probes import _M_MMAP_THRESHOLD, HostHeapTrim
+
+    libc = probes._libc()
+    if libc is None:
+        pytest.skip("not glibc")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    libc.malloc_trim(0)  # from a heap with nothing free resident: what the blocks touch is new
+
+    def rss() -> int:
+        return SystemProbe().read()["rss"]
+
+    mib = 1 << 20
+    trim = HostHeapTrim()
+    blocks = [libc.malloc(mib) for _ in range(65)]
+    for b in blocks:
+        ctypes.memset(b, 1, mib)
+    keep = blocks.pop()  # the last, above the rest: their space is no free top the heap shrinks by itself
+    for b in blocks:
+        libc.free(b)
+    before = rss()
+    assert trim.after_step() and trim.trims == 1
+    assert before - rss() >= 48 * mib, (before, rss())
+    small = [libc.malloc(mib) for _ in range(4)]  # a step that leaves 4 MiB: under the minimum
+    for b in small:
+        ctypes.memset(b, 1, mib)
+    for b in small:
+        libc.free(b)
+    assert not trim.after_step() and trim.trims == 1
+    libc.free(keep)

@@ -60,14 +60,24 @@ def _expected_fsdp(tmp_path: Path, n: int, *over: str) -> dict:
         return 4 if s.autocast else t.dtype_bytes
 
     layer_gather = max(sum(_padded(t, n) * unsharded(t) for t in ts) for k, ts in units.items() if k is not None)
-    return {
+    root_gather = sum(_padded(t, n) * unsharded(t) for t in units[None])
+    out = {
         "weights": sum(_local(t, n) * t.dtype_bytes for t in inv),
         "grads": sum(_local(t, n) * t.dtype_bytes for t in trainable),
         "optimizer_state": 2 * sum(_local(t, n) * t.dtype_bytes for t in trainable),  # adamw: exp_avg, exp_avg_sq
-        "all_gather": sum(_padded(t, n) * unsharded(t) for t in units[None]) + 2 * layer_gather,
+        "all_gather": root_gather + 2 * layer_gather,
         "unsharded_grads": max(sum(t.numel * unsharded(t) for t in ts if t.trainable) for ts in units.values()),
         "reduce_scatter": max(sum(_padded(t, n) * reduced(t) for t in ts if t.trainable) for ts in units.values()),
     }
+    buffers = ["all_gather", "unsharded_grads", "reduce_scatter"]
+    if s.device != "cuda":
+        # gloo's copies (a plan without a GPU, on this box too): the all-gather's flat temporary
+        # of the unit it gathers beside the all_gather buffer, the reduce-scatter's input cloned
+        out["gloo_all_gather_flat"] = max(layer_gather, root_gather - 2 * layer_gather)
+        out["gloo_reduce_scatter_copy"] = out["reduce_scatter"]
+        buffers += ["gloo_all_gather_flat", "gloo_reduce_scatter_copy"]
+    out["buffers"] = {k: out[k] for k in buffers}
+    return out
 
 
 def _peak_allocated(tmp_path: Path, p: dict, *over: str) -> int:
@@ -106,8 +116,7 @@ def test_fsdp_7b_over_8_ranks_holds_an_eighth_plus_the_largest_units_buffers(tmp
         assert fsdp["bytes"][k] == want[k], k
     # Llama-2-7B's first dims (4096, 11008, 32000) all divide by 8: exactly an eighth, no padding
     assert 8 * _state(fsdp) == _state(ddp)
-    assert {k: v["bytes"] for k, v in fsdp["collective_buffers"].items()} == {
-        k: want[k] for k in ("all_gather", "unsharded_grads", "reduce_scatter")}
+    assert {k: v["bytes"] for k, v in fsdp["collective_buffers"].items()} == want["buffers"]
     # one rank's micro-batch: activations and logits as the replicated plan's
     assert fsdp["bytes"]["activations"] == ddp["bytes"]["activations"]
     assert fsdp["bytes"]["logits"] == ddp["bytes"]["logits"]
@@ -119,7 +128,7 @@ def test_fsdp_7b_over_8_ranks_holds_an_eighth_plus_the_largest_units_buffers(tmp
     assert pr["strategy"] == "fsdp" and pr["world_size"] == 8 and pr["ranks_identical"] is True
     assert [r["rank"] for r in pr["ranks"]] == list(range(8))
     assert all(r["peak_bytes"] == fsdp["peak_bytes"] == fsdp["max_device_peak_bytes"] for r in pr["ranks"])
-    assert pr["ranks"][0]["buffers"] == {k: want[k] for k in ("all_gather", "unsharded_grads", "reduce_scatter")}
+    assert pr["ranks"][0]["buffers"] == want["buffers"]
     assert pr["overall"]["peak_bytes"] == 8 * fsdp["peak_bytes"]
     assert pr["overall"]["weights"] == ddp["bytes"]["weights"]
 
@@ -132,8 +141,7 @@ def test_fsdp_uneven_shards_round_up_per_parameter(tmp_path: Path) -> None:
         assert p["bytes"][k] == want[k], k
     one = _plan(tmp_path, "backend=cuda", "backend.device=cuda", "method=full")
     assert 3 * p["bytes"]["weights"] > one["bytes"]["weights"]  # tiny's 64-wide dims do not divide by 3
-    assert {k: v["bytes"] for k, v in p["collective_buffers"].items()} == {
-        k: want[k] for k in ("all_gather", "unsharded_grads", "reduce_scatter")}
+    assert {k: v["bytes"] for k, v in p["collective_buffers"].items()} == want["buffers"]
     assert p["peak_allocated_bytes"] == _peak_allocated(tmp_path, p, *over)
 
 
@@ -146,7 +154,7 @@ def test_fsdp_lora_shards_the_frozen_base_too(tmp_path: Path) -> None:
     assert p["bytes"]["grads"] == want["grads"] and 4 * p["bytes"]["grads"] == one["bytes"]["grads"]
     assert p["bytes"]["optimizer_state"] == want["optimizer_state"]
     bufs = {k: v["bytes"] for k, v in p["collective_buffers"].items()}
-    assert bufs == {k: want[k] for k in ("all_gather", "unsharded_grads", "reduce_scatter")}
+    assert bufs == want["buffers"]
     # fp32 adapters (PEFT's autocast_adapter_dtype) gathered and reduced in fp32; r=8 and 4096 divide by 4
     assert bufs["reduce_scatter"] == bufs["unsharded_grads"] > 0
     assert p["peak_allocated_bytes"] == _peak_allocated(tmp_path, p, *over)
@@ -157,8 +165,7 @@ def test_fsdp_under_autocast_gathers_in_bf16_and_reduces_in_fp32(tmp_path: Path)
             "backend.num_devices=2")
     p = _plan(tmp_path, *over)
     want = _expected_fsdp(tmp_path, 2, *over)
-    assert {k: v["bytes"] for k, v in p["collective_buffers"].items()} == {
-        k: want[k] for k in ("all_gather", "unsharded_grads", "reduce_scatter")}
+    assert {k: v["bytes"] for k, v in p["collective_buffers"].items()} == want["buffers"]
     arch, s = planner.resolve(make_spec(tmp_path, *over))
     inv = planner.inventory(arch, s)
     assert s.weight_dtype == "float32" and s.compute_dtype == "bfloat16"

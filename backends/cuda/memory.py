@@ -68,6 +68,15 @@ NCCL_BUFFERS_BYTES = 2 * 16 * (4 * MIB + 4608 * 1024 + 256 * 1024)
 # 1.54 GiB at its end, its weights on the GPU and its checkpoint files closed).
 HOST_BASE_CPU_BYTES = 453 * MIB
 HOST_BASE_CUDA_BYTES = 1577 * MIB
+# What the libraries take on the host at a run's first steps beyond the weights and state (their
+# first use: kernels' and autograd's buffers, gloo's), on the CPU: the RSS growth from just
+# before the load to after the last of 3-5 steps, the C heap trimmed, of two gloo ranks of
+# FSDP whose shards and state are under 1 MiB (tests/dist_scripts/torch_rank_memory.py, this
+# box, Dec 6 2026): tiny lora 22, tiny qlora 23, tiny Llama qlora 24, tiny Mixtral qlora 26-27
+# MiB per rank; the median. Priced where it was measured, FSDP with cpu_offload on the CPU
+# (the other CPU plans, the golden ones among them, are as they were): section 4 of
+# benchmarks/results/fsdp_sharded_load_cpu.txt.
+HOST_FIRST_STEPS_CPU_BYTES = 24 * MIB
 CUDA_ALLOC_ROUND = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
 
 
@@ -528,7 +537,19 @@ def collective_buffers(tensors: list[Tensor], s: Setup) -> dict[str, dict[str, A
         "reduce_scatter": {"bytes": unit_reduce, "phase": "forward_backward"},
         # backend.cpu_offload: a unit's shards and sharded gradients, copied to and from the host
         **host_offload.copy_buffer(tensors, s, sys.modules[__name__]),
+        **(_gloo_temporaries(root, layer, unit_reduce) if s.device != "cuda" else {}),
     }
+
+
+def _gloo_temporaries(root: int, layer: int, unit_reduce: int) -> dict[str, dict[str, Any]]:
+    """On the CPU the ranks' process group is gloo's, whose collectives copy where NCCL's work in
+    place (seen live on the 110M Qwen2, benchmarks/results/fsdp_sharded_load_cpu.txt section 3):
+    all_gather_into_tensor (ProcessGroupGloo::_allgather_base) gathers into a flat temporary of
+    the whole output and copies out of it, one unit's beside the all_gather buffer (a layer's;
+    at the root's own gather, before any layer's is alive, the root's), and
+    reduce_scatter_tensor clones its whole input before an all-reduce."""
+    return {"gloo_all_gather_flat": {"bytes": max(layer, root - 2 * layer), "phase": "forward_backward"},
+            "gloo_reduce_scatter_copy": {"bytes": unit_reduce, "phase": "forward_backward"}}
 
 
 # ---- the phases: allocated, reserved, the device level and the host ---------------------------------
@@ -645,8 +666,9 @@ def device_phases(arch: ModelDesc, s: Setup, held: list[Tensor], assign: dict[st
             if s.cpu_offload:
                 out[-1].update(host_offload.device_peaks(dev, moved))
         else:
+            first_use = HOST_FIRST_STEPS_CPU_BYTES if s.cpu_offload else 0
             for name, alloc in (("load", load_alloc), ("step1", step1_alloc), ("steady", steady_alloc)):
-                host = host_base + alloc + (file_bytes if name == "load" else off)
+                host = host_base + alloc + (file_bytes if name == "load" else off + first_use)
                 phases[name] = {"allocated_bytes": alloc, "reserved_bytes": alloc, "device_bytes": host,
                                 "host_bytes": host}
             moved = host_offload.host_bytes(held, s, mm)  # on the CPU already in the host's figures

@@ -54,7 +54,7 @@ from finetune.backends.cuda.preference import CudaPreference
 from finetune.backends.cuda.readings import CudaReadings
 
 from finetune import precision as precision_mod
-from finetune.accounting.probes import lean_host_heap
+from finetune.accounting.probes import HostHeapTrim, lean_host_heap
 from finetune.errors import UserError
 from finetune.model.source import load_causal_lm
 from finetune.planner.setup import attention, model_handle
@@ -104,6 +104,9 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self._compiled_loss: Callable | None = None  # train.compile: token_loss_sum through torch.compile
         self._offload: Any = None  # train.activation_offload: offload.ActivationOffload, else None
         self._slots: list[Any] = []  # fsdp's sharded load: the weights _distribute fills (sharded_load.Slot)
+        # the C heap's free pages handed back after an optimizer step that left them (set by
+        # setup where the step's buffers are host memory, see optimizer_step), else None
+        self.host_trim: HostHeapTrim | None = None
 
     # ---- several processes -------------------------------------------------------------
     def connect(self, spec: RunSpec) -> Comm:
@@ -158,6 +161,7 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         self.set_activation_offload(spec.train.activation_offload)  # on the device the model computes on
         self._setup_loss(spec)
         trainable = self._setup_optimizer(spec)
+        self.host_trim = HostHeapTrim() if self.device.type == "cpu" or spec.backend.cpu_offload else None
         return self._model_info(spec, model_dir, trainable)
 
     def _remember(self, spec: RunSpec, model_dir: Path) -> None:
@@ -507,6 +511,13 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
         else:
             self.optimizer.step()
         self.zero_grad()
+        if self.host_trim is not None:
+            # On the CPU (or with the optimizer on the host, cpu_offload) the step's activations,
+            # gathered weights and gradients were host memory, and glibc keeps the freed pages
+            # mapped: without this the RSS after a step was 485 / 413 MiB above the load on the
+            # 110M Qwen2 of benchmarks/results/fsdp_sharded_load_cpu.txt where 224 MiB is live
+            # (its cost: section 4 there, benchmarks/host_trim_cost.py)
+            self.host_trim.after_step()
         if norm is not None and hasattr(norm, "full_tensor"):  # fsdp: a DTensor over the shards
             norm = norm.full_tensor()
         return None if norm is None else float(norm)

@@ -2,7 +2,8 @@
 tests/test_fsdp_qlora.py: the run's summary.json carries rank 0's census only, so every rank
 writes its own to RANK_MEMORY_DIR/rank{R}.json, with its RSS (``/proc/self/statm``) just before
 the model loads, its high-water mark over the setup (the load and fully_shard), and after its
-last optimizer step (the growth the plan's host figure is compared with).
+last optimizer step (the growth the plan's host figure is compared with), and its high-water
+mark over the adapter's save (``rss_before_save``, ``peak_rss_save``).
 
     RANK_MEMORY_DIR=DIR torchrun --standalone --nproc-per-node 2 tests/dist_scripts/torch_rank_memory.py OVERRIDES...
 """
@@ -67,9 +68,20 @@ class RankMemory(CudaBackend):
         if libc is not None:
             libc.malloc_trim(0)
         self.record["rss_after_step_trimmed"] = rss_bytes()
+        self._write()
+        return norm
+
+    def save_adapter(self, path):
+        # the save's own high-water mark: under fsdp every rank takes part in its gathers
+        self.record["rss_before_save"] = rss_bytes()
+        reset_peak_rss()
+        super().save_adapter(path)
+        self.record["peak_rss_save"] = peak_rss_bytes()
+        self._write()
+
+    def _write(self):
         out = Path(os.environ["RANK_MEMORY_DIR"]) / f"rank{os.environ['RANK']}.json"
         out.write_text(json.dumps(self.record))
-        return norm
 
 
 if __name__ == "__main__":
