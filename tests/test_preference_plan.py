@@ -128,9 +128,11 @@ def test_governor_splits_a_dpo_step_by_whole_pairs_loss_unchanged(full_run, pair
 # auto in mode=plan: a GPU, the allocator replayed (the reference pass in it too)
 @pytest.mark.parametrize("model, device", [("tiny", "cpu"), ("tiny", "auto"), ("qwen2-0.5b", "cpu")])
 def test_dpo_plan_between_sft_at_p_and_2p_rows_plus_the_reference(tmp_path, model, device):
-    """DPO at P pairs prices 2P rows: above SFT at P rows, at most SFT at 2P rows plus the
-    reference's transient; ORPO (no reference) and DPO with a precomputed reference are SFT at
-    2P rows exactly (the same rows, no reference pass)."""
+    """DPO at P pairs prices 2P rows, or (cuda's one row a pair, each prompt once, without the
+    data's widths) P rows of 2T - 1 positions with their mask, the bound: above SFT at P rows, at
+    most ORPO's rows plus the reference's transient; ORPO (no reference) is SFT at 2P rows
+    exactly where it runs padded rows, and above it where it prices one row a pair; DPO with a
+    precomputed reference runs padded rows: SFT at 2P rows exactly (no reference pass)."""
     P = 2
     base = ("backend=cuda", f"backend.device={device}", f"model={model}", "mode=plan", "train.seq_len=128",
             "train.grad_accum=1")
@@ -144,9 +146,12 @@ def test_dpo_plan_between_sft_at_p_and_2p_rows_plus_the_reference(tmp_path, mode
     dpo, p = peak(f"train.batch_size={P}", "objective=dpo")
     pref = p["preference"]
     assert pref["reference"] == "adapters_off" and pref["rows_per_micro_batch"] == 2 * P
-    assert sft_p < dpo <= sft_2p + pref["reference_pass_transient_bytes"]
-    assert dpo > sft_2p  # the reference pass runs beside the policy's kept log-probs
-    assert peak(f"train.batch_size={P}", "objective=orpo")[0] == sft_2p
+    orpo, po = peak(f"train.batch_size={P}", "objective=orpo")
+    assert sft_p < dpo <= orpo + pref["reference_pass_transient_bytes"]
+    assert dpo > orpo  # the reference pass runs beside the policy's kept log-probs
+    row = po["preference"]["pair_row_positions"]
+    assert row == pref["pair_row_positions"] and row in (None, 2 * 127 - 1)  # sdpa on cuda: one row a pair
+    assert orpo > sft_2p if row else orpo == sft_2p
     assert peak(f"train.batch_size={P}", "objective=dpo", "objective.reference=precompute")[0] == sft_2p
     if device != "cpu":
         return
@@ -156,17 +161,27 @@ def test_dpo_plan_between_sft_at_p_and_2p_rows_plus_the_reference(tmp_path, mode
     orpo_max = planner.plan(make_spec(tmp_path, *base, "train.batch_size=1", "objective=orpo",
                                       f"memory.budget={budget}"))
     rows = sft_max["recommendation"]["largest_micro_batch"]["batch_size"]
-    assert orpo_max["recommendation"]["largest_micro_batch"]["batch_size"] in (rows // 2, (rows + 1) // 2)
+    got = orpo_max["recommendation"]["largest_micro_batch"]["batch_size"]
+    if row:  # one row a pair at the bound's 2T - 1 positions, its mask too: fewer than half the rows
+        assert 1 <= got <= rows // 2, (got, rows)
+    else:
+        assert got in (rows // 2, (rows + 1) // 2)
 
 
 @needs_torch
-@pytest.mark.parametrize("over", [("objective=dpo",), ("objective=dpo", "method=full"), ("objective=orpo",)])
-def test_torch_pair_step_peak_matches_allocator_events(over, tmp_path):
+@pytest.mark.parametrize("over, prompt", [(("objective=dpo",), 0), (("objective=dpo", "method=full"), 0),
+                                          (("objective=orpo",), 0), (("objective=dpo",), 64),
+                                          (("objective=orpo",), 64)])
+def test_torch_pair_step_peak_matches_allocator_events(over, prompt, tmp_path):
     """A real pair step (2 pairs, 4 rows of 128 tokens) on the cuda backend on the CPU under
     torch.profiler(profile_memory=True), as tests/test_planner.py measures SFT's: the peak of the
     allocator's running sum above what existed before (weights, optimizer state) equals the
     plan's peak_allocated - steady_state within 5%. DPO under LoRA runs the reference pass with
-    the adapters off; under method=full it reads the precomputed table."""
+    the adapters off; under method=full it reads the precomputed table. With a shared prompt
+    (its first ``prompt`` tokens, no targets there) each pair runs as one row of its prompt once
+    (backends/cuda/shared_prompt.py), planned from what the run's plan reads of its data
+    (head_fraction, pair_positions): the plan prices the rows' [P, 1, L, L] mask per layer and
+    k and v repeated over each row, a bound of what the pieces hold, so it may be over by 20%."""
     import dataclasses
 
     import numpy as np
@@ -183,8 +198,10 @@ def test_torch_pair_step_peak_matches_allocator_events(over, tmp_path):
 
     def batch(seed: int) -> Batch:  # 2P rows: even rows chosen, odd rejected (finetune/data/pairs.py)
         ids = np.random.default_rng(seed).integers(1, V, (2 * P, T)).astype(np.int32)
-        return dataclasses.replace(Batch(ids, np.ones((2 * P, T), np.int8), np.full(2 * P, T, np.int32)),
-                                   indices=np.arange(2 * P))
+        ids[1::2, :prompt] = ids[0::2, :prompt]  # each pair's prompt: its first tokens, the same
+        mask = np.ones((2 * P, T), np.int8)
+        mask[:, :prompt] = 0
+        return dataclasses.replace(Batch(ids, mask, np.full(2 * P, T, np.int32)), indices=np.arange(2 * P))
 
     be = CudaBackend()
     be.setup(resolve(cfg), resolve_model_dir(cfg.model))
@@ -201,9 +218,24 @@ def test_torch_pair_step_peak_matches_allocator_events(over, tmp_path):
     for e in events:
         running += e.nbytes()
         peak = max(peak, running)
-    p = planner.plan(resolve(cfg), seq_len=T, recommend=False)
+    if prompt:  # what the run's plan reads of its data (finetune/data: head_fraction, pair_positions)
+        from finetune.data.pairs import prompt_split
+
+        b = batch(0)
+        spans = [prompt_split(b.input_ids[c], b.loss_mask[c], b.input_ids[c + 1], b.loss_mask[c + 1])
+                 for c in range(0, 2 * P, 2)]
+        p = planner.plan(resolve(cfg), seq_len=T, recommend=False, head_fraction=(T - prompt) / T,
+                         pair_positions=max(n_c + n_r - s for s, n_c, n_r in spans))
+    else:
+        p = planner.plan(resolve(cfg), seq_len=T, recommend=False)
     planned = p["peak_allocated_bytes"] - p["steady_state_allocated_bytes"]
-    assert planned == pytest.approx(peak, rel=0.05), (over, planned, peak)
+    if p["preference"]["pair_row_positions"]:  # one row a pair: priced by the bound, never under
+        assert peak <= planned <= 1.25 * peak, (over, prompt, planned, peak)
+    else:  # 2P padded rows, as the step runs them
+        assert planned == pytest.approx(peak, rel=0.05), (over, planned, peak)
+    if prompt:  # a pair's row as wide as the data's widest pair, read from the data: within 10%
+        assert p["preference"]["pair_row_positions"] == 2 * (T - 1) - prompt
+        assert planned <= 1.1 * peak, (over, planned, peak)
 
 
 @needs_torch

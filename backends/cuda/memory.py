@@ -319,6 +319,14 @@ PAIR_HEAD_WHOLE = False
 # precompute_reference keeps its table as a numpy array: host memory, never the device's
 REFERENCE_TABLE_WHERE = "host"
 
+
+def pair_row_each(arch: ModelDesc, s: Setup) -> bool:
+    """Whether the pair step may run each pair's prompt once, one row a pair, for this model
+    (backends/cuda/shared_prompt.py ``_refusal``: sdpa or eager attention, no sliding-window
+    layer, no attention soft-capping); the planner then prices those rows
+    (finetune/planner/preference.py rows_setup)."""
+    return s.attn in ("sdpa", "eager") and not arch.sliding_window and not arch.attn_softcap
+
 # torch: the loss's backward (logits region) runs first and is freed before the layers'
 # backward (and any recomputation) starts, so only the larger of the two adds to the kept
 # activations (checked with torch.profiler memory events on CPU).

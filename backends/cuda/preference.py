@@ -113,6 +113,7 @@ class CudaPreference:
         dtype = next(self.model.parameters()).dtype
         mask = rows.mask(impl, dtype if dtype.is_floating_point else torch.float32).to(ids.device)
         pos = self._to_device(rows.positions, np.int64)
+        shared_prompt.mark(mask, rows)
         hidden = _body(self.model, hook, ids, mask, self._autocast, pos)
         at = torch.from_numpy(rows.gather).to(hidden.device)
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)

@@ -11,6 +11,17 @@ pair's prompt and causally over itself (never the chosen completion); one such r
 target positions only. The same log-probabilities as the padded rows in exact arithmetic (the
 prefix-sharing of Wang et al. 2024, arXiv:2410.20305).
 
+Under sdpa the mask is there for correctness only: ``applies`` points the model at ``attention``
+(registered with transformers' ``AttentionInterface`` as ``NAME``, with sdpa's own mask function),
+for good (a checkpointed layer runs again in the backward, outside any step's code). Given the step's mask, it runs
+each pair's attention as two causal pieces: the chosen segment through sdpa with ``is_causal``
+(the kernel skips the masked half, GQA without repeating k and v), and the rejected segment's
+queries over the prompt's keys and its own (a lower-right causal [m, p + m] mask). A masked sdpa
+computes every (query, key) of its [L, L] row, ~2.3x the work of the pieces on the benchmark's
+GSM8K pairs (prompt ~46% of the tokens). Any other mask (or none) goes to transformers'
+``sdpa_attention_forward`` unchanged, so the model runs as under sdpa; under eager the
+[P, 1, L, L] mask itself keeps the pairs apart (additive, eager computes every score anyway).
+
 Checked once per model on a short random pair in eval mode against the padded rows; a model
 with a sliding window or soft-capping (whose 4D mask transformers would reuse on every layer),
 an attention implementation other than sdpa or eager, or whose check differs keeps the padded
@@ -32,6 +43,10 @@ from finetune.data.pair_layout import Layout
 log = logging.getLogger("finetune")
 
 _CHECKED: dict[int, tuple[weakref.ref, str | None]] = {}  # id(model): (model, why not, or None: it applies)
+NAME = "finetune_pair_sdpa"
+# [weakref to the step's [P, 1, L, L] mask, each row's (chosen end, prompt end, row end)]: set by
+# ``mark`` before a forward, read by ``attention`` in every layer (a recomputing backward too)
+_SLOT: list[Any] = [None, None]
 
 
 class PairRows:
@@ -65,13 +80,72 @@ class PairRows:
                 allowed[r, 0, a:b, pa:pa + prompt[1] - prompt[0]] = True
         self.allowed = allowed
         self.gather = lay.gather.astype(np.int64) + row_of[lay.gather]
+        # per row: (chosen end, prompt end, row end), relative to the row, whose prompt is its
+        # start; a row of one segment (a rejected with no prompt in common) is (end, 0, end)
+        starts = {sp[0]: sp for sp in lay.spans}
+        self.segments: list[tuple[int, int, int]] = []
+        for s, e in pairs:
+            c = starts[s][1] - s
+            rest = starts.get(starts[s][1])
+            p = rest[2][1] - rest[2][0] if rest is not None and rest[2] is not None and rest[2][0] == s else 0
+            self.segments.append((c, p, e - s))
 
     def mask(self, impl: str, dtype: torch.dtype) -> torch.Tensor:
         """The attention as the model's implementation takes it: bool for sdpa, additive for eager."""
         mask = torch.from_numpy(self.allowed)
-        if impl == "sdpa":
+        if impl != "eager":  # sdpa, or ``attention`` (which hands sdpa any mask but the step's)
             return mask
         return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def register() -> str:
+    """Register ``attention`` with transformers under ``NAME``, with sdpa's mask function for
+    any call that builds its own mask (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+def mark(mask: torch.Tensor, rows: PairRows) -> None:
+    """``mask`` is the step's [P, 1, L, L] mask of ``rows``: ``attention`` runs its pairs in pieces."""
+    _SLOT[:] = [weakref.ref(mask), rows.segments]
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature (query [B, H, L, D], key and value [B, Hkv, L, D];
+    returns [B, L, H, D]). The marked mask: per row, the chosen segment causal over itself, the
+    rejected's queries over the prompt's keys and causally over their own, pads 0; anything
+    else: transformers' ``sdpa_attention_forward``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ref, segments = _SLOT
+    if attention_mask is None or ref is None or ref() is not attention_mask:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kwargs.pop("is_causal", None)
+    width = query.shape[2]
+    rows = []
+    for r, (c, p, e) in enumerate(segments):
+        q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
+        parts = [sdpa_attention_forward(module, q[:, :, :c], k[:, :, :c], v[:, :, :c], None, dropout=dropout,
+                                        scaling=scaling, is_causal=True, **kwargs)[0]]
+        if e > c:  # the rejected's m queries: the prompt's p keys, then their own, causally
+            m = e - c
+            i = torch.arange(m, device=query.device)
+            allowed = (torch.arange(p + m, device=query.device)[None, :] <= i[:, None] + p)[None, None]
+            keys = torch.cat([k[:, :, :p], k[:, :, c:e]], dim=2)
+            values = torch.cat([v[:, :, :p], v[:, :, c:e]], dim=2)
+            parts.append(sdpa_attention_forward(module, q[:, :, c:e], keys, values, allowed, dropout=dropout,
+                                                scaling=scaling, **kwargs)[0])
+        if e < width:  # pads: never read (no target, no query attends them)
+            parts.append(query.new_zeros((1, width - e, query.shape[1], query.shape[3])))
+        rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+    return (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]), None
 
 
 def _config(model: Any) -> Any:
@@ -83,7 +157,7 @@ def _refusal(model: Any) -> str | None:
     if cfg is None:
         return "the model has no config"
     impl = getattr(cfg, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
+    if impl not in ("sdpa", "eager", NAME):
         return f"attention implementation {impl} takes no 4D mask"
     for part in (cfg, getattr(cfg, "text_config", None)):
         if part is None:
@@ -106,7 +180,13 @@ def applies(model: Any, padded: Callable[[np.ndarray, np.ndarray], torch.Tensor]
     got = _CHECKED.get(id(model))
     if got is not None and got[0]() is model:
         return got[1]
-    why = _refusal(model) or _check(model, padded, shared)
+    why = _refusal(model)
+    cfg = _config(model)
+    if why is None and cfg._attn_implementation == "sdpa":
+        cfg._attn_implementation = register()  # checked as it will run: each pair in causal pieces
+    why = why or _check(model, padded, shared)
+    if why and cfg is not None and cfg._attn_implementation == NAME:
+        cfg._attn_implementation = "sdpa"
     _CHECKED[id(model)] = (weakref.ref(model), why)
     if why:
         log.info("the pair step runs chosen and rejected as padded rows, each with its prompt: %s", why)

@@ -116,7 +116,7 @@ def build(spec: RunSpec, tokenizer: Any) -> tuple[DataSource, dict[str, Any]]:
              "max_padded_tokens": padded_length(int(lens.max()), multiple, t.seq_len)}
     if pairs:  # a pair's two samples are rows of one micro-batch: the planner prices 2 rows a pair
         stats.update(pairs=len(src.lengths), train_pairs=len(src.train_idx), val_pairs=len(src.val_idx), rows_per_item=2)
-        stats["pair_positions"] = pair_positions(tok)  # the most a pair takes with its prompt run once (mlx)
+        stats["pair_positions"] = pair_positions(tok)  # the most a pair takes with its prompt run once (mlx; cuda: one row a pair)
     targets = tok.targets()
     if cap:
         # every packed micro-batch of the run's steps, as each rank packs its share of a step

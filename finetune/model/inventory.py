@@ -104,9 +104,13 @@ class Setup:
     reference_choice: str = ""
     pairs_total: int = 0
     # the most positions a pair takes through the model where the backend runs each pair's
-    # prompt once (mlx: memory model PAIR_PROMPT_ONCE), from the data (finetune/data/pairs.py
+    # prompt once (mlx: memory model PAIR_PROMPT_ONCE; cuda: pair_row_each), from the data (finetune/data/pairs.py
     # pair_positions); 0: unknown, its two padded rows the bound
     pair_positions: int = 0
+    # cuda: the model lets the pair step run each pair's prompt once, one row a pair
+    # (backends/cuda/shared_prompt.py: sdpa or eager, no sliding window, no attention
+    # soft-capping; the memory model's ``pair_row_each``), priced at the row's width
+    pair_row_each: bool = False
 
     @property
     def effective_batch(self) -> int:

@@ -399,7 +399,8 @@ class FitResult:
 
 def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, state: Any = None,
                   head_fraction: float | None = None, pair_span: float | None = None,
-                  row_targets: int | None = None, longest: int | None = None, suggest: bool = True) -> FitResult:
+                  row_targets: int | None = None, longest: int | None = None, suggest: bool = True,
+                  pairs: int | None = None, pair_positions: int | None = None) -> FitResult:
     """Change the run, keeping its math, until the plan fits ``budget_bytes`` (per device).
 
     First, where the backend allows it, compute the loss a chunk of ``LOSS_CHUNK_LEVER``
@@ -412,9 +413,10 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     it. If nothing fits, return fits=False with the plan at micro-batch 1 with checkpointing and
     suggestions (each alone makes it fit), e.g. "method=qlora", "method.lora.num_layers=4",
     "train.seq_len=512" (``suggest=False``: none searched, for a caller that only needs the
-    decision).
+    decision). A preference run's ``pairs`` and ``pair_positions`` are the data's, as ``plan`` takes them.
     """
     arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
+    s.pairs_total, s.pair_positions = int(pairs or 0), int(pair_positions or 0)
     data: dict[str, Any] = {"head_fraction": head_fraction, "pair_span": pair_span, "row_targets": row_targets,
                             "longest": longest}
     budget = int(budget_bytes)
@@ -423,7 +425,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
                                                                                    activation_offload=s.offload))
 
     def full_plan(batch: int, ckpt: bool, offload: bool | None = None) -> Plan:
-        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
+        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data, pairs=pairs, pair_positions=pair_positions,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk,
                                      activation_offload=s.offload if offload is None else offload))
@@ -474,7 +476,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     hosted = fit_cpu_offload(arch, s, budget, before, events)  # the last lever: FSDP's state on the host
     if hosted is not None:
         on, evs = hosted
-        return FitResult(True, plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
+        return FitResult(True, plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data, pairs=pairs, pair_positions=pair_positions,
                                     state=base.with_(micro_batch=on.batch, grad_checkpointing=on.ckpt,
                                                      loss_chunk=s.loss_chunk, activation_offload=s.offload,
                                                      cpu_offload=True)),

@@ -12,7 +12,9 @@ model saying what its framework holds:
   not apply to it; ``train.loss_chunk`` never applies to a pair step, and is priced as not applied;
   where it runs each pair's prompt once (``PAIR_PROMPT_ONCE``: mlx, backends/mlx/shared_prompt.py)
   and the data's most positions a pair takes are known (``Setup.pair_positions``), a micro-batch
-  is priced as the one packed row of at most P x that many positions it runs as;
+  is priced as the one packed row of at most P x that many positions it runs as; where it runs
+  one row a pair (the setup's ``pair_row_each``: cuda, backends/cuda/shared_prompt.py), as P
+  rows of the data's pair_positions (else 2T - 1, the bound) with the rows' [P, 1, L, L] mask;
 - the reference under LoRA/DoRA/QLoRA (objective.reference=auto): a no-grad forward of the same
   rows with the adapters off, run after the policy's forward while its saved activations and
   log-probs are alive; it keeps nothing but its [rows] log-probs, so it adds a transient: one
@@ -57,7 +59,24 @@ def rows_setup(s: Setup) -> Setup:
         if n < s.rows * T:
             kw.update(batch=1, seq_len=n + 1, packed=True, pair_span=T, longest_sample=T,
                       target_fraction=min(1.0, s.target_fraction * s.rows * T / n))
+    elif L := row_positions(s):
+        # each pair's prompt once, one row a pair (cuda), as wide as the micro-batch's widest pair,
+        # with the [P, 1, L, L] mask the rows take (``padding_mask``: the masked sdpa's k and v
+        # repeated over the row and its mask per layer, a bound of the pieces shared_prompt.py
+        # runs; under eager, the [P, H, L, L] scores at that width)
+        kw.update(batch=s.batch, seq_len=L + 1, padding_mask=True,
+                  target_fraction=min(1.0, s.target_fraction * s.rows * T / (s.batch * L)))
     return replace(s, **kw)
+
+
+def row_positions(s: Setup) -> int:
+    """Where the backend runs each pair's prompt once, one row a pair (``Setup.pair_row_each``:
+    cuda), the positions of a row: the data's widest pair (``pair_positions``), else 2T - 1 (a
+    prompt of one token shared; a pair sharing none runs as its padded rows), the bound; 0
+    where a micro-batch runs as 2P padded rows (packed, KTO, a precomputed reference's steps)."""
+    if not (s.pair_row_each and s.pair_rows == 2 and not s.packed and s.reference != "precomputed"):
+        return 0
+    return s.pair_positions or 2 * (s.seq_len - 1) - 1
 
 
 def whole_head(s: Setup) -> bool:
@@ -114,6 +133,9 @@ def section(arch: ModelDesc, s: Setup, core: Any) -> dict[str, Any]:
         "objective": s.objective,
         "pairs_per_micro_batch": s.batch,
         "rows_per_micro_batch": s.rows,  # chosen and rejected through the model as one batch
+        # where each pair's prompt runs once, one row a pair (cuda): the positions of that row
+        # as priced (the data's widest pair, or 2T - 1 without data, the bound); None: 2P rows
+        "pair_row_positions": row_positions(s) or None,
         "head_on_every_position": not rs.target_head,
         # the head's logits, log-softmax and their gradients for the log-prob gathers (the plan's logits)
         "logprob_gather_bytes": core["bytes"]["logits"],

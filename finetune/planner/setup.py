@@ -242,6 +242,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
     _packed_setup(setup, spec, state, seq_len, pair_span, row_targets, longest)
     _pre_quantized_base(setup)
     _objective(setup, spec)
+    setup.pair_row_each = bool(getattr(mm, "pair_row_each", lambda a, s: False)(arch, setup))
     setup.shard_loadable = mm.shard_loadable(arch, hf, setup)
     return arch, setup
 

@@ -155,7 +155,8 @@ class Governor:
     # -- before any weight is loaded ---------------------------------------------------------
     def before_load(self, seq_len: int | None = None, only_check: bool = False,
                     head_fraction: float | None = None, pair_span: float | None = None,
-                    row_targets: int | None = None, longest: int | None = None) -> None:
+                    row_targets: int | None = None, longest: int | None = None,
+                    pairs: int | None = None, pair_positions: int | None = None) -> None:
         """Fit the plan to the budget: the loss in chunks, a smaller micro-batch, then
         checkpointing; else stop (``planner.fit_to_budget``). A chunked loss decided here is
         handed to the backend by ``apply_loss_chunk`` once the model is loaded.
@@ -169,6 +170,8 @@ class Governor:
             pair_span: packed, the data's most attention pairs per position (kept likewise).
             row_targets: packed, the most targets of one packed micro-batch (kept likewise).
             longest: packed, the data's longest sample in tokens (kept likewise).
+            pairs, pair_positions: a preference run's pairs and the most positions a pair takes
+                with its prompt once (finetune/data/pairs.py; planner.plan takes them).
         """
         if head_fraction is not None:
             self.head_fraction = head_fraction
@@ -185,7 +188,8 @@ class Governor:
         try:
             res = planner.fit_to_budget(self.spec, self.budget_bytes, seq_len=seq_len, state=self.state,
                                         head_fraction=self.head_fraction, pair_span=self.pair_span,
-                                        row_targets=self.row_targets, longest=self.longest)
+                                        row_targets=self.row_targets, longest=self.longest,
+                                        pairs=pairs, pair_positions=pair_positions)
         except UserError:
             raise
         except Exception as e:  # a model the planner cannot read: adapt while training only

@@ -195,7 +195,9 @@ class Trainer:
                                   head_fraction=self.data_stats.get("head_fraction"),
                                   pair_span=self.data_stats.get("pair_span"),
                                   row_targets=self.data_stats.get("max_micro_targets"),
-                                  longest=self.data_stats["max_tokens"] if packed else None)
+                                  longest=self.data_stats["max_tokens"] if packed else None,
+                                  pairs=self.data_stats.get("pairs"),  # a preference run's (finetune/data/pairs.py)
+                                  pair_positions=self.data_stats.get("pair_positions"))
         # Peaks are per run: an earlier run in this process (a test, a benchmark) must not
         # leak its peak into ours; the load itself stays inside the peak. Objects an earlier
         # run left in reference cycles are collected now, not in the middle of this one.
