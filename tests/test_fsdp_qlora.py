@@ -168,18 +168,93 @@ def test_cpu_offload_puts_the_shards_and_state_on_the_host_as_planned(runs) -> N
 
 
 def test_each_rank_loads_only_its_shard_and_the_plan_prices_that_load(runs) -> None:
-    """The dense runs (QLoRA on the Llama, LoRA on the Qwen3) load by the sharded load: no rank
-    says it loads the whole model, and each rank's RSS high-water mark over its setup is within
-    10% of the plan's load-phase host figure. The MoE (its experts stacked by transformers as it loads) loads whole on every
-    rank, and says why. (On a model of a few hundred KiB the process's base is most of the
-    figure; the growth at 110M parameters is in benchmarks/results, measured before and after.)"""
-    for name in ("llama", "governed"):
+    """Every run loads by the sharded load, the MoE too (QLoRA on the Llama, QLoRA with CPU
+    offload on the Mixtral, whose stacked experts each rank builds from its own experts'
+    per-expert checkpoint tensors, LoRA on the Qwen3): each rank says so, none says it loads the
+    whole model, and each rank's RSS high-water mark over its setup is within 10% of the plan's
+    load-phase host figure, which holds the rank's shards and one tensor's staging, not the
+    whole model. (On a model of a few hundred KiB the process's base is most of the figure; the
+    growth at 110M parameters, and the MoE's before and after, is in benchmarks/results.)"""
+    for name in ("llama", "mixtral", "governed"):
         d = runs[name]
         assert "loads the whole model" not in d["output"]
+        said = [ln for ln in d["output"].splitlines() if "each rank loads only its shard" in ln]
+        assert len(said) == 2, said  # one line a rank
+        # the Mixtral's 2 layers x (gate_up_proj, down_proj) from per-expert tensors; none elsewhere
+        assert all(f", {4 if name == 'mixtral' else 0} stacked expert weights" in ln for ln in said), said
         planned = d["plan"]["per_rank"]["ranks"][0]["phases"]["load"]["host_bytes"]
         for rec in d["ranks"]:
             assert abs(planned - rec["peak_rss_setup"]) <= 0.10 * rec["peak_rss_setup"], (planned, rec)
-    assert "every rank loads the whole model, then shards it (an MoE" in runs["mixtral"]["output"]
+    plan = runs["mixtral"]["plan"]
+    assert any("an MoE's stacked experts filled from this rank's experts" in n for n in plan["notes"]), plan["notes"]
+
+
+def test_moe_expert_fill_is_the_whole_models_rows_bit_for_bit(tmp_path: Path) -> None:
+    """The sharded load's expert fill on tiny MoEs of 3 experts (not divisible by 2 ranks: rank 0
+    builds experts 0-1, rank 1 expert 2, torch.chunk's rows as FSDP2 shards them): each rank's
+    rows of every weight, the stacked experts built from the checkpoint's per-expert tensors
+    and the Mixtral's router renamed from block_sparse_moe, equal the whole model that
+    from_pretrained loads, chunked, bit for bit: in fp32, cast to bf16 (transformers casts
+    each expert's tensor before it stacks them), and under 4-bit QLoRA in bf16 (the experts
+    stay unquantized, as transformers leaves them; the linears' packed 4-bit bytes and their
+    biases too)."""
+    import torch
+    from families import COMMON, _build_once
+    from finetune.backends.cuda import sharded_load
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    cpu = torch.device("cpu")
+    moes = {"mixtral": {"num_local_experts": 3, "num_experts_per_tok": 2},
+            "qwen2_moe": {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "shared_expert_intermediate_size": 96}}
+    for mt, extra in moes.items():
+        model_dir = _build_once(f"{mt}-e3-v1-s0", lambda mt=mt, extra=extra: AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(mt, **{**COMMON, **extra})), 0)
+        for dtype, qlora in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+            bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                     bnb_4bit_quant_storage=dtype) if qlora else None
+            whole = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map={"": "cpu"},
+                                                         **({"quantization_config": bnb} if qlora else {}))
+            ref = dict(whole.named_parameters())
+            hf, slots = sharded_load.skeleton(model_dir, sharded_load.config_of(model_dir, False), dtype, None, bnb,
+                                              cpu)
+            names = {id(m): n for n, m in hf.named_modules()}
+            stacked = [s for s in slots if s.experts is not None]
+            assert len(stacked) == 4  # 2 layers x (gate_up_proj, down_proj)
+            assert len(slots) == len(ref)  # every weight of the model has its slot
+            # the router, block_sparse_moe.gate in the Mixtral's checkpoint
+            assert "model.layers.0.mlp.gate.weight" in {f"{names[id(s.module)]}.{s.attr}" for s in slots}
+            for rank in (0, 1):
+                for s in slots:
+                    name = f"{names[id(s.module)]}.{s.attr}"
+                    p = getattr(s.module, s.attr)
+                    got = (sharded_load.expert_rows(s.experts, rank, 2, p.shape, p.dtype, cpu) if s.experts
+                           else sharded_load.rows(s, rank, 2, dtype, cpu, cpu, p.dtype))
+                    chunks = torch.chunk(ref[name].data, 2, dim=0)  # one chunk of a 1-row weight: rank 1 none
+                    want = chunks[rank] if rank < len(chunks) else ref[name].data[:0]
+                    if s.experts is not None:  # whole experts a rank, unquantized in the load's dtype
+                        assert want.shape[0] == (2, 1)[rank] and want.dtype == dtype
+                    assert got.dtype == want.dtype and got.shape == want.shape, (mt, name, got.dtype, want.dtype)
+                    # the bytes: a 4-bit weight's packed storage viewed as bf16 may read as NaN
+                    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (mt, dtype, qlora, rank, name)
+
+
+def test_the_moe_families_the_sharded_load_builds_are_transformers_own_conversions() -> None:
+    """host_offload.SHARDED_LOAD_MOE (the planner's side, torch-free) names exactly the MoE
+    families finetune describes whose transformers conversion mapping the sharded load does:
+    renamings, and converters that stack per-expert tensors on dim 0 (then concatenate gate and
+    up in the expert's slab). One outside it is refused in one line, by name."""
+    from finetune.backends.cuda import host_offload, sharded_load
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    for mt in host_offload.SHARDED_LOAD_MOE:
+        converters = [c for c in get_checkpoint_conversion_mapping(mt) or [] if isinstance(c, WeightConverter)]
+        assert converters, mt  # its checkpoints keep experts apart
+        assert all(not isinstance(sharded_load.expert_merge_dim(c.operations), str) for c in converters), mt
+    why = host_offload.sharded_load_refusal(4, {"model_type": "gpt_oss"}, False, False)
+    assert why is not None and why.startswith("an MoE (gpt_oss)") and "mixtral" in why
+    assert host_offload.sharded_load_refusal(4, {"model_type": "mixtral"}, False, False) is None
 
 
 def test_governor_takes_cpu_offload_on_every_rank_with_unchanged_losses(runs) -> None:

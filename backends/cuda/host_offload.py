@@ -135,19 +135,28 @@ def device_peaks(dev: dict[str, Any], off: dict[str, int]) -> dict[str, Any]:
             "cpu_offload_host_bytes": moved - off["round"]}
 
 
+# MoE families whose checkpoints keep one tensor per expert and whose stacked experts
+# transformers 5.25 builds by the two conversions the sharded load does (backends/cuda/
+# sharded_load.py: MergeModulelist(dim=0), then Concatenate(dim=1) of gate and up; mixtral
+# renames block_sparse_moe to mlp first), conversion_mapping.py; tests/test_fsdp_qlora.py checks
+# each against transformers' own mapping. Any other MoE loads whole on every rank.
+SHARDED_LOAD_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
 def sharded_load_refusal(experts: int, hf: dict[str, Any], remote_code: bool, packing: bool) -> str | None:
     """Why fsdp's sharded load (backends/cuda/sharded_load.py: every rank reads only its rows of
     the checkpoint) does not apply, so every rank loads the whole model and then shards it;
     None where it applies. The same rule for the planner and the runtime: ``experts`` (the
-    model description's; an MoE's experts are stacked by transformers as it loads them, so the
-    model's names are not the checkpoint's), config.json ``hf`` (a multimodal checkpoint's
-    language model is renamed as it loads), the model's own code, packed rows."""
+    model description's: an MoE outside ``SHARDED_LOAD_MOE``, whose stacked experts
+    transformers builds in a way the sharded load does not), config.json ``hf`` (a multimodal
+    checkpoint's language model is renamed as it loads), the model's own code, packed rows."""
     if remote_code:
         return "the model's own code (model.trust_remote_code)"
     if packing:
         return "train.packing checks the packed rows with a forward before FSDP shards the model"
-    if experts:
-        return "an MoE, whose experts transformers stacks as it loads them"
+    if experts and hf.get("model_type") not in SHARDED_LOAD_MOE:
+        return (f"an MoE ({hf.get('model_type')}) whose stacked experts the sharded load does not build "
+                f"(it builds {', '.join(SHARDED_LOAD_MOE)})")
     if is_multimodal(hf):
         return "a multimodal checkpoint"
     return None
@@ -159,12 +168,18 @@ def sharded_load_peak(held: list[Tensor], s: Setup, mm: Any) -> dict[str, int]:
     weight read whole from the mapped file and copied out of it, in the weights' dtype; another
     weight's rows alone: read, then cast into the shard), ``file`` the file's pages it touched
     (unmapped when the tensor is done), ``device`` the device's (a 4-bit weight whole and packed
-    where it quantizes; nothing on the CPU, where the host is the device)."""
+    where it quantizes; nothing on the CPU, where the host is the device). A stacked expert
+    parameter [E, ...] is built in its shard one expert's checkpoint tensor at a time: at most
+    one expert's slab (numel / E; gate_up's is two tensors read one after the other, so this is
+    twice the largest one) mapped and cast beside the shard."""
     best = {"host": 0, "file": 0, "device": 0}
     for t in held:
         if t.role in ("lora_A", "lora_B", "dora_m"):
             continue
-        if t.quant == "bnb4":
+        if t.role == "expert" and t.shape:
+            slab = t.numel // t.shape[0]
+            host, file, dev = slab * t.dtype_bytes, slab * s.wd, 0
+        elif t.quant == "bnb4":
             whole = t.numel * s.wd
             packed, _ = mm.bnb4_bytes(t.numel, s.double_quant)
             # safetensors hands the tensor back as a view of the mapped file (its pages, not a

@@ -742,17 +742,18 @@ def notes(s: Setup) -> list[str]:
                    "three protocols' buffers), not measured")
     if host_offload.sharded_load(s):
         out.append("fsdp: each rank loads only its shard (the model built on the meta device, sharded, then each "
-                   "checkpoint tensor read once and this rank's rows kept; a 4-bit weight quantized whole first): "
-                   "the load holds the rank's shards and one tensor's staging, never the whole model")
+                   "checkpoint tensor read once and this rank's rows kept; a 4-bit weight quantized whole first; "
+                   "an MoE's stacked experts filled from this rank's experts' own tensors): the load holds the "
+                   "rank's shards and one tensor's staging, never the whole model")
     elif host_offload.loads_on_host(s):
         out.append("fsdp: every rank loads (and quantizes) the whole model in host memory before fully_shard takes "
                    "it a unit at a time through the device and keeps its rows: the load phase holds the whole model "
                    "in each rank's host memory, one unit whole on the device (the sharded load does not apply: "
-                   "an MoE, a multimodal checkpoint, remote code or packed rows)")
+                   "an MoE family it does not build, a multimodal checkpoint, remote code or packed rows)")
     elif s.world_size > 1 and s.strategy == "fsdp":
         out.append("fsdp: every rank loads the whole model before fully_shard keeps its rows, so the load phase "
-                   "holds the whole model on each device (the sharded load does not apply: an MoE, a multimodal "
-                   "checkpoint, remote code or packed rows)")
+                   "holds the whole model on each device (the sharded load does not apply: an MoE family it does not "
+                   "build, a multimodal checkpoint, remote code or packed rows)")
     if s.device == "cuda":
         out.append("phases: allocated and reserved from a replay of the run's allocations through a model of torch's "
                    "caching allocator (backends/cuda/allocator.py); the device level adds the CUDA context and the "

@@ -252,6 +252,9 @@ class CudaBackend(CudaFiles, CudaReadings, CudaPreference):
                 hf, self._slots = sharded_load.skeleton(
                     model_dir, config, kwargs["dtype"], kwargs["attn_implementation"],
                     kwargs.get("quantization_config"), cast(Any, self.comm).device)
+                stacked = sum(1 for s in self._slots if s.experts is not None)
+                log.info("fsdp: each rank loads only its shard (%d checkpoint weights by their rows, %d stacked expert "
+                         "weights from its own experts' tensors)", len(self._slots) - stacked, stacked)
                 return hf
             except sharded_load.Refused as e:
                 why = str(e)
