@@ -311,8 +311,10 @@ def fill(slots: list[Slot], rank: int, world: int, dtype: torch.dtype, device: t
 
 
 def rows(s: Slot, rank: int, world: int, dtype: torch.dtype, device: torch.device, shard_device: torch.device,
-          into: torch.dtype) -> torch.Tensor:
-    """One checkpoint tensor's rows of this rank, as ``fill`` says."""
+         into: torch.dtype) -> torch.Tensor:
+    """This rank's rows of one checkpoint tensor (``fill``: its rows alone, cast to ``into``; a
+    4-bit weight quantized whole on ``device`` first, its constants set on the module), on
+    ``shard_device``."""
     from safetensors import safe_open
 
     # one mapping of the file per tensor: its pages leave the process's RSS when it closes
@@ -332,14 +334,14 @@ def rows(s: Slot, rank: int, world: int, dtype: torch.dtype, device: torch.devic
                                   **s.quant).to(device)
             q.quant_state.to(device)
             s.module.quant_state = q.quant_state
-            rows = torch.chunk(q.data, world, dim=0)
-            mine = (rows[rank] if rank < len(rows) else q.data[:0]).to(shard_device).clone()
-            del q, rows
+            chunks = torch.chunk(q.data, world, dim=0)
+            mine = (chunks[rank] if rank < len(chunks) else q.data[:0]).to(shard_device).clone()
+            del q, chunks
     return mine
 
 
 def expert_rows(src: Experts, rank: int, world: int, shape: torch.Size, into: torch.dtype,
-                 shard_device: torch.device) -> torch.Tensor:
+                shard_device: torch.device) -> torch.Tensor:
     """This rank's experts of a stacked parameter (torch.chunk's rows on dim 0, as FSDP2 shards
     it: ceil(E / world) experts a rank, the last ranks fewer or none), each read from its own
     checkpoint tensors, one at a time: cast to the parameter's dtype as transformers casts each
