@@ -152,6 +152,28 @@ def test_plan_equals_cuda_census(name: str, keys: str, root: Path) -> None:
         assert err[k]["measured"] and err[k]["error_bytes"] == 0, (name, keys, k, err[k])
 
 
+MOE = [n for n in NAMES if json.loads((build_family(n) / "config.json").read_text()).get("model_type") in
+       ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_qlora_plan_equals_cuda_census_on_moe(name: str, root: Path) -> None:
+    """method=qlora on cuda: bitsandbytes swaps every nn.Linear, whatever its job (Qwen2-MoE's
+    shared_expert_gate, one output, included), and leaves transformers 5's stacked experts and
+    its TopK routers (bare parameters) as they are. The plan's weights and 4-bit constants are
+    the census of the real quantized model, to the byte."""
+    from finetune.backends.cuda.runtime import CudaBackend
+
+    cfg = _cfg(root / "unused", name, "cuda", "method=qlora")
+    be = CudaBackend()
+    be.setup(resolve(cfg), build_family(name))
+    p = planner.plan(resolve(cfg), seq_len=16, recommend=False)
+    census = be.census()
+    err = planner.plan_error(p, census, {})
+    assert err["weights"]["measured"] and err["weights"]["error_bytes"] == 0, (name, err["weights"])
+    assert p["quant_constants_bytes"] == census["quant_buffers"] > 0, (name, p["quant_constants_bytes"], census)
+
+
 # ---- 4. export to the other format, equal logits -------------------------------------------------
 def _torch_logits(base: Path, adapter: Path | None = None) -> np.ndarray:
     import torch

@@ -194,7 +194,7 @@ def _moe_mlp(mt: str, h: int, width: int, experts: int, shared: int) -> tuple[li
     expert every token runs (``mlp.shared_expert``, a gated MLP of width ``shared``) and its
     sigmoid gate (``mlp.shared_expert_gate``, one output)."""
     router = "router" if mt == "gpt_oss" else "gate"
-    lins = [Linear(router, f"mlp.{router}", h, experts, mt == "gpt_oss", "router", STAGE_MLP_IN),
+    lins = [Linear(router, f"mlp.{router}", h, experts, mt == "gpt_oss", "router", STAGE_MLP_IN, module=False),
             Linear("experts", "mlp.experts.gate_up_proj", h, 2 * width, False, "expert", STAGE_MLP_IN, experts),
             Linear("experts", "mlp.experts.down_proj", width, h, False, "expert", STAGE_MLP_OUT, experts)]
     if shared:  # Qwen2MoeSparseMoeBlock: shared_expert (Qwen2MoeMLP) and shared_expert_gate

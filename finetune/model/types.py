@@ -35,6 +35,11 @@ class Linear:
     kind: str  # attention | mlp | router | expert
     stage: int
     experts: int = 1
+    # False where transformers keeps the matrix as a bare parameter of its own module, not an
+    # nn.Linear (transformers 5's MoE TopK routers): bitsandbytes, which swaps nn.Linear only,
+    # leaves it unquantized under qlora. Qwen2-MoE's shared_expert_gate is an nn.Linear (a router
+    # by kind) and is quantized.
+    module: bool = True
 
     @property
     def numel(self) -> int:

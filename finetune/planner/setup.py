@@ -294,8 +294,9 @@ def inventory(arch: ModelDesc, s: Setup) -> list[Tensor]:
             expert = lin.experts > 1
             shape = (lin.experts, lin.out_f, lin.in_f) if expert else (lin.out_f, lin.in_f)
             role = "expert" if expert else "router" if lin.kind == "router" else "linear"
+            # an nn.Linear is quantized as one whatever its kind (Qwen2-MoE's shared_expert_gate)
             out.append(Tensor(base + ("" if expert else ".weight"), shape, i, role, full, wd,
-                              quant_of(role, lin.in_f)))
+                              quant_of("linear" if lin.module and not expert else role, lin.in_f)))
             if lin.bias:
                 out.append(Tensor(base + ".bias", (lin.out_f,), i, "bias", full, wd))
             if i not in adapted or lin.key not in s.keys:
