@@ -318,3 +318,19 @@ def test_mlx_dpo_step_peak_within_ten_percent_of_its_plan(tmp_path):
     bad = [(f, P, T, planned, peak, round(planned / peak - 1, 3)) for f, P, T, planned, peak in rows
            if abs(planned / peak - 1) > 0.10]
     assert not bad, bad
+
+
+def test_a_packed_fit_prices_the_precomputed_table_as_the_plan(tmp_path: Path) -> None:
+    """Under a budget, a packed DPO run with its reference precomputed (method=full) lowers its
+    tokens per micro-batch; each candidate is planned with the data's pairs, so the plan it
+    takes still holds the table of their log-probs (it was unpriced on that path)."""
+    from finetune.planner.fit import fit_to_budget
+
+    spec = make_spec(tmp_path / "run", "backend=cuda", "method=full", "objective=dpo", "objective.reference=precompute",
+                     "train.packing=true", "train.batch_size=4", "train.seq_len=256")
+    whole = planner.plan(spec, recommend=False, pairs=100)
+    table = whole["preference"]["reference_table_bytes"]
+    assert table and table == 100 * whole["preference"]["reference_table_bytes_per_pair"]
+    r = fit_to_budget(spec, int(whole["fits_bytes"] * 0.8), pairs=100)
+    assert r.fits and r.tokens_per_micro < spec.train.batch_size * spec.train.seq_len  # the packed lever was taken
+    assert r.plan["preference"]["reference_table_bytes"] == table

@@ -415,17 +415,16 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     "train.seq_len=512" (``suggest=False``: none searched, for a caller that only needs the
     decision). A preference run's ``pairs`` and ``pair_positions`` are the data's, as ``plan`` takes them.
     """
-    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
-    s.pairs_total, s.pair_positions = int(pairs or 0), int(pair_positions or 0)
     data: dict[str, Any] = {"head_fraction": head_fraction, "pair_span": pair_span, "row_targets": row_targets,
-                            "longest": longest}
+                            "longest": longest, "pairs": pairs, "pair_positions": pair_positions}
+    arch, s = resolve(spec, seq_len, state, **data)
     budget = int(budget_bytes)
     eff = s.effective_batch
     base = state or (RunState.from_spec(spec, s.backend) if s.packed else RunState(s.backend, s.batch, eff, s.ckpt,
                                                                                    activation_offload=s.offload))
 
     def full_plan(batch: int, ckpt: bool, offload: bool | None = None) -> Plan:
-        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data, pairs=pairs, pair_positions=pair_positions,
+        return plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
                     state=base.with_(micro_batch=batch if not s.packed else base.micro_batch,
                                      grad_checkpointing=ckpt, loss_chunk=s.loss_chunk,
                                      activation_offload=s.offload if offload is None else offload))
@@ -476,7 +475,7 @@ def fit_to_budget(spec: RunSpec, budget_bytes: int, seq_len: int | None = None, 
     hosted = fit_cpu_offload(arch, s, budget, before, events)  # the last lever: FSDP's state on the host
     if hosted is not None:
         on, evs = hosted
-        return FitResult(True, plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data, pairs=pairs, pair_positions=pair_positions,
+        return FitResult(True, plan(spec, seq_len=seq_len, budget_bytes=budget, recommend=False, **data,
                                     state=base.with_(micro_batch=on.batch, grad_checkpointing=on.ckpt,
                                                      loss_chunk=s.loss_chunk, activation_offload=s.offload,
                                                      cpu_offload=True)),
@@ -684,10 +683,8 @@ def plan(spec: RunSpec, seq_len: int | None = None, budget_bytes: int | None = N
     Returns:
         The plan (finetune.records.Plan): ints of bytes, written as plan.json.
     """
-    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest)
+    arch, s = resolve(spec, seq_len, state, head_fraction, pair_span, row_targets, longest, pairs, pair_positions)
     s.step_widths = tuple(int(w) for w in step_widths)
-    s.pairs_total = int(pairs or 0)
-    s.pair_positions = int(pair_positions or 0)
     core = _core(arch, s)
     budget, budget_source, device_total = _budget(s, budget_bytes)
     fits = _fits(core, budget)

@@ -177,14 +177,17 @@ def _pre_quantized_base(setup: Setup) -> None:
 
 def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
             head_fraction: float | None = None, pair_span: float | None = None,
-            row_targets: int | None = None, longest: int | None = None) -> tuple[ModelDesc, Setup]:
+            row_targets: int | None = None, longest: int | None = None, pairs: int | None = None,
+            pair_positions: int | None = None) -> tuple[ModelDesc, Setup]:
     """Resolve the spec (and the machine, for the GPU count) into an architecture and a setup.
     ``state`` (a finetune.run.state.RunState) overrides the backend, micro-batch, accumulation,
     checkpointing and loss chunk with the run's live values. ``head_fraction``: the share of a
     micro-batch's positions that are targets at most, from the data (``finetune.data.build``
     ``head_fraction``); None: every position, the bound without data. Packed, from the data
     too: ``pair_span``, ``row_targets`` (the most targets of a packed micro-batch) and
-    ``longest`` (the longest sample), see ``_packed_setup``. Raises UserError for a
+    ``longest`` (the longest sample), see ``_packed_setup``. A preference run's, from the data
+    too: ``pairs`` (the data's pairs: a precomputed reference's log-probs) and ``pair_positions``
+    (the most a pair takes with its prompt once; None: its two padded rows, the bound). Raises UserError for a
     combination the backend would refuse (finetune.resolver runs this once as a check)."""
     handle = model_handle(spec)
     arch, hf = handle.desc, handle.config
@@ -242,6 +245,7 @@ def resolve(spec: RunSpec, seq_len: int | None = None, state: Any = None,
     _packed_setup(setup, spec, state, seq_len, pair_span, row_targets, longest)
     _pre_quantized_base(setup)
     _objective(setup, spec)
+    setup.pairs_total, setup.pair_positions = int(pairs or 0), int(pair_positions or 0)
     setup.pair_row_each = bool(getattr(mm, "pair_row_each", lambda a, s: False)(arch, setup))
     setup.shard_loadable = mm.shard_loadable(arch, hf, setup)
     return arch, setup
