@@ -310,6 +310,13 @@ def fill(slots: list[Slot], rank: int, world: int, dtype: torch.dtype, device: t
             mod.load_state_dict({attr: new}, strict=False, assign=True)
 
 
+def rank_rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows [lo, hi) of ``n`` that FSDP2 gives ``rank`` of ``world`` (torch.chunk on dim 0:
+    ceil(n / world) each, the last ranks fewer or none)."""
+    step = -(-n // world)
+    return min(n, rank * step), min(n, (rank + 1) * step)
+
+
 def rows(s: Slot, rank: int, world: int, dtype: torch.dtype, device: torch.device, shard_device: torch.device,
          into: torch.dtype) -> torch.Tensor:
     """This rank's rows of one checkpoint tensor (``fill``: its rows alone, cast to ``into``; a
@@ -319,10 +326,9 @@ def rows(s: Slot, rank: int, world: int, dtype: torch.dtype, device: torch.devic
 
     # one mapping of the file per tensor: its pages leave the process's RSS when it closes
     with safe_open(str(s.file), framework="pt") as f:
-        if s.quant is None:  # this rank's rows alone (torch.chunk's: ceil(rows / world) each)
-            n = f.get_slice(s.key).get_shape()[0]
-            step = -(-n // world)
-            mine = f.get_slice(s.key)[min(n, rank * step):min(n, (rank + 1) * step)]
+        if s.quant is None:  # this rank's rows alone
+            lo, hi = rank_rows(f.get_slice(s.key).get_shape()[0], rank, world)
+            mine = f.get_slice(s.key)[lo:hi]
             # a copy: safetensors may hand back a view of the mapped file
             mine = mine.to(device=shard_device, dtype=into).clone()
         else:
@@ -349,9 +355,7 @@ def expert_rows(src: Experts, rank: int, world: int, shape: torch.Size, into: to
     in the expert's slab (MergeModulelist's stack, Concatenate's parts in order)."""
     from safetensors import safe_open
 
-    n = shape[0]
-    step = -(-n // world)
-    lo, hi = min(n, rank * step), min(n, (rank + 1) * step)
+    lo, hi = rank_rows(shape[0], rank, world)
     out = torch.empty((hi - lo, *shape[1:]), dtype=into, device=shard_device)
     for i, e in enumerate(range(lo, hi)):
         at = 0
