@@ -68,10 +68,13 @@ def _libc() -> Any:
 
 
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
+# glibc's own ceiling of its dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): the
+# fixed threshold lean_host_heap leaves behind, and what a step may leave before HostHeapTrim
+MMAP_THRESHOLD_MAX = 32 << 20
 
 
 @contextlib.contextmanager
-def lean_host_heap(block: int = 1 << 20, after: int = 32 << 20) -> Iterator[None]:
+def lean_host_heap(block: int = 1 << 20, after: int = MMAP_THRESHOLD_MAX) -> Iterator[None]:
     """Within: host blocks of ``block`` bytes and up come from their own mappings, handed back
     to the OS when freed; on leaving, the C heap's free pages go back too (``malloc_trim``).
 
@@ -130,7 +133,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # step 6% faster (benchmarks/results/fsdp_sharded_load_cpu.txt section 4). The same figure as
 # the mmap threshold lean_host_heap leaves behind: a block that size or larger is its own
 # mapping anyway, returned when freed.
-TRIM_MIN_GROWTH_BYTES = 32 << 20
+TRIM_MIN_GROWTH_BYTES = MMAP_THRESHOLD_MAX
 
 
 class HostHeapTrim:
