@@ -126,6 +126,11 @@ class _ProcFile:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
+
+def _statm_rss(statm: bytes | str) -> int:
+    """The resident set in bytes from /proc/self/statm's text (its second field, in pages)."""
+    return int(statm.split()[1]) * _PAGE
+
 # What a step may leave resident beyond the last trim before the C heap's free pages are handed
 # back (HostHeapTrim). A trim costs the next step the page faults of what it touches again: on
 # the 64-wide tiny model (8 ms steps, 3 MiB returned) trimming every step made the step 3 ms
@@ -153,7 +158,7 @@ class HostHeapTrim:
 
     def _rss(self) -> int | None:
         sm = self._statm.read() if self._statm is not None else None
-        return int(sm.split()[1]) * _PAGE if sm else None
+        return _statm_rss(sm) if sm else None
 
     def after_step(self) -> bool:
         """Trim if the step left enough behind; whether it did."""
@@ -224,7 +229,7 @@ class SystemProbe:
         if _LINUX:
             sm = self._statm.read()
             if sm:
-                out["rss"] = int(sm.split()[1]) * _PAGE
+                out["rss"] = _statm_rss(sm)
             st = self._status.read()
             if st:
                 out["swap_process"] = _kib_field(st, b"VmSwap:")
