@@ -343,3 +343,20 @@ def test_plan_cli_prints_a_row_per_rank_then_overall(tmp_path: Path) -> None:
     assert plan["fits"] is True and pr["overall"]["peak_bytes"] == 8 * plan["peak_bytes"]
     assert all(isinstance(v, int) for row in pr["ranks"] for k, v in row.items() if k not in ("buffers", "phases"))
     assert all(row["phases"] == plan["phases"] for row in pr["ranks"])
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen2-0.5b"])  # a layer's gather the largest; the root's (its vocabulary)
+def test_fsdp_on_the_cpu_prices_gloos_copies_of_the_units_it_moves(tmp_path: Path, model: str) -> None:
+    """Without a GPU the ranks' collectives are gloo's, which copy where NCCL works in place: the
+    all-gather's flat temporary of the unit it gathers (a layer's, or at the root's own gather,
+    before any layer's is alive, what the root holds beyond two layers' buffers) and the
+    reduce-scatter's clone of its input. Each is priced at its unit's bytes, beside the buffers
+    a GPU plan has; a GPU plan has no such rows."""
+    over = (f"model={model}", "backend=cuda", "backend.device=cpu", "method=full", "backend.strategy=fsdp",
+            "backend.num_devices=2")
+    p = _plan(tmp_path, *over)
+    want = _expected_fsdp(tmp_path, 2, *over)
+    bufs = {k: v["bytes"] for k, v in p["collective_buffers"].items()}
+    assert bufs == want["buffers"] and bufs["gloo_all_gather_flat"] > 0 and bufs["gloo_reduce_scatter_copy"] > 0
+    gpu = _plan(tmp_path, *("backend.device=cuda" if o == "backend.device=cpu" else o for o in over))
+    assert not any(k.startswith("gloo") for k in gpu["collective_buffers"])
