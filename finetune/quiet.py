@@ -16,6 +16,10 @@ LOG_FILTERS = (
     ("bitsandbytes.backends.cpu.ops", "kernels-community",
      "bitsandbytes 0.50 on a CPU looks for the optional `kernels` package for its 4-bit gemm and falls back to "
      "its own, which is what runs"),
+    # the same lookup under HF_HUB_OFFLINE=1 (how a local hub cache is used): the `kernels` package
+    # says it skips the trust check of a kernel it then does not load
+    ("kernels._internals.hf_hub", "kernels-community",
+     "bitsandbytes' optional kernel lookup under HF_HUB_OFFLINE=1; bitsandbytes falls back to its own gemm"),
     # mlx_lm/evaluate.py logs through the root logger, which Hydra's console prints on stdout
     ("root", "Estimating loglikelihood", "mode=eval on mlx: mlx-lm's count of the requests it scores"),
     ("root", "Generating continuation for", "mode=eval on mlx: mlx-lm's count of the requests it generates for"),

@@ -34,3 +34,20 @@ def test_filters_are_specific():
     finally:
         logger.removeHandler(h)
     assert kept == ["something else bitsandbytes says"]
+
+
+def test_importing_bitsandbytes_offline_says_nothing():
+    """Under HF_HUB_OFFLINE=1 (how a local hub cache is used) bitsandbytes' import on a CPU has the
+    `kernels` package log that it skips a trust check, besides its own fallback line: both
+    filtered, nothing reaches stderr (the suite's warm CLI server also relies on a quiet import)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("bitsandbytes")
+    code = "from finetune import quiet; quiet.install(); import bitsandbytes"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
