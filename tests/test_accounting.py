@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import subprocess
 import sys
 import time
 import weakref
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH
+import warm_cli
 
 from finetune.accounting import (
     Accountant,
@@ -139,7 +139,7 @@ def test_package_imports_no_framework() -> None:
     code = ("import sys, finetune.accounting as a; a.Accountant; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'mlx', 'matplotlib')]; "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    warm_cli.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 # -- the accountant on the backend double ----------------------------------------------------
@@ -622,7 +622,7 @@ def test_mlx_tiny_real_in_a_fresh_process(tmp_path: Path) -> None:
             "from test_accounting import mlx_tiny_real; mlx_tiny_real(Path(sys.argv[1])); print('ok')")
     out = tmp_path / "fresh"
     out.mkdir()
-    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=600,
+    r = warm_cli.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-3000:]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from finetune.resolver import validate
 from finetune.errors import UserError
 
 from conftest import finetune_cmd, needs_mlx, needs_torch
+import warm_cli
 
 FAST = ("backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress=false", "data.num_samples=40",
         "memory.sample_every=0", "train.warmup_steps=0")
@@ -213,7 +213,7 @@ def _get(cfg, dotted):
     (["optim.lr=-1"], "error: optim.lr=-1.0 must be > 0"),
 ])
 def test_cli_bad_input_exit_2_no_traceback(tmp_path, args, needle):
-    r = subprocess.run([*finetune_cmd(), *args, f"hydra.run.dir={tmp_path}/r"], capture_output=True, text=True,
+    r = warm_cli.run([*finetune_cmd(), *args, f"hydra.run.dir={tmp_path}/r"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -223,6 +223,6 @@ def test_cli_bad_input_exit_2_no_traceback(tmp_path, args, needle):
 
 
 def test_cli_debug_shows_the_traceback(tmp_path):
-    r = subprocess.run([*finetune_cmd(), "--debug", "+train.stepz=3", f"hydra.run.dir={tmp_path}/r"],
+    r = warm_cli.run([*finetune_cmd(), "--debug", "+train.stepz=3", f"hydra.run.dir={tmp_path}/r"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" in r.stderr, r.stderr

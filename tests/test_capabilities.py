@@ -5,12 +5,12 @@ forgotten in another fails here."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO, make_cfg, make_spec
+import warm_cli
 
 from finetune import planner
 from finetune.backends import BACKENDS, capabilities
@@ -83,7 +83,7 @@ def test_runtime_builds_every_optimizer_the_capabilities_list(backend: str, tmp_
 
 
 def test_no_top_level_backends_package_outside_the_checkout(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-c", "import finetune.backends as b, sys; print(b.__name__); import backends"],
+    r = warm_cli.run([sys.executable, "-c", "import finetune.backends as b, sys; print(b.__name__); import backends"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert r.stdout.strip() == "finetune.backends"
     assert r.returncode != 0 and "No module named 'backends'" in r.stderr

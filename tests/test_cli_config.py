@@ -13,10 +13,11 @@ from finetune.resolver import validate
 from finetune.errors import UserError
 
 from conftest import make_cfg
+import warm_cli
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return warm_cli.run([sys.executable, "-m", "finetune.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -72,7 +73,7 @@ def test_bad_input_is_one_line_nonzero_no_traceback(args, needle, tmp_path):
 def test_help_imports_no_framework():
     """--help answers without importing torch, mlx or transformers: what keeps it fast (the
     wall time itself is printed by benchmarks/cli_latency.py, not asserted here)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "finetune.cli", "--help"],
+    r = warm_cli.run([sys.executable, "-X", "importtime", "-m", "finetune.cli", "--help"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     for g in GROUPS:

@@ -15,12 +15,13 @@ from finetune import planner
 from finetune.config import compose
 
 from conftest import finetune_cmd, needs_torch
+import warm_cli
 
 FRAMEWORKS = {"torch", "mlx", "transformers", "mlx_lm", "bitsandbytes", "peft"}
 
 
 def _finetune(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*finetune_cmd(), *args], capture_output=True, text=True, timeout=timeout,
+    return warm_cli.run([*finetune_cmd(), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env})
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import HAS_TORCH, finetune_cmd, needs_mlx
+import warm_cli
 from omegaconf import OmegaConf
 
 from finetune.config import Config
@@ -174,7 +174,7 @@ def test_cuda_compile_refusals_are_one_line(tiny_dir: Path, tmp_path: Path) -> N
     with pytest.raises(UserError, match="loss_chunk"):
         CudaBackend().setup(spec, tiny_dir)
     env = dict(os.environ, CXX="no-such-c++-compiler")  # inductor's compiler (torch._inductor.config.cpp.cxx)
-    r = subprocess.run([*finetune_cmd(), "backend=cuda", "train.compile=true", "train.steps=1",
+    r = warm_cli.run([*finetune_cmd(), "backend=cuda", "train.compile=true", "train.steps=1",
                         f"hydra.run.dir={tmp_path}/r"], check=False, capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 2, r.stderr

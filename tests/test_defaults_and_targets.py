@@ -5,12 +5,12 @@ trains with LoRA, and the MLX cache limit follows the measured step, not the bud
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import make_cfg, make_spec, needs_mlx, needs_torch
+import warm_cli
 
 from finetune import planner
 from finetune.model.source import stored_dtype
@@ -74,7 +74,7 @@ def test_train_mode_plans_the_device_it_will_use(tmp_path: Path) -> None:
 
 
 def test_plan_cli_prints_the_target_table(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "finetune", "mode=plan", "backend=cuda", "optim=paged_adamw_8bit",
+    r = warm_cli.run([sys.executable, "-m", "finetune", "mode=plan", "backend=cuda", "optim=paged_adamw_8bit",
                         "model=llama2-7b", "method=full", "backend.device_map=auto", "backend.num_devices=2",
                         "memory.budget=48GiB", f"hydra.run.dir={tmp_path / 'plan'}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
@@ -134,7 +134,7 @@ def test_prequantized_checkpoint_trains_lora_and_plans_its_bytes(quantized_tiny:
 
 @needs_mlx
 def test_prequantized_checkpoint_is_refused_by_cuda_in_one_line(quantized_tiny: Path, tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "finetune", "backend=cuda", f"model.path={quantized_tiny}",
+    r = warm_cli.run([sys.executable, "-m", "finetune", "backend=cuda", f"model.path={quantized_tiny}",
                         "mode=plan", f"hydra.run.dir={tmp_path / 'x'}"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "MLX-quantized" in r.stderr and "use backend=mlx" in r.stderr

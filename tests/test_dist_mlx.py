@@ -31,6 +31,7 @@ from finetune.config import ModelConfig
 from finetune.model.tiny import build_tiny
 
 from conftest import REPO, finetune_cmd, make_cfg
+import warm_cli
 
 pytestmark = pytest.mark.mlx
 
@@ -135,7 +136,7 @@ def test_broken_launch_fails_in_one_line(tmp_path: Path) -> None:
     held.bind(("127.0.0.1", port))
     held.listen()
     try:
-        r = subprocess.run([*finetune_cmd(), *E2E, f"hydra.run.dir={run}"], capture_output=True, text=True,
+        r = warm_cli.run([*finetune_cmd(), *E2E, f"hydra.run.dir={run}"], capture_output=True, text=True,
                            timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path,
                            env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hostfile)})
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, make_cfg, needs_torch
+import warm_cli
 
 pytestmark = needs_torch
 
@@ -41,7 +42,7 @@ def _run(run_dir: Path, *overrides: str, ranks: int = 2, script: str | None = No
     env = _env()
     if fault:
         env["FAULT"] = fault
-    r = subprocess.run([*cmd, *COMMON, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+    r = warm_cli.run([*cmd, *COMMON, *overrides, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=600)
     if check:
         assert r.returncode == 0, r.stderr[-4000:]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import GSM8K, HAS_MLX, HAS_TORCH, finetune_cmd, make_cfg
+import warm_cli
 
 from finetune.errors import UserError
 
@@ -109,7 +109,7 @@ def test_lm_eval_cli_gives_our_figures(cuda_run, tmp_path):
             f"pretrained={ours['model_dir']},peft={cuda_run / 'adapter'}", "--include_path",
             str(cuda_run / "eval_tasks"), "--tasks", "gsm8k_local,gsm8k_local_ppl", "--limit", "3", "--num_fewshot",
             "0", "--gen_kwargs", "max_gen_toks=4", "--device", "cpu", "--output_path", str(tmp_path / "out")]
-    r = subprocess.run(args, check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = warm_cli.run(args, check=False, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     theirs = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     compared = 0
@@ -178,7 +178,7 @@ def test_unknown_task_and_an_unreachable_hub_are_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^eval.tasks: lm-eval knows no task gsm8k_locl \(did you mean: gsm8k_local, "):
         task_manager(e, write_local_tasks(e, tmp_path / "tasks"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    r = subprocess.run([*finetune_cmd(), "mode=eval", "backend=cuda", "eval.tasks=[gsm8k]", "eval.limit=2",
+    r = warm_cli.run([*finetune_cmd(), "mode=eval", "backend=cuda", "eval.tasks=[gsm8k]", "eval.limit=2",
                         f"hydra.run.dir={tmp_path}/run"], check=False, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
@@ -215,7 +215,7 @@ def test_a_finished_run_lets_go_of_its_model_before_evaluating(tmp_path):
     again): nothing holds either backend, its model and optimizer state, afterwards. In a
     process of its own: pytest's captures keep frames of the setup alive, a run keeps none."""
     code = RELEASE.format(tests=str(Path(__file__).parent), root=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=600)
+    r = warm_cli.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split("\n")[-3:] == ["mlx released", "cuda released", ""], r.stdout[-2000:]
 
@@ -227,7 +227,7 @@ def test_an_optuna_search_ranks_its_trials_by_an_eval_metric(tmp_path):
     import yaml
 
     sweep_dir = tmp_path / "sweep"
-    r = subprocess.run([*finetune_cmd(), "-m", "search=val_loss", f"search_objective=eval:gsm8k_local_ppl/{BPB}",
+    r = warm_cli.run([*finetune_cmd(), "-m", "search=val_loss", f"search_objective=eval:gsm8k_local_ppl/{BPB}",
                         "hydra.sweeper.n_trials=2", "backend=mlx", "isolate_jobs=false", "train.steps=2",
                         "train.eval_every=0", "train.progress=false", "data.num_samples=16", "eval.tasks=[gsm8k_local_ppl]",
                         f"eval.path={GSM8K}", "eval.limit=2", f"hydra.sweep.dir={sweep_dir}"],

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
+import warm_cli
 
 from finetune.resolver import resolve
 
@@ -95,7 +96,7 @@ def base_logits(base) -> dict[str, np.ndarray]:
 
 
 def export_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune.export", *map(str, args)], check=False, capture_output=True,
+    return warm_cli.run([sys.executable, "-m", "finetune.export", *map(str, args)], check=False, capture_output=True,
                           text=True, timeout=300)
 
 

@@ -6,13 +6,13 @@ on tiny checkpoints of every family mlx-lm loads (tests/families.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from finetune.resolver import resolve
 from conftest import REPO, make_cfg, make_spec, needs_mlx, needs_torch
+import warm_cli
 from test_model_source import META_PARAMS, RELEASED
 
 from finetune import planner
@@ -192,7 +192,7 @@ def test_mlx_peak_within_ten_percent_for_every_family(tmp_path):
              for B, T in ((4, 64), (16, 64))]
     cases += [(f, 4, 96, "all-linear") for f in ("gemma2", "phi3", "mixtral", "starcoder2", "qwen2_moe")]
     script = MLX_PEAK_SCRIPT.format(tests=str(REPO / "tests"), cases=cases, run=str(tmp_path / "run"))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = warm_cli.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     bad = [(f, B, T, k, planned, peak, round(planned / peak - 1, 3)) for f, B, T, k, planned, peak in rows

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
+import warm_cli
 
 from finetune.run import files as checkpoints
 from finetune.errors import UserError
@@ -148,7 +149,7 @@ def _mount_small_fs(where: Path, work: Path) -> tuple[str | None, list[str]]:
     tried = []
     if sys.platform != "linux" or shutil.which("mount") is None:
         return None, ["mount: not a Linux host with mount(8)"]
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(where)], check=False,
+    r = warm_cli.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(where)], check=False,
                        capture_output=True, text=True)
     if r.returncode == 0:
         return "tmpfs", tried
@@ -156,10 +157,10 @@ def _mount_small_fs(where: Path, work: Path) -> tuple[str | None, list[str]]:
     img = work / "small.ext4"
     with open(img, "wb") as f:
         f.truncate(2 * 2**20)
-    r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", str(img)], check=False,
+    r = warm_cli.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", str(img)], check=False,
                        capture_output=True, text=True)  # -m 0: no blocks reserved for root (who may use them)
     if r.returncode == 0:
-        r = subprocess.run(["mount", "-o", "loop", str(img), str(where)], check=False, capture_output=True, text=True)
+        r = warm_cli.run(["mount", "-o", "loop", str(img), str(where)], check=False, capture_output=True, text=True)
         if r.returncode == 0:
             return "ext4 on a loop device", tried
     tried.append(f"loop ext4: {(r.stderr.strip() or f'exit {r.returncode}').splitlines()[-1]}")
@@ -199,11 +200,11 @@ def full_disk_run(tmp_path_factory):
             f.write(b"\0" * room)  # zeros written, not a sparse hole: the blocks are taken
             f.flush()
             os.fsync(f.fileno())
-        proc = subprocess.run([*finetune_cmd(), *ARGS, "train.steps=4", "train.keep_checkpoints=3",
+        proc = warm_cli.run([*finetune_cmd(), *ARGS, "train.steps=4", "train.keep_checkpoints=3",
                                f"hydra.run.dir={run}"], check=False, capture_output=True, text=True, timeout=600)
         yield proc, run, filler, how
     finally:
-        subprocess.run(["umount", "-l", str(ckdir)], check=False, capture_output=True)
+        warm_cli.run(["umount", "-l", str(ckdir)], check=False, capture_output=True)
 
 
 @needs_torch

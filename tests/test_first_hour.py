@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, REPO, finetune_cmd, needs_mlx
+import warm_cli
 
 from finetune import planner
 from finetune.config import compose
@@ -27,7 +28,7 @@ QUIET = ("train.progress=false", "train.eval_every=0", "train.warmup_steps=0", "
 
 
 def _finetune(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*finetune_cmd(), *args], capture_output=True, text=True, timeout=timeout, env=ENV,
+    return warm_cli.run([*finetune_cmd(), *args], capture_output=True, text=True, timeout=timeout, env=ENV,
                           cwd=cwd)
 
 

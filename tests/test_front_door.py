@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from conftest import finetune_cmd
+import warm_cli
 
 
 def _one_line(r: subprocess.CompletedProcess) -> str:
@@ -34,7 +35,7 @@ def test_a_command_leaves_hydras_functions_as_they_were(tmp_path, monkeypatch):
 
 def test_a_sweep_with_a_bad_value_is_refused_before_its_first_job(tmp_path):
     out = tmp_path / "sweep"
-    r = subprocess.run([*finetune_cmd(), "-m", "mode=plan", "train.steps=2,abc", f"hydra.sweep.dir={out}"],
+    r = warm_cli.run([*finetune_cmd(), "-m", "mode=plan", "train.steps=2,abc", f"hydra.sweep.dir={out}"],
                        capture_output=True, text=True, timeout=120)
     assert "give train.steps a whole number" in _one_line(r)
     assert not out.exists()
@@ -45,7 +46,7 @@ def test_a_dir_that_cannot_be_made_is_one_line(tmp_path, multirun):
     (tmp_path / "file").write_text("")
     where = tmp_path / "file" / "run"
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    r = subprocess.run([*finetune_cmd(), *(["-m"] if multirun else []), "mode=plan", f"{key}={where}"],
+    r = warm_cli.run([*finetune_cmd(), *(["-m"] if multirun else []), "mode=plan", f"{key}={where}"],
                        capture_output=True, text=True, timeout=120)
     line = _one_line(r)
     assert "(Not a directory)" in line and f"set {key}= to a writable directory" in line, line

@@ -14,7 +14,6 @@ bytes the plan puts on the host against the census of the tensors the rank holds
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from families import build_family
 
 from tests.conftest import REPO, make_cfg, make_spec, needs_torch
 from tests.test_dist_torch import _env, _steps
+import warm_cli
 
 pytestmark = needs_torch
 
@@ -87,7 +87,7 @@ def _two_ranks(base: Path, name: str, *over: str, common: tuple[str, ...] = tupl
     ranks.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT,
            *common, *over, f"hydra.run.dir={two}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), "RANK_MEMORY_DIR": str(ranks)},
+    r = warm_cli.run(cmd, capture_output=True, text=True, env={**_env(), "RANK_MEMORY_DIR": str(ranks)},
                        cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     plan = planner.plan(make_spec(base / f"{name}-plan", *common, *over, "mode=plan", "backend.num_devices=2"),

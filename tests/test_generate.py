@@ -6,10 +6,10 @@ printed text is the library's own generation."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, finetune_cmd, make_cfg
+import warm_cli
 from test_export import trained_run
 
 pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
@@ -71,14 +71,14 @@ def test_generate_through_the_console_script(runs_root, capsys, tmp_path):
     in-process call returns, and only that, on stdout."""
     run = trained_run(runs_root, "cuda-lora")
     # the short form the issue names: prompt="..." (generate.prompt is the same key)
-    r = subprocess.run([*finetune_cmd(), "mode=generate", "backend=mlx", f"generate.adapter={run}",
+    r = warm_cli.run([*finetune_cmd(), "mode=generate", "backend=mlx", f"generate.adapter={run}",
                         f"prompt={PROMPT}", "generate.max_new_tokens=8", f"hydra.run.dir={tmp_path}/g"],
                        check=False, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr[-2000:]
     want, _ = _generate(capsys, tmp_path / "in", "backend=mlx", f"generate.adapter={run}")
     assert r.stdout == want["completion"] + "\n"
     # on cuda too, and transformers draws no "Loading weights" bar over it (finetune.quiet)
-    r = subprocess.run([*finetune_cmd(), "mode=generate", "backend=cuda", f"generate.adapter={run}",
+    r = warm_cli.run([*finetune_cmd(), "mode=generate", "backend=cuda", f"generate.adapter={run}",
                         f"prompt={PROMPT}", "generate.max_new_tokens=8", f"hydra.run.dir={tmp_path}/c"],
                        check=False, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr[-2000:]
@@ -87,7 +87,7 @@ def test_generate_through_the_console_script(runs_root, capsys, tmp_path):
 
 
 def test_generate_without_a_prompt_is_one_line(tmp_path):
-    r = subprocess.run([*finetune_cmd(), "mode=generate", "backend=cuda", f"hydra.run.dir={tmp_path}/g"],
+    r = warm_cli.run([*finetune_cmd(), "mode=generate", "backend=cuda", f"hydra.run.dir={tmp_path}/g"],
                        check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == ('error: mode=generate needs a prompt: add prompt="..." '

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HAS_MLX, HAS_TORCH, make_cfg
+import warm_cli
 
 pytestmark = pytest.mark.skipif(not (HAS_MLX and HAS_TORCH), reason="needs both torch+peft and mlx-lm")
 
@@ -75,7 +76,7 @@ def _generate(tmp_path: Path, *overrides: str, check: bool = True) -> subprocess
     tmp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run([sys.executable, "-m", "finetune.cli", "mode=generate", *overrides], cwd=cwd, env=env,
+    r = warm_cli.run([sys.executable, "-m", "finetune.cli", "mode=generate", *overrides], cwd=cwd, env=env,
                        check=False, capture_output=True, text=True, timeout=300)
     if check:
         assert r.returncode == 0, r.stderr[-3000:]

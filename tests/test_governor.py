@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cuda_backend_with_oom, make_cfg, needs_mlx, needs_torch
+import warm_cli
 
 import finetune.run.loop as loop_mod
 from finetune.errors import UserError
@@ -88,12 +89,11 @@ def test_supervisor_restarts_an_aborted_run_from_its_checkpoint(tmp_path):
     micro-batch is above 2; the supervisor restarts it from the step-2 checkpoint at micro 2,
     and the losses equal an uninterrupted run's."""
     import os
-    import subprocess
     import sys
 
     args = ["backend=mlx", *COMMON, "train.batch_size=4", "train.save_every=2"]
     env = {**os.environ, "FINETUNE_FAULT_ABORT": "4:2"}
-    r = subprocess.run([sys.executable, "-m", "finetune.cli", *args, "memory.supervise=true",
+    r = warm_cli.run([sys.executable, "-m", "finetune.cli", *args, "memory.supervise=true",
                         f"hydra.run.dir={tmp_path}/sup"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[supervisor] child died" in r.stderr
@@ -108,10 +108,9 @@ def test_supervisor_restarts_an_aborted_run_from_its_checkpoint(tmp_path):
 def test_nothing_fits_stops_before_any_download(tmp_path):
     """qwen2-72b on a box with RAM for a budget: the plan stops the run before the hub is
     asked for a single file, with the plan table and one error line."""
-    import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "finetune.cli", "model=qwen2-72b", "backend=cuda", "memory.budget=64GiB",
+    r = warm_cli.run([sys.executable, "-m", "finetune.cli", "model=qwen2-72b", "backend=cuda", "memory.budget=64GiB",
                         f"hydra.run.dir={tmp_path}/r"], capture_output=True, text=True, timeout=120,
                        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode == 2, r.stderr[-2000:]

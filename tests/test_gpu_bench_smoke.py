@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import REPO, needs_torch
+import warm_cli
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_gpu_bench_smoke(tmp_path: Path, gsm8k: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "FINETUNE_GSM8K": str(gsm8k), "PYTHON": os.environ.get("PYTHON", "python3")}
-    r = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "--smoke", "--work", str(tmp_path / "work")], cwd=REPO,
+    r = warm_cli.run(["bash", "benchmarks/gpu_bench.sh", "--smoke", "--work", str(tmp_path / "work")], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     text = (out / "gpu_bench.txt").read_text()

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from conftest import _NO_GSM8K, GSM8K, IN_CI, finetune_cmd, make_spec, needs_torch
+import warm_cli
 
 from finetune import data as data_mod
 from finetune.data import cache as tokcache
@@ -126,7 +127,7 @@ def _run_case(case: tuple[str, str, tuple[str, ...], int, str], inputs: Path, wo
     else:
         args.append(f"data.path={inputs / path}")
         env = dict(os.environ)
-    r = subprocess.run([*cmd, *args], check=False, capture_output=True, text=True, timeout=300,
+    r = warm_cli.run([*cmd, *args], check=False, capture_output=True, text=True, timeout=300,
                        env=env)
     return {"rc": r.returncode, "stderr": r.stderr, "run_dir": run_dir, "cache": cache}
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import finetune_cmd
+import warm_cli
 
 from finetune import keyhelp
 from finetune.completion import candidates
@@ -71,7 +71,7 @@ def test_values_shown_are_the_resolvers_tables() -> None:
 
 
 def _help(*overrides: str) -> str:
-    r = subprocess.run([*finetune_cmd(), *overrides, "--help"], check=False, capture_output=True, text=True, timeout=120)
+    r = warm_cli.run([*finetune_cmd(), *overrides, "--help"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -98,7 +98,7 @@ def test_help_lists_every_mode_and_each_keys_meaning_default_and_values() -> Non
 
 def _query(line: str, shell: str = "bash") -> str:
     env = {**os.environ, "COMP_LINE": line, "COMP_POINT": str(len(line))}
-    r = subprocess.run([*finetune_cmd(), "-sc", f"query={shell}"], check=False, capture_output=True, text=True, timeout=120, env=env)
+    r = warm_cli.run([*finetune_cmd(), "-sc", f"query={shell}"], check=False, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -123,7 +123,7 @@ def test_bash_tab_on_mode_offers_every_mode() -> None:
     path = f"{Path(script[0]).parent}:{os.environ['PATH']}"
     run = ('eval "$(finetune -sc install=bash)"; COMP_LINE="finetune mode="; COMP_POINT=${#COMP_LINE}; '
            'COMP_CWORD=1; hydra_bash_completion; printf "%s\\n" "${COMPREPLY[@]}"')
-    r = subprocess.run(["bash", "-c", run], check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
+    r = warm_cli.run(["bash", "-c", run], check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
     assert r.returncode == 0, r.stderr[-2000:]
     assert set(r.stdout.split()) == {f"mode={m}" for m in MODES}, r.stdout
 

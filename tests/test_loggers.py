@@ -13,12 +13,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import HAS_MLX, IN_CI, make_cfg
+import warm_cli
 
 from finetune.resolver import resolve
 
@@ -59,7 +59,7 @@ def run(tmp_path_factory) -> Path:
     chosen = ["csv"] + [n for n in ("tensorboard", "wandb", "mlflow") if _have(n)]
     env = {**os.environ, "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)  # offline by the config key alone
-    r = subprocess.run([sys.executable, "-m", "finetune.cli", *ARGS, f"logger=[{','.join(chosen)}]",
+    r = warm_cli.run([sys.executable, "-m", "finetune.cli", *ARGS, f"logger=[{','.join(chosen)}]",
                         "logger.wandb.mode=offline", f"hydra.run.dir={run_dir}"],
                        check=False, capture_output=True, text=True, timeout=300, env=env, cwd=run_dir.parent)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -196,7 +196,7 @@ def test_a_missing_logger_package_is_one_line_naming_the_extra(tmp_path):
     loaded (the import is tried when the run log is built)."""
     code = ("import sys; sys.modules['tensorboard'] = None; "
             "from finetune.cli import main; sys.argv = ['finetune'] + sys.argv[1:]; main()")
-    r = subprocess.run([sys.executable, "-c", code, "logger=[csv,tensorboard]", "train.progress=false",
+    r = warm_cli.run([sys.executable, "-c", code, "logger=[csv,tensorboard]", "train.progress=false",
                         f"hydra.run.dir={tmp_path / 'run'}"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
@@ -206,7 +206,7 @@ def test_a_missing_logger_package_is_one_line_naming_the_extra(tmp_path):
 
 
 def test_an_unknown_logger_is_refused_with_the_options(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "finetune.cli", "logger=[tensorbord]", f"hydra.run.dir={tmp_path}"],
+    r = warm_cli.run([sys.executable, "-m", "finetune.cli", "logger=[tensorbord]", f"hydra.run.dir={tmp_path}"],
                        check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "logger=tensorbord is not an option; choose one of: csv, jsonl, mlflow, tensorboard, wandb" in r.stderr

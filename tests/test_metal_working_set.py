@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO, make_spec
+import warm_cli
 from finetune.backends.mlx import metal
 
 from finetune.budget import apple_silicon, apple_working_set_rule
@@ -181,7 +181,7 @@ def test_the_cli_prints_and_writes_the_verdict(tmp_path: Path) -> None:
     code = ("import runpy, sys\nsys.argv = ['finetune'] + sys.argv[1:]\n"
             "try:\n    runpy.run_module('finetune', run_name='__main__')\n"
             "finally:\n    print('mlx imported:', any(k == 'mlx' or k.startswith('mlx.') for k in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code, "mode=plan", *BASE_72B, f"memory.device_info={M2_ULTRA}",
+    r = warm_cli.run([sys.executable, "-c", code, "mode=plan", *BASE_72B, f"memory.device_info={M2_ULTRA}",
                         f"hydra.run.dir={run}"], check=False, capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

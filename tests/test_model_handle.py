@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import pstats
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from finetune.model.source import local_model_dir
 from finetune.planner import plan
 from finetune.model.tiny import BUILDER_VERSION, _cache_key, tiny_config
 from conftest import REPO, finetune_cmd, make_spec, needs_mlx, needs_torch
+import warm_cli
 
 RELEASED = REPO / "tests" / "data" / "released"
 
@@ -42,7 +42,7 @@ def test_a_run_describes_its_model_once(tmp_path: Path, backend: str) -> None:
     once, and our config.json reader once (it was 8 describes: the resolver, each governor
     check, each plan, the loop, the runtime, the checkpointer, calibration)."""
     prof, run = tmp_path / "run.prof", tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "finetune.cli", f"backend={backend}",
+    r = warm_cli.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "finetune.cli", f"backend={backend}",
                         "train.steps=2", "train.progress=false", f"hydra.run.dir={run}"],
                        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -63,7 +63,7 @@ def test_a_hub_preset_plans_the_layers_it_is_given(tmp_path: Path) -> None:
     lay_out_hub_cache(cached, "meta-llama/Llama-3.1-8B", (RELEASED / "Llama-3.1-8B" / "config.json").read_text())
     for hub, where in ((cache, "model.config of preset llama3.1-8b"), (cached, "config.json in the hub cache")):
         out = tmp_path / f"plan-{hub.name}"
-        r = subprocess.run([*finetune_cmd(), "mode=plan", "model=llama3.1-8b", "model.config.num_hidden_layers=16",
+        r = warm_cli.run([*finetune_cmd(), "mode=plan", "model=llama3.1-8b", "model.config.num_hidden_layers=16",
                             "backend=cuda", "memory.budget=80GiB", f"hydra.run.dir={out}"],
                            capture_output=True, text=True, timeout=300, env=_offline(hub), check=False)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -71,7 +71,7 @@ def test_a_hub_preset_plans_the_layers_it_is_given(tmp_path: Path) -> None:
         assert p["model"]["layers"] == 16, p["model"]
         assert where in p["model"]["source"] and "model.config.num_hidden_layers=16" in p["model"]["source"]
         assert any("what-if" in n for n in p["notes"]), p["notes"]
-    full = subprocess.run([*finetune_cmd(), "mode=plan", "model=llama3.1-8b", "backend=cuda", "memory.budget=80GiB",
+    full = warm_cli.run([*finetune_cmd(), "mode=plan", "model=llama3.1-8b", "backend=cuda", "memory.budget=80GiB",
                            f"hydra.run.dir={tmp_path / 'plan-32'}"],
                           capture_output=True, text=True, timeout=300, env=_offline(cached), check=False)
     assert full.returncode == 0, full.stderr[-3000:]
@@ -83,7 +83,7 @@ def test_the_old_key_is_refused_naming_the_fact(tmp_path: Path) -> None:
     """`model.num_layers=16` (a preset's key until issue 32) is one line naming
     model.config.num_hidden_layers, exit 2, no run dir left."""
     run = tmp_path / "r"
-    r = subprocess.run([*finetune_cmd(), "mode=plan", "model=llama3.1-8b", "model.num_layers=16",
+    r = warm_cli.run([*finetune_cmd(), "mode=plan", "model=llama3.1-8b", "model.num_layers=16",
                         f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
@@ -103,7 +103,7 @@ def test_a_run_or_generate_refuses_a_hub_what_if(tmp_path: Path) -> None:
     cache.mkdir()
     for mode in ("train", "generate"):
         run = tmp_path / mode
-        r = subprocess.run([*finetune_cmd(), f"mode={mode}", "model=llama3.1-8b", "model.config.num_hidden_layers=16",
+        r = warm_cli.run([*finetune_cmd(), f"mode={mode}", "model=llama3.1-8b", "model.config.num_hidden_layers=16",
                             'prompt="hi"', "backend=cuda", f"hydra.run.dir={run}"],
                            capture_output=True, text=True, timeout=300, env=_offline(cache), check=False)
         assert r.returncode == 2, r.stderr

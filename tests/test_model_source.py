@@ -8,11 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import finetune_cmd, make_cfg, needs_torch
+import warm_cli
 
 from finetune.errors import UserError
 from finetune.model.source import local_config, model_config, stored_dtype
@@ -113,7 +113,7 @@ def test_offline_with_an_empty_cache_is_one_line_naming_the_fixes(tmp_path: Path
 def test_cli_plan_of_an_uncached_hub_id_offline_exits_2_in_one_line(tmp_path: Path) -> None:
     cache = tmp_path / "hub"
     cache.mkdir()
-    r = subprocess.run([*finetune_cmd(), "mode=plan", "model.path=Qwen/Qwen3-8B", f"hydra.run.dir={tmp_path}/r"],
+    r = warm_cli.run([*finetune_cmd(), "mode=plan", "model.path=Qwen/Qwen3-8B", f"hydra.run.dir={tmp_path}/r"],
                        check=False, capture_output=True, text=True, timeout=120, env=_env(cache))
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -129,7 +129,7 @@ def test_cli_plan_of_a_cached_hub_id_plans_that_model(tmp_path: Path) -> None:
     plans its 8.19 B parameters (within the planner's 0.5% of the meta-device count)."""
     cache = tmp_path / "hub"
     snap = lay_out_hub_cache(cache, "Qwen/Qwen3-8B", (RELEASED / "Qwen3-8B" / "config.json").read_text())
-    r = subprocess.run([*finetune_cmd(), "mode=plan", "model.path=Qwen/Qwen3-8B", f"hydra.run.dir={tmp_path}/r"],
+    r = warm_cli.run([*finetune_cmd(), "mode=plan", "model.path=Qwen/Qwen3-8B", f"hydra.run.dir={tmp_path}/r"],
                        check=False, capture_output=True, text=True, timeout=120, env=_env(cache))
     assert r.returncode == 0, r.stderr
     plan = json.loads((tmp_path / "r" / "plan.json").read_text())
@@ -145,7 +145,7 @@ def test_cli_run_of_a_hub_id_with_only_its_config_cached_asks_for_the_whole_snap
     traceback, and no run dir left behind."""
     cache = tmp_path / "hub"
     snap = lay_out_hub_cache(cache, "Qwen/Qwen3-8B", (RELEASED / "Qwen3-8B" / "config.json").read_text())
-    r = subprocess.run([*finetune_cmd(), "backend=cuda", "model.path=Qwen/Qwen3-8B", f"model.revision={SHA}",
+    r = warm_cli.run([*finetune_cmd(), "backend=cuda", "model.path=Qwen/Qwen3-8B", f"model.revision={SHA}",
                         "train.steps=1", f"hydra.run.dir={tmp_path}/r"],
                        check=False, capture_output=True, text=True, timeout=120, env=_env(cache))
     assert r.returncode == 2, r.stderr

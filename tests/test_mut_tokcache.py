@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from finetune.data import cache as tokcache
 from finetune.data.cache import Damaged, TokenWriter
+import warm_cli
 
 KEY = {"data": "x.jsonl", "seq_len": 16}
 IDS = np.array([5, 6, 7, 8, 9, 10, 11], np.uint16)
@@ -104,7 +105,6 @@ def test_ids_are_stored_in_16_bits_only_where_every_id_fits(n: int, top: int, wa
 
 
 def test_cleaning_removes_a_dead_writers_temporary_and_keeps_a_live_ones(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     root = tmp_path / "cache"
@@ -112,7 +112,7 @@ def test_cleaning_removes_a_dead_writers_temporary_and_keeps_a_live_ones(tmp_pat
     live.add(IDS[:3], MASK[:3], LENGTHS[:1])  # this process is writing it now
     mine = [p for p in root.iterdir() if p.name.startswith(".")]
     assert len(mine) == 1
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+    gone = warm_cli.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
     dead_pid = int(gone.stdout)  # a process that has exited
     dead = root / mine[0].name.replace(f"-{os.getpid()}-", f"-{dead_pid}-")

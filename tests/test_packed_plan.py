@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import GSM8K, REPO, make_spec, needs_mlx, needs_torch
+import warm_cli
 from finetune.backends.base import pack, pack_layout
 from test_packing import (  # noqa: F401
     assert_grads_equal,
@@ -48,7 +49,7 @@ RUN = ("backend=mlx", "data=jsonl", f"data.path={GSM8K}", "train.packing=true", 
 def finetune(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, on this checkout's code whichever copy is installed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "finetune", *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
+    r = warm_cli.run([sys.executable, "-m", "finetune", *overrides, f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
                        check=False,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

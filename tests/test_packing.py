@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import cuda_backend_with_oom, needs_mlx, needs_torch
+import warm_cli
 from finetune.backends.base import Batch, pack
 
 from finetune.run import loop as loop_mod
@@ -258,7 +259,6 @@ def packed_peaks(tmp_path_factory: Any) -> tuple[int, list[int], list[int]]:
     tests/test_planner.py's MLX peaks are. Attention runs per sample, so its scores follow the
     samples' squares; the plan prices the data's most per micro-batch (``pair_span``, as
     mode=train and mode=plan do)."""
-    import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[1]
@@ -297,7 +297,7 @@ for step in range(8):
 p = planner.plan(resolve(cfg), seq_len=max(widths), recommend=False, head_fraction=36 / 40, pair_span=max(spans))
 print(json.dumps([p["peak_allocated_bytes"], peaks, widths]))
 """
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=repo)
+    r = warm_cli.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=repo)
     assert r.returncode == 0, r.stderr[-2000:]
     return tuple(json.loads(r.stdout.strip().splitlines()[-1]))
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import GSM8K, finetune_cmd, make_spec
+import warm_cli
 
 from finetune import data as data_mod
 from finetune.backends.base import padded_length
@@ -27,7 +27,7 @@ from finetune.model.tiny import build_tiny
 
 
 def _run_plan(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[dict, str]:
-    r = subprocess.run([*finetune_cmd(), "mode=plan", *overrides, f"hydra.run.dir={tmp_path / 'plan'}"],
+    r = warm_cli.run([*finetune_cmd(), "mode=plan", *overrides, f"hydra.run.dir={tmp_path / 'plan'}"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "plan" / "plan.json").read_text()), r.stdout

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 from conftest import REPO
+import warm_cli
 
 
 def test_every_golden_plan_is_byte_equal() -> None:
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "golden_plans.py"), "--check"],
+    r = warm_cli.run([sys.executable, str(REPO / "scripts" / "golden_plans.py"), "--check"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -28,7 +28,7 @@ def test_the_check_sees_a_changed_byte(tmp_path) -> None:
     shutil.copytree(REPO / "tests" / "data" / "plans", plans / "tests" / "data" / "plans")
     f = plans / "tests" / "data" / "plans" / "cuda-tiny-lora.json"
     f.write_text(f.read_text().replace('"batch_size": 4', '"batch_size": 5', 1))
-    r = subprocess.run([sys.executable, str(plans / "scripts" / "golden_plans.py"), "--check"],
+    r = warm_cli.run([sys.executable, str(plans / "scripts" / "golden_plans.py"), "--check"],
                        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 1
     assert "plan.json differs for: cuda-tiny-lora" in r.stderr

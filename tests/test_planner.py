@@ -9,7 +9,6 @@ the backends' own census after a real optimizer step on the tiny model.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from finetune.resolver import resolve
 from conftest import HAS_MLX, HAS_TORCH, REPO, make_cfg, needs_mlx, needs_torch
+import warm_cli
 
 from finetune import planner
 from finetune.budget import parse_budget
@@ -406,7 +406,7 @@ def mlx_peaks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     pytest.importorskip("mlx.core")
     script = MLX_PEAK_SCRIPT.format(tests=str(REPO / "tests"), run=str(tmp_path_factory.mktemp("mlx_peaks") / "run"),
                                     cases=MLX_PEAK_CASES)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = warm_cli.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -634,7 +634,7 @@ def test_plan_imports_no_framework(tmp_path):
         "c.method.name = 'qlora'; c.memory.budget = '80GiB';"
         "planner.run_plan(resolve(c))"
     )
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", code, str(tmp_path)], cwd=REPO,
+    r = warm_cli.run([sys.executable, "-X", "importtime", "-c", code, str(tmp_path)], cwd=REPO,
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     imported = {ln.split("|")[-1].strip().split(".")[0] for ln in r.stderr.splitlines() if ln.startswith("import time:")}

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from finetune.resolver import resolve
 from conftest import REPO, make_cfg, make_spec, needs_torch
+import warm_cli
 
 from finetune import planner
 from finetune.errors import UserError
@@ -223,7 +223,7 @@ def test_fsdp_shards_match_torch_fully_shard(tmp_path: Path) -> None:
                                "intermediate_size", "vocab_size", "tie_word_embeddings")}
     worker = tmp_path / "fsdp_worker.py"
     worker.write_text(_FSDP_WORKER)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+    r = warm_cli.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                         str(worker), json.dumps(model), str(tmp_path)], capture_output=True, text=True, timeout=300, check=False,
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -326,7 +326,7 @@ def test_mlx_ranks_replicate_and_hold_one_summed_gradient_tree(tmp_path: Path) -
 # ---- the CLI ------------------------------------------------------------------------------------
 
 def test_plan_cli_prints_a_row_per_rank_then_overall(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "finetune", *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8",
+    r = warm_cli.run([sys.executable, "-m", "finetune", *SEVEN_B, "backend.strategy=fsdp", "backend.num_devices=8",
                         "memory.budget=80GiB", f"hydra.run.dir={tmp_path / 'plan'}"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False)
     assert r.returncode == 0, r.stderr

@@ -8,13 +8,13 @@ backend runs one)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import REPO, make_cfg, make_spec, needs_mlx, needs_torch
+import warm_cli
 
 from finetune import planner
 from finetune.resolver import resolve
@@ -312,7 +312,7 @@ def test_mlx_dpo_step_peak_within_ten_percent_of_its_plan(tmp_path):
     cases = [("llama", 4), ("qwen3", 4)]
     script = MLX_DPO_SCRIPT.format(tests=str(REPO / "tests"), cases=cases, run=str(tmp_path / "run"),
                                    pairs=_pairs(16))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = warm_cli.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     bad = [(f, P, T, planned, peak, round(planned / peak - 1, 3)) for f, P, T, planned, peak in rows

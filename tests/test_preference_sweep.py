@@ -6,11 +6,11 @@ the sweep report shows the columns; an objective the jobs cannot score is refuse
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import finetune_cmd, needs_torch
+import warm_cli
 
 from finetune.errors import UserError
 from finetune.sweep import check_objective, direction, objective_value
@@ -44,7 +44,7 @@ def test_an_optuna_search_over_beta_ranks_trials_by_validation_reward_accuracy(t
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in _pairs(24)))
     sweep_dir = tmp_path / "sweep"
-    r = subprocess.run([*finetune_cmd(), "-m", "search=reward", "objective=dpo", "hydra.sweeper.n_trials=2",
+    r = warm_cli.run([*finetune_cmd(), "-m", "search=reward", "objective=dpo", "hydra.sweeper.n_trials=2",
                         "backend=cuda", "isolate_jobs=false", f"data.path={data}", "data.val_fraction=0.25",
                         "train.steps=2", "train.eval_every=2", "train.batch_size=4", "train.seq_len=64",
                         "train.warmup_steps=0", "train.progress=false", "precision=32-true",

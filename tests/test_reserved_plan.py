@@ -6,7 +6,6 @@ this CPU, and the published parameter counts of PEFT's MetaMathQA runs."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ from finetune.planner import plan
 from finetune.model.source import local_model_dir
 from finetune.planner.setup import inventory, resolve
 from conftest import HAS_TORCH, REPO, finetune_cmd, make_spec
+import warm_cli
 
 H200 = json.loads((REPO / "tests" / "data" / "measured" / "h200_gpu_check.json").read_text())
 METAMATH = json.loads((REPO / "tests" / "data" / "measured" / "peft_metamathqa.json").read_text())
@@ -27,7 +27,7 @@ METAMATH = json.loads((REPO / "tests" / "data" / "measured" / "peft_metamathqa.j
 
 def _cli_plan(tmp_path: Path, *overrides: str) -> dict:
     out = tmp_path / "plan"
-    r = subprocess.run([*finetune_cmd(), "mode=plan", *overrides, f"hydra.run.dir={out}"], capture_output=True,
+    r = warm_cli.run([*finetune_cmd(), "mode=plan", *overrides, f"hydra.run.dir={out}"], capture_output=True,
                        text=True, cwd=tmp_path, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     return {"plan": json.loads((out / "plan.json").read_text()), "stdout": r.stdout}
@@ -152,7 +152,7 @@ def test_empty_cache_every_step_lowers_the_steady_reserve(tmp_path: Path) -> Non
 
 
 def test_a_bad_alloc_conf_is_one_line(tmp_path: Path) -> None:
-    r = subprocess.run([*finetune_cmd(), "mode=plan", "backend=cuda", "backend.alloc_conf=expandable:yes",
+    r = warm_cli.run([*finetune_cmd(), "mode=plan", "backend=cuda", "backend.alloc_conf=expandable:yes",
                         f"hydra.run.dir={tmp_path / 'r'}"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
@@ -219,7 +219,7 @@ def test_qlora_load_host_peak_within_10_percent(tmp_path: Path) -> None:
     spec = make_spec(tmp_path, "mode=plan", *args)
     local_model_dir(spec.model, seed=0)
     p = plan(spec, recommend=False)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    r = warm_cli.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     measured = json.loads(r.stdout.strip().splitlines()[-1])["maxrss"]
     planned = p["phases"]["load"]["host_bytes"]

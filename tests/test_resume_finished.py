@@ -13,12 +13,13 @@ import subprocess
 from pathlib import Path
 
 from conftest import finetune_cmd, needs_torch
+import warm_cli
 
 TRAIN = ("backend=cuda", "train.save_every=1", "train.eval_every=0", "train.progress=false", "data.num_samples=40")
 
 
 def _finetune(run: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*finetune_cmd(), *TRAIN, *args, f"hydra.run.dir={run}"], capture_output=True, text=True,
+    return warm_cli.run([*finetune_cmd(), *TRAIN, *args, f"hydra.run.dir={run}"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env})
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import finetune_cmd, make_cfg, make_spec, needs_torch
+import warm_cli
 
 from finetune.run import files as checkpoints
 from finetune.errors import UserError
@@ -70,7 +71,7 @@ def test_a_refused_command_leaves_a_finished_run_byte_for_byte(two_at_once, extr
     another seed (refused after loading): one line, exit 2, every file as it was."""
     run, _ = two_at_once
     before = _hashes(run)
-    r = subprocess.run([*finetune_cmd(), *ARGS, "train.steps=3", *extra, f"hydra.run.dir={run}"], check=False,
+    r = warm_cli.run([*finetune_cmd(), *ARGS, "train.steps=3", *extra, f"hydra.run.dir={run}"], check=False,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]

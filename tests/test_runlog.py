@@ -18,6 +18,7 @@ from finetune.errors import UserError
 from finetune.io import atomic_dir, atomic_write_json
 from finetune.loggers import Logger, scalars, summary_scalars
 from finetune.run.log import RunLog, append_event
+import warm_cli
 
 
 def _lines(run: Path) -> list[dict[str, Any]]:
@@ -229,14 +230,13 @@ def test_shell_completion_answers_through_the_cli(tmp_path):
     query=bash` with the typed line in COMP_LINE: our own entry (group check, --help template)
     lets Hydra answer, logger options included."""
     import os
-    import subprocess
     import sys
 
     code = "import sys; from finetune.cli import main; sys.argv = ['finetune'] + sys.argv[1:]; main()"
-    r = subprocess.run([sys.executable, "-c", code, "-sc", "install=bash"], check=False, capture_output=True, text=True, timeout=60)
+    r = warm_cli.run([sys.executable, "-c", code, "-sc", "install=bash"], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "hydra_bash_completion" in r.stdout, r.stderr[-2000:]
     env = {**os.environ, "COMP_LINE": "finetune logger=", "COMP_POINT": "16"}
-    r = subprocess.run([sys.executable, "-c", code, "-sc", "query=bash"], check=False, capture_output=True, text=True, timeout=60,
+    r = warm_cli.run([sys.executable, "-c", code, "-sc", "query=bash"], check=False, capture_output=True, text=True, timeout=60,
                        env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert set(r.stdout.split()) == {f"logger={o}" for o in ("csv", "jsonl", "mlflow", "tensorboard", "wandb")}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HAS_MLX, finetune_cmd, needs_torch
+import warm_cli
 
 from finetune.redact import redact_text, redact_tree
 
@@ -36,7 +37,7 @@ def test_redaction_rules():
 def test_planted_tokens_appear_in_no_file(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, **PLANTED}
-    r = subprocess.run([*finetune_cmd(), "backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress=false",
+    r = warm_cli.run([*finetune_cmd(), "backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress=false",
                         "data.num_samples=40", "logger=csv", f"+extra.api_key={CONFIG_SECRET}",
                         f"hydra.run.dir={run}"], env=env, check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -91,12 +92,12 @@ def _edit_json(path: Path, **changes) -> None:
 
 
 def _export(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "finetune.export", *map(str, args)], check=False,
+    return warm_cli.run([sys.executable, "-m", "finetune.export", *map(str, args)], check=False,
                           capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 def _generate(tmp: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*finetune_cmd(), "mode=generate", "prompt=What is 2+3?", "generate.max_new_tokens=4",
+    return warm_cli.run([*finetune_cmd(), "mode=generate", "prompt=What is 2+3?", "generate.max_new_tokens=4",
                            f"hydra.run.dir={tmp}", *overrides], check=False, capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 

@@ -8,19 +8,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, needs_torch
+import warm_cli
 
 
 def _cluster() -> bool:
     if shutil.which("sinfo") is None or shutil.which("srun") is None:
         return False
-    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    r = warm_cli.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
     return r.returncode == 0 and ("idle" in r.stdout or "mix" in r.stdout)
 
 
@@ -54,7 +54,7 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("slurm") / "one"
-    r = subprocess.run([sys.executable, "-m", "finetune", *COMMON, "train.batch_size=4", f"hydra.run.dir={d}"],
+    r = warm_cli.run([sys.executable, "-m", "finetune", *COMMON, "train.batch_size=4", f"hydra.run.dir={d}"],
                        capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return d
@@ -62,7 +62,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_srun_two_tasks_is_one_two_rank_run(reference: Path, tmp_path: Path) -> None:
     d = tmp_path / "srun"
-    r = subprocess.run(["srun", "-n", "2", "--cpus-per-task=1", sys.executable, "-m", "finetune", *COMMON,
+    r = warm_cli.run(["srun", "-n", "2", "--cpus-per-task=1", sys.executable, "-m", "finetune", *COMMON,
                         f"hydra.run.dir={d}"], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 ranks (ddp)" in r.stderr and "memory per rank (2 ranks)" in r.stderr
@@ -76,7 +76,7 @@ def test_submitit_launcher_one_job_per_point_and_a_two_task_job(reference: Path,
     launcher = ["hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.gpus_per_node=0",
                 "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10",
                 "hydra.launcher.tasks_per_node=2"]
-    r = subprocess.run([sys.executable, "-m", "finetune", "-m", *launcher, *COMMON, "optim=adamw,sgd",
+    r = warm_cli.run([sys.executable, "-m", "finetune", "-m", *launcher, *COMMON, "optim=adamw,sgd",
                         f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, env=_env(), cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import finetune_cmd, needs_torch
+import warm_cli
 
 from finetune.sweep import _error_line, failed_jobs, job_dirname
 
@@ -25,7 +26,7 @@ def _jsonl(path: Path, n: int = 24) -> Path:
 
 def _sweep(tmp: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp / "sweep"
-    r = subprocess.run([*finetune_cmd(), "-m", *COMMON, *overrides, f"hydra.sweep.dir={out}"], cwd=tmp,
+    r = warm_cli.run([*finetune_cmd(), "-m", *COMMON, *overrides, f"hydra.sweep.dir={out}"], cwd=tmp,
                        capture_output=True, text=True, timeout=300)
     return r, out
 

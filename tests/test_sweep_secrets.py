@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from conftest import finetune_cmd, needs_torch
+import warm_cli
 
 from finetune.redact import redact_overrides, redact_yaml_file
 
@@ -24,7 +25,7 @@ COMMON = ("backend=cuda", "train.steps=2", "train.eval_every=0", "train.progress
 
 
 def _finetune(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*finetune_cmd(), *args, *COMMON], cwd=tmp, env={**os.environ, **ENV, "WANDB_SILENT": "true"},
+    return warm_cli.run([*finetune_cmd(), *args, *COMMON], cwd=tmp, env={**os.environ, **ENV, "WANDB_SILENT": "true"},
                           capture_output=True, text=True, timeout=300)
 
 

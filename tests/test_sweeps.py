@@ -8,13 +8,13 @@ import csv
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from finetune.resolver import resolve
 from conftest import needs_mlx, needs_torch
+import warm_cli
 
 COMMON = ("train.steps=3", "train.eval_every=0", "train.progress=false", "data.num_samples=200")
 
@@ -23,7 +23,7 @@ def _sweep(tmp: Path, name: str, *overrides: str, timeout: int = 600) -> Path:
     """Run ``finetune -m`` into ``tmp/name``; what it printed to the console is kept beside the
     sweep dir (``_console``)."""
     out = tmp / name
-    r = subprocess.run([sys.executable, "-m", "finetune", "-m", *overrides, *COMMON, f"hydra.sweep.dir={out}"],
+    r = warm_cli.run([sys.executable, "-m", "finetune", "-m", *overrides, *COMMON, f"hydra.sweep.dir={out}"],
                        capture_output=True, text=True, timeout=timeout, cwd=tmp)
     assert r.returncode == 0, r.stderr[-3000:]
     (tmp / f"{name}.console.txt").write_text(r.stderr)

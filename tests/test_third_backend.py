@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, needs_torch
+import warm_cli
 
 STUB = {
     "__init__.py": '"""A stub backend: the cuda backend under another name (tests/test_third_backend.py)."""\n',
@@ -77,7 +78,7 @@ def _finetune(root: Path, run_dir: Path, *overrides: str) -> subprocess.Complete
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     code = "import sys; import finetune; assert finetune.__file__.startswith(sys.argv[1]), finetune.__file__; " \
            "sys.argv = ['finetune', *sys.argv[2:]]; from finetune.cli import main; main()"
-    return subprocess.run([sys.executable, "-c", code, str(root), *overrides, f"hydra.run.dir={run_dir}"],
+    return warm_cli.run([sys.executable, "-c", code, str(root), *overrides, f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True, env=env, cwd=root, timeout=600)
 
 
@@ -112,7 +113,7 @@ def test_a_stub_backend_ships_in_the_wheel(tmp_path: Path) -> None:
     (src / "backends" / "stub").mkdir()
     for name, text in STUB.items():
         (src / "backends" / "stub" / name).write_text(text)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".",
+    r = warm_cli.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".",
                         "-w", str(tmp_path / "dist")], capture_output=True, text=True, cwd=src, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     import zipfile

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import HAS_TORCH, finetune_cmd, needs_mlx, needs_torch
+import warm_cli
 
 from finetune.run.loop import train
 from finetune.resolver import resolve
@@ -133,7 +133,7 @@ def test_cli_default_job_end_to_end(tmp_path):
     (tests/test_quiet.py: the known third-party lines are filtered by name), progress bar included."""
     from test_quiet import OURS
 
-    r = subprocess.run([*finetune_cmd(), "train.steps=2", f"hydra.run.dir={tmp_path}/run"], capture_output=True,
+    r = warm_cli.run([*finetune_cmd(), "train.steps=2", f"hydra.run.dir={tmp_path}/run"], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "backend=auto chose" in r.stderr

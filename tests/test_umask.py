@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HAS_MLX, finetune_cmd, needs_torch
+import warm_cli
 
 # umask -> (a file's mode, a directory's mode): what open() and mkdir() give under it
 MODES = {0o022: (0o644, 0o755), 0o077: (0o600, 0o700)}
@@ -33,7 +34,7 @@ def _script(name: str, module: str) -> list[str]:
 
 
 def _under(umask: int, *cmd: str) -> subprocess.CompletedProcess:
-    r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(umask))
+    r = warm_cli.run(list(cmd), capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(umask))
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
