@@ -50,8 +50,12 @@ _SAFE_PREFIXES = ("FINETUNE_", "WANDB_", "MLFLOW_")
 # COMP_LINE, COMP_POINT: read by the completion that answers. PYTORCH_CUDA_ALLOC_CONF: torch
 # reads it at the CUDA allocator's first allocation, which a CPU-only process never makes before
 # the run (backends/cuda/load.py sets it before then); _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR:
-# read by a compiled kernel when it runs.
-_SAFE = {"TOKENIZERS_PARALLELISM", "HYDRA_FULL_ERROR", "COMP_LINE", "COMP_POINT", "COLUMNS",
+# read by a compiled kernel when it runs. Set in the worker by code a test runs there, and read at
+# import only for what no test's command does: HF_XET_HIGH_PERFORMANCE (lm_eval's import sets it;
+# huggingface_hub reads it for Xet downloads, and the suite is offline), KMP_DUPLICATE_LIB_OK
+# (torch's inductor sets it; read by Intel's OpenMP runtime, where torch's Linux CPU wheel loads
+# GNU's).
+_SAFE = {"HF_XET_HIGH_PERFORMANCE", "KMP_DUPLICATE_LIB_OK", "TOKENIZERS_PARALLELISM", "HYDRA_FULL_ERROR", "COMP_LINE", "COMP_POINT", "COLUMNS",
          "LINES", "NO_COLOR", "FORCE_COLOR", "TERM", "PYTEST_CURRENT_TEST",
          "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 _KWARGS = {"env", "cwd", "capture_output", "text", "universal_newlines", "encoding", "errors",
@@ -75,7 +79,8 @@ def _report() -> None:
     if (path := os.environ.get("FINETUNE_WARM_LOG")) and (forks or fresh):
         with open(path, "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "forks": forks, "fork_cpu": fork_cpu,
-                                "starts": starts, "fresh": fresh}) + "\n")
+                                "starts": starts,
+                                "servers": [(s.why, s.uses) for s in started], "fresh": fresh}) + "\n")
 
 
 atexit.register(_report)
@@ -111,6 +116,8 @@ class _Server:
                                          start_new_session=True)
         atexit.register(self.close)
         self.ready: bool | None = None
+        self.uses = 0
+        self.why = ""
 
     def wait_ready(self) -> bool:
         if self.ready is None:
@@ -132,6 +139,7 @@ _seen: set[tuple[tuple[str, str], ...]] = set()
 _MAX_SERVERS = 2  # alive at once in a worker (~0.5 GB each)
 _MAX_STARTS = 12  # started over a worker's life
 starts = 0
+started: list[_Server] = []
 
 
 def _key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -160,6 +168,9 @@ def _server_for(env: dict[str, str]) -> tuple[_Server | None, str]:
             return None, f"{_MAX_STARTS} servers started already"
         starts += 1
         server = _Server(env)
+        server.why = ",".join(sorted(k for k in set(env) | set(os.environ)
+                                     if env.get(k) != os.environ.get(k) and not _safe(k))) or "the worker's own"
+        started.append(server)
     _servers[key] = server
     while len(_servers) > _MAX_SERVERS:
         _servers.pop(next(iter(_servers))).close()
@@ -199,6 +210,7 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
         fresh.append(f"{' '.join(cmd[:3])[:80]}: {why}")
         return subprocess.run(cmd, **kw)
     forks += 1
+    server.uses += 1
     text = bool(kw.get("text") or kw.get("universal_newlines") or kw.get("encoding") or kw.get("errors"))
     stdout = subprocess.PIPE if kw.get("capture_output") else kw.get("stdout")
     stderr = subprocess.PIPE if kw.get("capture_output") else kw.get("stderr")
