@@ -13,6 +13,9 @@ import pytest
 from conftest import finetune_cmd
 import warm_cli
 
+pytestmark = pytest.mark.skipif(os.environ.get("FINETUNE_TEST_FRESH") == "1",
+                                reason="FINETUNE_TEST_FRESH=1 runs every command fresh: no fork to compare")
+
 
 def _both(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     forks = warm_cli.forks

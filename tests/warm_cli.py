@@ -172,8 +172,9 @@ def _server_for(env: dict[str, str]) -> tuple[_Server | None, str]:
                                      if env.get(k) != os.environ.get(k) and not _safe(k))) or "the worker's own"
         started.append(server)
     _servers[key] = server
-    while len(_servers) > _MAX_SERVERS:
-        _servers.pop(next(iter(_servers))).close()
+    own = _key(dict(os.environ))
+    while len(_servers) > _MAX_SERVERS:  # the least recently used, keeping the worker's own
+        _servers.pop(next(k for k in _servers if k != own)).close()
     if not server.wait_ready():
         return None, "the warm server did not start quietly: " + Path(server.err).read_text()[-300:]
     return server, ""
