@@ -32,6 +32,7 @@ profile, signals to a process group, the umask) keep ``subprocess`` and fresh in
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import json
 import locale
 import os
@@ -55,13 +56,15 @@ _SAFE_PREFIXES = ("FINETUNE_", "WANDB_", "MLFLOW_")
 # huggingface_hub reads it for Xet downloads, and the suite is offline), KMP_DUPLICATE_LIB_OK
 # (torch's inductor sets it; read by Intel's OpenMP runtime, where torch's Linux CPU wheel loads
 # GNU's).
-_SAFE = {"HF_XET_HIGH_PERFORMANCE", "KMP_DUPLICATE_LIB_OK", "TOKENIZERS_PARALLELISM", "HYDRA_FULL_ERROR", "COMP_LINE", "COMP_POINT", "COLUMNS",
-         "LINES", "NO_COLOR", "FORCE_COLOR", "TERM", "PYTEST_CURRENT_TEST",
-         "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+_SAFE = {"HF_XET_HIGH_PERFORMANCE", "KMP_DUPLICATE_LIB_OK", "TOKENIZERS_PARALLELISM",
+         "HYDRA_FULL_ERROR", "COMP_LINE", "COMP_POINT", "COLUMNS", "LINES", "NO_COLOR",
+         "FORCE_COLOR", "TERM", "PYTEST_CURRENT_TEST", "PYTORCH_CUDA_ALLOC_CONF",
+         "PYTORCH_ALLOC_CONF", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 _KWARGS = {"env", "cwd", "capture_output", "text", "universal_newlines", "encoding", "errors",
            "input", "stdin", "stdout", "stderr", "timeout", "check"}
-_SCRIPTS = {"finetune": "finetune.cli:main", "finetune-export": "finetune.export:main",
-            "finetune-report": "finetune.report:main"}
+# the console scripts as installed (pyproject.toml's [project.scripts]): name -> "module:attr"
+_SCRIPTS = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")
+            if ep.dist is not None and ep.dist.name == "finetune"}
 # What a run imports that takes the time: the libraries, then this checkout's run path.
 _WARM = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.auto",
          "transformers.models.qwen2.modeling_qwen2", "peft", "bitsandbytes", "accelerate",
@@ -157,22 +160,22 @@ def _server_for(env: dict[str, str]) -> tuple[_Server | None, str]:
     global starts
     if os.environ.get("FINETUNE_TEST_FRESH") == "1":
         return None, "FINETUNE_TEST_FRESH=1"
-    key = _key(env)
+    key, own = _key(env), _key(dict(os.environ))
     server = _servers.pop(key, None)
     if server is None:
-        if key != _key(dict(os.environ)) and key not in _seen:
+        # what sets this environment apart from the worker's own
+        why = ",".join(sorted(k for k in set(env) | set(os.environ)
+                              if env.get(k) != os.environ.get(k) and not _safe(k)))
+        if key != own and key not in _seen:
             _seen.add(key)
-            return None, "an environment of its own, first seen: " + ",".join(
-                sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k) and not _safe(k)))
+            return None, "an environment of its own, first seen: " + why
         if starts >= _MAX_STARTS:
             return None, f"{_MAX_STARTS} servers started already"
         starts += 1
         server = _Server(env)
-        server.why = ",".join(sorted(k for k in set(env) | set(os.environ)
-                                     if env.get(k) != os.environ.get(k) and not _safe(k))) or "the worker's own"
+        server.why = why or "the worker's own"
         started.append(server)
     _servers[key] = server
-    own = _key(dict(os.environ))
     while len(_servers) > _MAX_SERVERS:  # the least recently used, keeping the worker's own
         _servers.pop(next(k for k in _servers if k != own)).close()
     if not server.wait_ready():
@@ -232,7 +235,7 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
         err_file = opened[-1] if stderr == subprocess.PIPE else None
         umask = os.umask(0o022)
         os.umask(umask)
-        msg = {"argv": cmd, "target": _target(cmd), "env": env, "umask": umask,
+        msg = {"argv": cmd, "target": target, "env": env, "umask": umask,
                "cwd": os.path.abspath(str(kw.get("cwd") or os.getcwd()))}
         code, timed_out = _ask(server, msg, [fd_in, fd_out, fd_err], kw.get("timeout"))
 
@@ -258,6 +261,7 @@ def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
 
 
 def _ask(server: _Server, msg: dict[str, Any], fds: list[int], timeout: float | None) -> tuple[int, bool]:
+    global fork_cpu
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(server.path)
         socket.send_fds(s, [json.dumps(msg).encode()], fds)
@@ -265,7 +269,6 @@ def _ask(server: _Server, msg: dict[str, Any], fds: list[int], timeout: float | 
         s.settimeout(timeout)
         try:
             reply = json.loads(s.recv(4096))
-            global fork_cpu
             fork_cpu += reply["cpu"]
             return reply["code"], False
         except socket.timeout:
@@ -280,7 +283,6 @@ def _ask(server: _Server, msg: dict[str, Any], fds: list[int], timeout: float | 
 # ---- the server ----------------------------------------------------------------------------
 
 def _serve(path: str) -> None:
-    import importlib
     import logging
     import warnings
 
@@ -371,13 +373,10 @@ def _child(msg: dict[str, Any], fds: list[int]) -> None:
         except ImportError:
             pass
         try:
-            if kind == "script":
-                import importlib
-
+            if kind == "script":  # as the console script's wrapper: sys.exit(main())
                 sys.argv = msg["argv"]
                 mod, _, attr = what.partition(":")
-                result = getattr(importlib.import_module(mod), attr)()
-                code = result if isinstance(result, int) else 0 if result is None else 1
+                sys.exit(getattr(importlib.import_module(mod), attr)())
             else:
                 import runpy
 
