@@ -298,11 +298,15 @@ def _serve(path: str) -> None:
              for n in names]
     saved_warnings = list(warnings.filters)
     quiet.install()
+    import gc
+
+    gc.disable()  # the imports make long-lived objects: the collections they set off rescanned them all
     for name in _WARM:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+    gc.enable()
     for logger, filters, level in saved:
         logger.filters[:] = filters
         logger.setLevel(level)
@@ -317,8 +321,6 @@ def _serve(path: str) -> None:
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}  # what the imports set
     # The imported modules' objects out of the collector's reach: a fork's collections would
     # otherwise walk them all, copying every page of the server's heap into the fork
-    import gc
-
     gc.collect()
     gc.freeze()
     Path(path + ".ready").touch()
