@@ -68,12 +68,23 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _tmpdir(tmp_path_factory) -> None:
+    """One TMPDIR for this file's generate commands: one environment, so that from the second
+    command on they fork from a warm process started with it (tests/warm_cli.py)."""
+    global TMPDIR
+    TMPDIR = tmp_path_factory.mktemp("tmpdir")
+
+
+TMPDIR: Path
+
+
 def _generate(tmp_path: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m finetune.cli mode=generate ...`` from an empty working directory and with an
-    empty TMPDIR, with no hydra.run.dir: it leaves neither outputs/ nor a temporary dir behind."""
-    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    """``python -m finetune.cli mode=generate ...`` from an empty working directory, with no
+    hydra.run.dir: it leaves neither outputs/ nor a temporary dir behind (in the file's TMPDIR,
+    checked after every command)."""
+    cwd, tmp = tmp_path / "cwd", TMPDIR
     cwd.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     r = warm_cli.run([sys.executable, "-m", "finetune.cli", "mode=generate", *overrides], cwd=cwd, env=env,

@@ -26,8 +26,10 @@ def _both(cmd: list[str], **kw) -> tuple[subprocess.CompletedProcess, subprocess
 
 
 def test_a_refusal_is_the_same_from_a_fork(tmp_path) -> None:
-    """One line, exit 2, no run dir: byte for byte what the fresh process says."""
-    for cmd in (finetune_cmd(), [sys.executable, "-m", "finetune"]):
+    """One line, exit 2, no run dir: byte for byte what the fresh process says, through the
+    console script, `python -m finetune` and `python -m finetune.cli` (a module the server has
+    imported: runpy warned of it in a fork until the fork let go of it)."""
+    for cmd in (finetune_cmd(), [sys.executable, "-m", "finetune"], [sys.executable, "-m", "finetune.cli"]):
         runs = {}
         for name, r in zip(("fresh", "warm"), _both([*cmd, "train.stepz=3", f"hydra.run.dir={tmp_path}/r"],
                                                      capture_output=True, text=True, timeout=120)):

@@ -383,6 +383,10 @@ def _child(msg: dict[str, Any], fds: list[int]) -> None:
                 import runpy
 
                 sys.argv = [msg["argv"][0]] + msg["argv"][3:]
+                # a fresh `python -m finetune.cli` has not imported the module it runs (the
+                # package's __init__ imports none of its modules); the server has, and runpy
+                # would warn that it found it in sys.modules
+                sys.modules.pop(what, None)
                 runpy.run_module(what, run_name="__main__", alter_sys=True)
                 code = 0
         except SystemExit as e:
