@@ -68,15 +68,15 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+TMPDIR: Path  # the file's one TMPDIR, set by _tmpdir
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _tmpdir(tmp_path_factory) -> None:
     """One TMPDIR for this file's generate commands: one environment, so that from the second
     command on they fork from a warm process started with it (tests/warm_cli.py)."""
     global TMPDIR
     TMPDIR = tmp_path_factory.mktemp("tmpdir")
-
-
-TMPDIR: Path
 
 
 def _generate(tmp_path: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
